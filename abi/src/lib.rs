@@ -2,7 +2,12 @@
 //!
 //! Everything here compiles for both `x86_64` (host) and `nvptx64-nvidia-cuda` (kernels):
 //! `#![no_std]`, no allocation, `#[repr(C)]` launch-parameter structs whose layout is the
-//! contract between a host launch and the kernel that reads it.
+//! contract between a host launch and the kernel that reads it, and the index math of the paged
+//! KV cache, so that the CPU reference and the kernels address memory with the same code.
 #![no_std]
 
+pub mod layout;
+pub mod prefill;
 pub mod primitives;
+
+pub use layout::{PagedLayout, StreamingLayout};

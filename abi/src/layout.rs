@@ -1,0 +1,144 @@
+//! Index math of the two-way paged KV cache (see `docs/ARCHITECTURE.md`, "Layouts").
+//!
+//! All offsets are in elements, not bytes. The structs are `#[repr(C)]` and `Copy` so a kernel
+//! can take them by value as launch parameters.
+
+/// One layer's dense page pool: `K`, `V` are `[capacity][heads][page_tokens][head_dim]`, the key
+/// statistics `kmin`, `kmax` are `[capacity][heads][page_tokens / logical_tokens][head_dim]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedLayout {
+    /// Physical pages in the pool (shared by all layers: one block table per sequence).
+    pub capacity: u32,
+    /// Dense KV heads of this layer.
+    pub heads: u32,
+    /// Tokens per physical page (`N_P`).
+    pub page_tokens: u32,
+    /// Tokens per logical page (`N_L`); divides `page_tokens`.
+    pub logical_tokens: u32,
+    /// Head dimension (`D`).
+    pub head_dim: u32,
+}
+
+impl PagedLayout {
+    /// Logical pages per physical page (`g = N_P / N_L`).
+    #[inline(always)]
+    pub const fn logical_per_page(&self) -> u32 {
+        self.page_tokens / self.logical_tokens
+    }
+
+    /// Elements of one of `K` or `V` for the whole pool.
+    #[inline(always)]
+    pub const fn kv_elements(&self) -> usize {
+        self.capacity as usize * self.heads as usize * self.page_tokens as usize * self.head_dim as usize
+    }
+
+    /// Elements of one of `kmin` or `kmax` for the whole pool.
+    #[inline(always)]
+    pub const fn stats_elements(&self) -> usize {
+        self.capacity as usize
+            * self.heads as usize
+            * self.logical_per_page() as usize
+            * self.head_dim as usize
+    }
+
+    /// Offset of row `token` (within the page) of `head` in physical page `page`, in `K` or `V`.
+    #[inline(always)]
+    pub const fn kv_row(&self, page: u32, head: u32, token: u32) -> usize {
+        ((page as usize * self.heads as usize + head as usize) * self.page_tokens as usize
+            + token as usize)
+            * self.head_dim as usize
+    }
+
+    /// Offset of logical page `logical` (within the physical page) of `head` in page `page`, in
+    /// `kmin` or `kmax`.
+    #[inline(always)]
+    pub const fn stats_row(&self, page: u32, head: u32, logical: u32) -> usize {
+        ((page as usize * self.heads as usize + head as usize) * self.logical_per_page() as usize
+            + logical as usize)
+            * self.head_dim as usize
+    }
+}
+
+/// One layer's streaming store: `K`, `V` are `[slots][heads][sink_tokens + local_tokens][head_dim]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamingLayout {
+    /// Sequence slots (the most sequences alive at once).
+    pub slots: u32,
+    /// Streaming KV heads of this layer.
+    pub heads: u32,
+    /// Attention-sink tokens kept from the start of the sequence.
+    pub sink_tokens: u32,
+    /// Most recent tokens kept (the ring).
+    pub local_tokens: u32,
+    /// Head dimension (`D`).
+    pub head_dim: u32,
+}
+
+impl StreamingLayout {
+    /// Rows per (slot, head): sinks then the ring.
+    #[inline(always)]
+    pub const fn rows(&self) -> u32 {
+        self.sink_tokens + self.local_tokens
+    }
+
+    /// Elements of one of `K` or `V` for the whole store.
+    #[inline(always)]
+    pub const fn kv_elements(&self) -> usize {
+        self.slots as usize * self.heads as usize * self.rows() as usize * self.head_dim as usize
+    }
+
+    /// The row (within a slot and head) where token position `t` is stored: `t` for sink tokens,
+    /// else its place in the ring.
+    #[inline(always)]
+    pub const fn row_of_token(&self, t: u32) -> u32 {
+        if t < self.sink_tokens {
+            t
+        } else {
+            self.sink_tokens + (t - self.sink_tokens) % self.local_tokens
+        }
+    }
+
+    /// Offset of `row` of `head` in `slot`, in `K` or `V`.
+    #[inline(always)]
+    pub const fn kv_row(&self, slot: u32, head: u32, row: u32) -> usize {
+        ((slot as usize * self.heads as usize + head as usize) * self.rows() as usize + row as usize)
+            * self.head_dim as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paged_rows_tile_the_pool_without_overlap() {
+        let l = PagedLayout { capacity: 3, heads: 2, page_tokens: 8, logical_tokens: 4, head_dim: 16 };
+        let mut seen = [false; 3 * 2 * 8];
+        for p in 0..3 {
+            for h in 0..2 {
+                for t in 0..8 {
+                    let r = l.kv_row(p, h, t);
+                    assert_eq!(r % 16, 0);
+                    assert!(!seen[r / 16]);
+                    seen[r / 16] = true;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+        assert_eq!(l.kv_elements(), 3 * 2 * 8 * 16);
+        assert_eq!(l.stats_row(2, 1, 1), ((2 * 2 + 1) * 2 + 1) * 16);
+    }
+
+    #[test]
+    fn streaming_ring_keeps_sinks_and_wraps_the_rest() {
+        let l = StreamingLayout { slots: 2, heads: 1, sink_tokens: 4, local_tokens: 6, head_dim: 8 };
+        assert_eq!(l.row_of_token(3), 3);
+        assert_eq!(l.row_of_token(4), 4);
+        assert_eq!(l.row_of_token(9), 9);
+        assert_eq!(l.row_of_token(10), 4);
+        assert_eq!(l.row_of_token(16), 4);
+        assert_eq!(l.kv_row(1, 0, 2), (10 + 2) * 8);
+    }
+}
