@@ -1,4 +1,5 @@
-//! The crate's error type: every misuse the host API can detect is one of these.
+//! The crate's error type: every misuse the host API can detect is one of these, and an
+//! operation that returns one has changed nothing.
 
 use thiserror::Error;
 
@@ -9,7 +10,82 @@ pub type Result<T, E = LserveError> = core::result::Result<T, E>;
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum LserveError {
+    /// A configuration or geometry value is out of its valid range, or two values do not fit
+    /// together (e.g. a token budget that is not a multiple of the physical page size).
+    #[error("invalid {field}: {reason}")]
+    InvalidConfig {
+        /// The offending field, e.g. `"token_budget"`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A head-gating file could not be parsed or does not match the model geometry.
+    #[error("head pattern: {0}")]
+    HeadPattern(String),
+    /// A buffer has the wrong number of elements for the shapes it was given with.
+    #[error("shape mismatch for {what}: expected {expected} elements, got {actual}")]
+    ShapeMismatch {
+        /// Which argument.
+        what: &'static str,
+        /// Elements the shapes require.
+        expected: usize,
+        /// Elements passed.
+        actual: usize,
+    },
+    /// An argument is invalid for another reason (message says which and why).
+    #[error("invalid argument {what}: {reason}")]
+    InvalidArgument {
+        /// Which argument.
+        what: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A physical page id is not below the pool's capacity.
+    #[error("page id {page} out of range (pool capacity {capacity})")]
+    PageOutOfRange {
+        /// The page id.
+        page: u32,
+        /// The pool's capacity.
+        capacity: u32,
+    },
+    /// The page pool has fewer free pages than an operation needs.
+    #[error("page pool exhausted: {needed} pages needed, {free} free")]
+    PoolExhausted {
+        /// Pages the operation needed.
+        needed: usize,
+        /// Pages that were free.
+        free: usize,
+    },
+    /// Every sequence slot (streaming store, block tables) is in use.
+    #[error("no free sequence slot (all {slots} in use)")]
+    NoFreeSlot {
+        /// Slots in total.
+        slots: usize,
+    },
+    /// A sequence id that is not (or no longer) alive.
+    #[error("unknown sequence id {0}")]
+    UnknownSequence(u32),
+    /// An operation that needs tokens was given a sequence or batch with none.
+    #[error("empty {0}")]
+    Empty(&'static str),
+    /// A sequence would grow past the longest length the cache was sized for.
+    #[error("sequence too long: {len} tokens, at most {max}")]
+    SequenceTooLong {
+        /// The length it would reach.
+        len: usize,
+        /// The most it may have.
+        max: usize,
+    },
+    /// Reading a file failed.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    // New variants go above this line (helpers: append, do not reorder).
 }

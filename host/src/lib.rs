@@ -5,15 +5,25 @@
 //! kernels written in Rust, with a typed host API and a CPU reference of every operation.
 //!
 //! The modules:
-//! - [`geometry`], [`head_pattern`], [`config`]: what the model looks like and which heads are
-//!   streaming; the sparsity configuration (LServe's defaults, validated).
+//! - [`geometry`], [`head_pattern`], [`config`], [`dtype`]: what the model looks like, which heads
+//!   are streaming, the sparsity configuration (LServe's defaults, validated), element types.
 //! - [`paging`]: the two-way paged KV cache: page pool, block tables, streaming sink+ring store,
 //!   sequence lifecycle; [`index_table`] and [`block_iter`]: what each kernel visits.
-//! - [`reference`]: the CPU reference (the executable specification).
+//! - [`reference`]: the CPU reference of every operation (the executable specification).
 //! - [`gpu`]: the device context, the embedded PTX and the kernel launches.
+//!
+//! Layouts and the semantics chosen where the paper leaves room: `docs/ARCHITECTURE.md`.
 #![warn(missing_docs)]
 
+pub mod block_iter;
+pub mod config;
+pub mod dtype;
 pub mod error;
+pub mod geometry;
 pub mod gpu;
+pub mod head_pattern;
+pub mod index_table;
+pub mod paging;
+pub mod reference;
 
 pub use error::{LserveError, Result};
