@@ -84,6 +84,9 @@ pub enum LserveError {
         /// The error.
         source: std::io::Error,
     },
+    /// The CUDA driver library (`libcuda`) could not be loaded: no NVIDIA driver on this machine.
+    #[error("no CUDA driver: libcuda could not be loaded (is this a machine with an NVIDIA GPU?)")]
+    NoCudaDriver,
     /// A CUDA driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 
-use crate::Result;
+use crate::{LserveError, Result};
 
 /// The kernels' PTX, compiled from `kernels-gpu/` by `build.rs` and embedded in the library.
 pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lserve_kernels.ptx"));
@@ -28,7 +28,12 @@ pub struct GpuContext {
 
 impl GpuContext {
     /// Opens device `ordinal` (loading `libcuda` at run time) and loads the embedded kernels.
+    ///
+    /// On a machine without an NVIDIA driver this is [`LserveError::NoCudaDriver`], not a panic.
     pub fn new(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(LserveError::NoCudaDriver);
+        }
         let ctx = CudaContext::new(ordinal)?;
         let stream = ctx.default_stream();
         let module = ctx.load_module(Ptx::from_src(PTX))?;
@@ -54,4 +59,12 @@ impl GpuContext {
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
         Ok(self.module.load_function(name)?)
     }
+}
+
+/// Whether `libcuda` can be loaded. cudarc panics on first use when it cannot, so every entry
+/// point checks this first.
+pub fn driver_present() -> bool {
+    // SAFETY: `is_culib_present` only tries to dlopen the driver library by its usual names and
+    // drops the handle; loading libcuda runs no user-visible initialisation.
+    unsafe { cudarc::driver::sys::is_culib_present() }
 }

@@ -2,4 +2,4 @@
 
 mod context;
 
-pub use context::{GpuContext, PTX, PTX_ARCH};
+pub use context::{driver_present, GpuContext, PTX, PTX_ARCH};
