@@ -30,7 +30,10 @@ impl PagedLayout {
     /// Elements of one of `K` or `V` for the whole pool.
     #[inline(always)]
     pub const fn kv_elements(&self) -> usize {
-        self.capacity as usize * self.heads as usize * self.page_tokens as usize * self.head_dim as usize
+        self.capacity as usize
+            * self.heads as usize
+            * self.page_tokens as usize
+            * self.head_dim as usize
     }
 
     /// Elements of one of `kmin` or `kmax` for the whole pool.
@@ -103,7 +106,8 @@ impl StreamingLayout {
     /// Offset of `row` of `head` in `slot`, in `K` or `V`.
     #[inline(always)]
     pub const fn kv_row(&self, slot: u32, head: u32, row: u32) -> usize {
-        ((slot as usize * self.heads as usize + head as usize) * self.rows() as usize + row as usize)
+        ((slot as usize * self.heads as usize + head as usize) * self.rows() as usize
+            + row as usize)
             * self.head_dim as usize
     }
 }
@@ -114,7 +118,13 @@ mod tests {
 
     #[test]
     fn paged_rows_tile_the_pool_without_overlap() {
-        let l = PagedLayout { capacity: 3, heads: 2, page_tokens: 8, logical_tokens: 4, head_dim: 16 };
+        let l = PagedLayout {
+            capacity: 3,
+            heads: 2,
+            page_tokens: 8,
+            logical_tokens: 4,
+            head_dim: 16,
+        };
         let mut seen = [false; 3 * 2 * 8];
         for p in 0..3 {
             for h in 0..2 {
@@ -133,7 +143,13 @@ mod tests {
 
     #[test]
     fn streaming_ring_keeps_sinks_and_wraps_the_rest() {
-        let l = StreamingLayout { slots: 2, heads: 1, sink_tokens: 4, local_tokens: 6, head_dim: 8 };
+        let l = StreamingLayout {
+            slots: 2,
+            heads: 1,
+            sink_tokens: 4,
+            local_tokens: 6,
+            head_dim: 8,
+        };
         assert_eq!(l.row_of_token(3), 3);
         assert_eq!(l.row_of_token(4), 4);
         assert_eq!(l.row_of_token(9), 9);

@@ -1,8 +1,30 @@
 //! LServe's GPU kernels, written in Rust and compiled to PTX.
+//!
+//! Device primitives, the pieces every kernel is written in:
+//! - [`thread`]: thread / block / warp / lane indices;
+//! - [`smem`]: dynamic shared memory (generic pointers and 32-bit shared addresses);
+//! - [`sync`], barriers;
+//! - [`warp`]: shuffles and warp / quad reductions;
+//! - [`convert`]: bf16 / f16 <-> f32 ([`convert::Bf16`], [`convert::F16`] markers);
+//! - [`mma`]: `mma.sync` m16n8k16 fragments and products;
+//! - [`ldmatrix`]: shared memory -> fragments;
+//! - [`cp_async`]: asynchronous global -> shared copies, commit / wait groups.
+//!
+//! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`).
 #![no_std]
 #![feature(abi_gpu_kernel, stdarch_nvptx, asm_experimental_arch)]
 
 use core::arch::nvptx::*;
+
+pub mod convert;
+pub mod cp_async;
+pub mod ldmatrix;
+pub mod mma;
+pub mod primitive_tests;
+pub mod smem;
+pub mod sync;
+pub mod thread;
+pub mod warp;
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {

@@ -1,1 +1,71 @@
-fn main() {}
+//! Project tasks, run as `cargo xtask <task>` (alias in `.cargo/config.toml`):
+//!
+//! - `ptx [--arch sm_90]`: builds the kernel PTX with the pinned nightly (as `host/build.rs`
+//!   does), runs `ptxas -arch=<arch> -v` on it, prints a per-kernel table (registers, shared
+//!   memory, stack, spills), writes it to `target/ptx-report.txt`, and fails on invalid PTX, on
+//!   spills not listed in `kernels-gpu/spills-allowed.txt`, or when the workspace's and the kernel
+//!   crate's `rust-toolchain.toml` channels differ.
+//! - `gpu-bundle [--out DIR]`: builds every test and bench executable (release, stripped) into one
+//!   folder (default `./gpu-bundle`) with a `run.sh` to run them all on a GPU machine.
+
+mod bundle;
+mod json;
+mod ptx;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: cargo xtask ptx [--arch sm_XX] | cargo xtask gpu-bundle [--out DIR]";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ptx") => option(&args[1..], "--arch")
+            .and_then(|arch| ptx::run(&workspace_root(), arch.as_deref().unwrap_or("sm_90"))),
+        Some("gpu-bundle") => option(&args[1..], "--out").and_then(|out| {
+            let root = workspace_root();
+            let out = out
+                .map(PathBuf::from)
+                .unwrap_or_else(|| root.join("gpu-bundle"));
+            bundle::run(&root, &out)
+        }),
+        _ => Err(USAGE.to_string()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The value of `--name VALUE` / `--name=VALUE` in `args`; any other argument is an error.
+fn option(args: &[String], name: &str) -> Result<Option<String>, String> {
+    let mut value = None;
+    let mut i = 0;
+    while i < args.len() {
+        if args[i] == name {
+            value = Some(
+                args.get(i + 1)
+                    .ok_or(format!("{name} needs a value"))?
+                    .clone(),
+            );
+            i += 2;
+        } else if let Some(v) = args[i].strip_prefix(&format!("{name}=")) {
+            value = Some(v.to_string());
+            i += 1;
+        } else {
+            return Err(format!("unexpected argument `{}`\n{USAGE}", args[i]));
+        }
+    }
+    Ok(value)
+}
+
+/// The workspace root: the parent of this crate's directory.
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}

@@ -37,7 +37,11 @@ impl GpuContext {
         let ctx = CudaContext::new(ordinal)?;
         let stream = ctx.default_stream();
         let module = ctx.load_module(Ptx::from_src(PTX))?;
-        Ok(Self { ctx, stream, module })
+        Ok(Self {
+            ctx,
+            stream,
+            module,
+        })
     }
 
     /// The device's name, as the driver reports it.

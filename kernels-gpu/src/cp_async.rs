@@ -1,0 +1,67 @@
+//! Asynchronous global -> shared copies (`cp.async`, sm_80+), the building block of multi-stage
+//! pipelines.
+//!
+//! A thread issues copies, closes them into a *group* with [`commit_group`], and later waits with
+//! [`wait_group::<N>`](wait_group) until at most `N` of its groups are still in flight. Waiting
+//! only makes the copies visible to the issuing thread: follow it with a barrier
+//! ([`crate::sync::sync_threads`]) before other threads read the data.
+//!
+//! Pipeline pattern with `S` stages (commit a group every step, even an empty one, so that group
+//! counting stays uniform):
+//! ```text
+//! for s in 0..S-1 { issue(tile s -> stage s); commit_group() }
+//! for i in 0..n {
+//!     wait_group::<{S-2}>(); sync_threads();  // tile i has landed, for everyone
+//!     issue(tile i+S-1 -> stage (i+S-1)%S); commit_group();  // stage read at step i-1
+//!     compute(stage i%S);
+//! }
+//! ```
+
+use core::arch::asm;
+
+/// Starts a 16-byte copy from global memory to shared memory, bypassing L1 (`.cg`).
+///
+/// # Safety
+/// `dst` is a 16-byte-aligned shared-window address (see [`crate::smem::shared_addr`]) of 16
+/// writable bytes; `src` a 16-byte-aligned pointer to 16 readable bytes of global memory. Neither
+/// is touched by other accesses until a [`wait_group`] covering this copy (and, for other
+/// threads, a barrier after it).
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: u32, src: *const u8) {
+    // SAFETY: the caller guarantees both addresses; `cvta.to.global` turns the generic pointer
+    // into the global-window address `cp.async` requires.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .u64 gsrc;",
+            "cvta.to.global.u64 gsrc, {1};",
+            "cp.async.cg.shared.global [{0}], [gsrc], 16;",
+            "}}",
+            in(reg32) dst, in(reg64) src as u64,
+            options(nostack),
+        );
+    }
+}
+
+/// Closes all copies this thread issued since the last commit into one group (possibly empty).
+#[inline(always)]
+pub fn commit_group() {
+    // SAFETY: no operands, touches no memory of ours.
+    unsafe { asm!("cp.async.commit_group;", options(nostack)) };
+}
+
+/// Waits until at most `N` of this thread's committed groups are pending; everything older is
+/// complete and visible to this thread. Other threads see the data only after a barrier.
+#[inline(always)]
+pub fn wait_group<const N: u32>() {
+    // SAFETY: no memory operands; acts as a compiler memory fence (no `nomem`), so reads of
+    // the landed data are not hoisted above it.
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
+}
+
+/// Waits for all of this thread's `cp.async` copies.
+#[inline(always)]
+pub fn wait_all() {
+    // SAFETY: as for `wait_group`.
+    unsafe { asm!("cp.async.wait_all;", options(nostack)) };
+}

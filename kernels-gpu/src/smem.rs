@@ -1,0 +1,42 @@
+//! Dynamic shared memory.
+//!
+//! One module-level declaration, `.extern .shared .align 16 .b8 SMEM[];`, sized at launch
+//! (`shared_mem_bytes`). Kernels carve it up by byte offsets. Two kinds of address exist:
+//! - a *generic* pointer (`cvta.shared.u64`), usable with ordinary Rust loads and stores;
+//! - a 32-bit *shared-window* address, what `ldmatrix`, `cp.async` and `ld.shared` take.
+
+use core::arch::{asm, global_asm};
+
+global_asm!(".extern .shared .align 16 .b8 SMEM[];");
+
+/// A generic pointer to byte `offset` of the block's dynamic shared memory, typed as `T`.
+///
+/// Computing the pointer is safe; using it is not: the caller of any read or write must keep
+/// `offset + size` within the launch's `shared_mem_bytes` and respect `T`'s alignment (the base is
+/// 16-byte aligned).
+#[inline(always)]
+pub fn dynamic_smem<T>(offset: usize) -> *mut T {
+    let base: u64;
+    // SAFETY: takes the address of the extern shared array; no memory is accessed.
+    unsafe {
+        asm!("cvta.shared.u64 {0}, SMEM;", out(reg64) base, options(pure, nomem, nostack));
+    }
+    (base as usize + offset) as *mut T
+}
+
+/// The 32-bit shared-window address of a generic pointer into shared memory (for `ldmatrix`,
+/// `cp.async`, `ld.shared`/`st.shared`).
+///
+/// Safe to compute; meaningful only when `ptr` points into shared memory (the result of
+/// [`dynamic_smem`] or an offset from it).
+#[inline(always)]
+pub fn shared_addr<T>(ptr: *const T) -> u32 {
+    let window: u64;
+    // SAFETY: pure address arithmetic; no memory is accessed.
+    unsafe {
+        asm!("cvta.to.shared.u64 {0}, {1};", out(reg64) window, in(reg64) ptr as u64,
+             options(pure, nomem, nostack));
+    }
+    // The shared window is below 4 GiB (at most 228 KiB on sm_90): the truncation is exact.
+    window as u32
+}

@@ -1,0 +1,375 @@
+//! `cargo xtask gpu-bundle`: every test and bench executable of the workspace, built in release
+//! and stripped, in one folder with a `run.sh` for the GPU machine (which has no Rust toolchain).
+//!
+//! Layout of the folder: `tests/<name>` (integration tests by name, unit tests as
+//! `<crate>-<kind>`), `benches/<name>` and `benches/*.py`, `run.sh`. GPU test executables are the
+//! integration tests named `gpu_*` (`tests/gpu_*.rs`); `run.sh sanitize` runs those under
+//! compute-sanitizer.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::json::Json;
+
+/// The folder must stay below this (what fits the transfer to the GPU machine).
+const MAX_BUNDLE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// One built executable to ship.
+struct Artifact {
+    /// File name inside the bundle.
+    name: String,
+    path: PathBuf,
+    /// An integration test named `gpu_*`.
+    gpu: bool,
+}
+
+pub fn run(root: &Path, out: &Path) -> Result<(), String> {
+    prepare_out_dir(out)?;
+    let mut names = BTreeSet::new();
+    // xtask's own tests check the source tree, which the GPU machine does not have.
+    let tests = build(
+        root,
+        &[
+            "test",
+            "--release",
+            "--workspace",
+            "--exclude",
+            "xtask",
+            "--no-run",
+        ],
+        false,
+        &mut names,
+    )?;
+    let benches = build(
+        root,
+        &[
+            "bench",
+            "--workspace",
+            "--exclude",
+            "xtask",
+            "--benches",
+            "--no-run",
+        ],
+        true,
+        &mut names,
+    )?;
+    if tests.is_empty() {
+        return Err("cargo built no test executables".into());
+    }
+    let (mut tests, mut benches) = (tests, benches);
+    tests.sort_by(|a, b| a.name.cmp(&b.name));
+    benches.sort_by(|a, b| a.name.cmp(&b.name));
+    fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
+    fs::create_dir_all(out.join("benches")).map_err(|e| e.to_string())?;
+    for a in &tests {
+        install(&a.path, &out.join("tests").join(&a.name))?;
+    }
+    for a in &benches {
+        install(&a.path, &out.join("benches").join(&a.name))?;
+    }
+    let mut scripts = Vec::new();
+    if let Ok(dir) = fs::read_dir(root.join("benches")) {
+        for entry in dir.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "py") {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                fs::copy(&path, out.join("benches").join(&name))
+                    .map_err(|e| format!("copying {}: {e}", path.display()))?;
+                scripts.push(name);
+            }
+        }
+    }
+    let script = run_script(&tests, &benches);
+    let run_sh = out.join("run.sh");
+    fs::write(&run_sh, script).map_err(|e| format!("writing {}: {e}", run_sh.display()))?;
+    make_executable(&run_sh)?;
+
+    let size = dir_size(out)?;
+    println!(
+        "gpu-bundle: {} ({} test executables, {} bench executables, {} python scripts), {:.1} MiB",
+        out.display(),
+        tests.len(),
+        benches.len(),
+        scripts.len(),
+        size as f64 / (1024.0 * 1024.0)
+    );
+    for a in &tests {
+        println!("  tests/{}{}", a.name, if a.gpu { "   (GPU)" } else { "" });
+    }
+    for a in &benches {
+        println!("  benches/{}", a.name);
+    }
+    if size > MAX_BUNDLE_BYTES {
+        return Err(format!(
+            "the bundle is {:.1} MiB, over the 64 MiB limit",
+            size as f64 / (1024.0 * 1024.0)
+        ));
+    }
+    println!("copy the folder to the GPU machine and run `./run.sh` there (`./run.sh sanitize` for compute-sanitizer)");
+    Ok(())
+}
+
+/// Creates `out`, or empties a previous bundle there; refuses a non-empty folder that is not one.
+fn prepare_out_dir(out: &Path) -> Result<(), String> {
+    if out.exists() {
+        let is_empty = fs::read_dir(out)
+            .map_err(|e| e.to_string())?
+            .next()
+            .is_none();
+        if !is_empty && !out.join("run.sh").is_file() {
+            return Err(format!(
+                "{} exists and is not a gpu bundle; choose another --out",
+                out.display()
+            ));
+        }
+        for sub in ["tests", "benches", "reports"] {
+            let p = out.join(sub);
+            if p.exists() {
+                fs::remove_dir_all(&p).map_err(|e| format!("removing {}: {e}", p.display()))?;
+            }
+        }
+    }
+    fs::create_dir_all(out).map_err(|e| format!("creating {}: {e}", out.display()))
+}
+
+/// Runs `cargo <args> --message-format=json` and collects the executables it built (test
+/// harnesses: `profile.test`; for benches only `bench` targets).
+fn build(
+    root: &Path,
+    args: &[&str],
+    benches_only: bool,
+    names: &mut BTreeSet<String>,
+) -> Result<Vec<Artifact>, String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    println!("gpu-bundle: cargo {}", args.join(" "));
+    let output = Command::new(cargo)
+        .current_dir(root)
+        .args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("running cargo: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("`cargo {}` failed", args.join(" ")));
+    }
+    let mut artifacts = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(msg) = Json::parse(line) else { continue };
+        if msg.get("reason").and_then(Json::as_str) != Some("compiler-artifact") {
+            continue;
+        }
+        let is_test = msg
+            .get("profile")
+            .and_then(|p| p.get("test"))
+            .and_then(Json::as_bool);
+        let Some(exe) = msg.get("executable").and_then(Json::as_str) else {
+            continue;
+        };
+        if is_test != Some(true) {
+            continue;
+        }
+        let target = msg.get("target");
+        let name = target
+            .and_then(|t| t.get("name"))
+            .and_then(Json::as_str)
+            .unwrap_or("unnamed");
+        let kinds: Vec<&str> = target
+            .and_then(|t| t.get("kind"))
+            .and_then(Json::as_array)
+            .unwrap_or(&[])
+            .iter()
+            .filter_map(Json::as_str)
+            .collect();
+        let kind = kinds.first().copied().unwrap_or("unknown");
+        if benches_only && kind != "bench" {
+            continue;
+        }
+        let base = match kind {
+            "test" | "bench" => name.to_string(),
+            other => format!("{name}-{other}"),
+        };
+        let mut unique = base.clone();
+        let mut n = 2;
+        while !names.insert(unique.clone()) {
+            unique = format!("{base}-{n}");
+            n += 1;
+        }
+        artifacts.push(Artifact {
+            name: unique,
+            path: PathBuf::from(exe),
+            gpu: kind == "test" && name.starts_with("gpu"),
+        });
+    }
+    Ok(artifacts)
+}
+
+/// Copies `src` to `dst` stripped (`strip`, else `objcopy --strip-all`, else a plain copy).
+fn install(src: &Path, dst: &Path) -> Result<(), String> {
+    let stripped = |cmd: &mut Command| {
+        cmd.stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let ok = stripped(Command::new("strip").arg("-o").arg(dst).arg(src))
+        || stripped(Command::new("objcopy").arg("--strip-all").arg(src).arg(dst));
+    if !ok {
+        eprintln!(
+            "gpu-bundle: could not strip {}; copying it as is",
+            src.display()
+        );
+        fs::copy(src, dst).map_err(|e| format!("copying {}: {e}", src.display()))?;
+    }
+    make_executable(dst)
+}
+
+#[cfg(unix)]
+fn make_executable(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755))
+        .map_err(|e| format!("chmod {}: {e}", path.display()))
+}
+
+#[cfg(not(unix))]
+fn make_executable(_: &Path) -> Result<(), String> {
+    Ok(())
+}
+
+fn dir_size(dir: &Path) -> Result<u64, String> {
+    let mut total = 0;
+    for entry in fs::read_dir(dir).map_err(|e| e.to_string())?.flatten() {
+        let meta = entry.metadata().map_err(|e| e.to_string())?;
+        total += if meta.is_dir() {
+            dir_size(&entry.path())?
+        } else {
+            meta.len()
+        };
+    }
+    Ok(total)
+}
+
+fn bash_array(items: impl Iterator<Item = String>) -> String {
+    items
+        .map(|s| format!("\"{s}\""))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn run_script(tests: &[Artifact], benches: &[Artifact]) -> String {
+    let all = bash_array(tests.iter().map(|a| format!("tests/{}", a.name)));
+    let gpu = bash_array(
+        tests
+            .iter()
+            .filter(|a| a.gpu)
+            .map(|a| format!("tests/{}", a.name)),
+    );
+    let bench = bash_array(benches.iter().map(|a| format!("benches/{}", a.name)));
+    RUN_SH
+        .replace("@TESTS@", &all)
+        .replace("@GPU_TESTS@", &gpu)
+        .replace("@BENCHES@", &bench)
+}
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# lserve GPU bundle, made by `cargo xtask gpu-bundle`. Run it on the GPU machine:
+#
+#   ./run.sh            every test executable with --include-ignored (the GPU tests included),
+#                       then every bench executable with --bench; a summary at the end
+#   ./run.sh tests      the tests only
+#   ./run.sh sanitize   the GPU test executables under compute-sanitizer
+#                       (memcheck, racecheck, initcheck, synccheck)
+#
+# Output of each run goes to reports/<name>.txt, the summary to reports/summary.txt. The exit
+# status is non-zero if anything failed. Extra arguments after the mode go to every test
+# executable (e.g. `./run.sh tests gpu_` filters by test name). PROPTEST_CASES is passed through.
+set -u -o pipefail
+cd "$(dirname "$0")"
+
+TESTS=(@TESTS@)
+GPU_TESTS=(@GPU_TESTS@)
+BENCHES=(@BENCHES@)
+
+MODE="${1:-all}"
+[ "$#" -gt 0 ] && shift
+REPORTS=reports
+mkdir -p "$REPORTS"
+SUMMARY="$REPORTS/summary.txt"
+FAILED=0
+ROWS=()
+
+# Sums the "test result:" lines of a libtest log: "passed failed ignored".
+count_results() {
+    grep -E '^test result:' "$1" \
+        | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/' \
+        | awk '{p += $1; f += $2; i += $3} END {print p + 0, f + 0, i + 0}'
+}
+
+# run_one LABEL LOG COMMAND...: runs, tees to LOG, records a summary row.
+run_one() {
+    local label="$1" log="$2"
+    shift 2
+    echo "=== $label: $*" | tee "$log"
+    "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    local counts
+    counts=$(count_results "$log")
+    ROWS+=("$(printf '%-44s %7s %7s %8s %5s' "$label" $counts "$rc")")
+    if [ "$rc" -ne 0 ]; then FAILED=1; fi
+}
+
+header() {
+    echo "lserve GPU bundle run: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    else
+        echo "nvidia-smi not found: is this a GPU machine?"
+    fi
+}
+
+run_tests() {
+    local exe
+    for exe in "${TESTS[@]}"; do
+        run_one "$exe" "$REPORTS/$(basename "$exe").txt" "./$exe" --include-ignored "$@"
+    done
+}
+
+run_benches() {
+    local exe
+    for exe in "${BENCHES[@]}"; do
+        run_one "$exe" "$REPORTS/bench-$(basename "$exe").txt" "./$exe" --bench
+    done
+}
+
+run_sanitize() {
+    if ! command -v compute-sanitizer >/dev/null 2>&1; then
+        echo "compute-sanitizer not found (it ships with the CUDA toolkit, e.g. /usr/local/cuda/bin)" >&2
+        exit 2
+    fi
+    local exe tool
+    for exe in "${GPU_TESTS[@]}"; do
+        for tool in memcheck racecheck initcheck synccheck; do
+            run_one "$tool $exe" "$REPORTS/sanitize-$tool-$(basename "$exe").txt" \
+                compute-sanitizer --tool "$tool" --error-exitcode 97 \
+                "./$exe" --include-ignored --test-threads=1 "$@"
+        done
+    done
+}
+
+header | tee "$SUMMARY"
+case "$MODE" in
+    all) run_tests "$@"; run_benches ;;
+    tests) run_tests "$@" ;;
+    benches) run_benches ;;
+    sanitize) run_sanitize "$@" ;;
+    *) echo "usage: $0 [all|tests|benches|sanitize] [test filter...]" >&2; exit 2 ;;
+esac
+
+{
+    echo
+    printf '%-44s %7s %7s %8s %5s\n' "executable" "passed" "failed" "ignored" "exit"
+    printf '%s\n' "${ROWS[@]}"
+    if [ "$FAILED" -ne 0 ]; then echo "RESULT: FAILED"; else echo "RESULT: ok"; fi
+} | tee -a "$SUMMARY"
+exit "$FAILED"
+"#;

@@ -1,0 +1,312 @@
+//! `cargo xtask ptx`: build the PTX, check it with `ptxas -v`, report per kernel, fail on spills.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const PTX_NAME: &str = "lserve_kernels.ptx";
+
+/// What `ptxas -v` says about one function.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct KernelInfo {
+    pub name: String,
+    pub entry: bool,
+    pub registers: u32,
+    pub shared_bytes: u32,
+    pub barriers: u32,
+    pub stack_bytes: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+}
+
+pub fn run(root: &Path, arch: &str) -> Result<(), String> {
+    if !arch.starts_with("sm_") {
+        return Err(format!("--arch {arch}: expected sm_XX"));
+    }
+    let kernel_dir = root.join("kernels-gpu");
+    let channel = check_toolchains(root, &kernel_dir)?;
+    let ptx = build_ptx(&kernel_dir, &channel, arch)?;
+    let ptxas = find_ptxas()?;
+    let cubin = root.join("target/ptx-check.cubin");
+    fs::create_dir_all(root.join("target")).map_err(|e| e.to_string())?;
+    let output = Command::new(&ptxas)
+        .arg(format!("-arch={arch}"))
+        .arg("-v")
+        .arg(&ptx)
+        .arg("-o")
+        .arg(&cubin)
+        .output()
+        .map_err(|e| format!("running {}: {e}", ptxas.display()))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    if !output.status.success() {
+        return Err(format!("ptxas rejected {}:\n{text}", ptx.display()));
+    }
+    let kernels = parse_ptxas(&text);
+    if kernels.is_empty() {
+        return Err(format!("ptxas reported no functions:\n{text}"));
+    }
+    let allowed = read_allow_list(&kernel_dir.join("spills-allowed.txt"))?;
+    let mut report = format!(
+        "PTX {} (toolchain {channel}), ptxas {} -arch={arch}\n\n",
+        ptx.display(),
+        ptxas.display()
+    );
+    report.push_str(&table(&kernels));
+    report
+        .push_str("\n(shared = static shared memory; dynamic shared memory is sized at launch)\n");
+    let spilling: Vec<&KernelInfo> = kernels
+        .iter()
+        .filter(|k| k.spill_stores + k.spill_loads > 0)
+        .collect();
+    let forbidden: Vec<&str> = spilling
+        .iter()
+        .map(|k| k.name.as_str())
+        .filter(|n| !allowed.contains(*n))
+        .collect();
+    if forbidden.is_empty() {
+        let _ = writeln!(
+            report,
+            "spills: none outside kernels-gpu/spills-allowed.txt"
+        );
+    } else {
+        let _ = writeln!(report, "SPILLS not allowed: {}", forbidden.join(", "));
+    }
+    print!("{report}");
+    let path = root.join("target/ptx-report.txt");
+    fs::write(&path, &report).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    if forbidden.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "register spills in {} (list a kernel in kernels-gpu/spills-allowed.txt to allow it)",
+            forbidden.join(", ")
+        ))
+    }
+}
+
+/// The `channel` of a `rust-toolchain.toml`.
+pub fn toolchain_channel(path: &Path) -> Result<String, String> {
+    let text = fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    text.lines()
+        .filter_map(|line| line.trim().strip_prefix("channel"))
+        .filter_map(|rest| rest.trim().strip_prefix('='))
+        .map(|value| value.trim().trim_matches('"').to_string())
+        .next()
+        .ok_or_else(|| format!("no channel in {}", path.display()))
+}
+
+/// Both `rust-toolchain.toml` files must name the same channel; returns it.
+fn check_toolchains(root: &Path, kernel_dir: &Path) -> Result<String, String> {
+    let workspace = toolchain_channel(&root.join("rust-toolchain.toml"))?;
+    let kernels = toolchain_channel(&kernel_dir.join("rust-toolchain.toml"))?;
+    if workspace != kernels {
+        return Err(format!(
+            "toolchain mismatch: rust-toolchain.toml says {workspace}, kernels-gpu/rust-toolchain.toml says {kernels}"
+        ));
+    }
+    Ok(kernels)
+}
+
+/// Builds the kernel crate like `host/build.rs` does; returns the `.ptx` path.
+fn build_ptx(kernel_dir: &Path, channel: &str, arch: &str) -> Result<PathBuf, String> {
+    let target_dir = kernel_dir.join("target");
+    let mut cmd = Command::new("rustup");
+    cmd.current_dir(kernel_dir)
+        .args(["run", channel, "cargo", "build", "--release", "--locked"])
+        .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
+        .arg("--target-dir")
+        .arg(&target_dir);
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        let keep = key == "CARGO_HOME" || key == "RUSTUP_HOME";
+        if !keep && (key.starts_with("CARGO") || key.starts_with("RUST")) {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}"));
+    let status = cmd.status().map_err(|e| format!("running rustup: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "building the kernels with {channel} failed (is the toolchain installed? \
+             `rustup toolchain install` in kernels-gpu/ installs it with its components)"
+        ));
+    }
+    let ptx = target_dir
+        .join("nvptx64-nvidia-cuda/release")
+        .join(PTX_NAME);
+    if ptx.is_file() {
+        Ok(ptx)
+    } else {
+        Err(format!("no PTX at {}", ptx.display()))
+    }
+}
+
+/// `ptxas`: `$PTXAS`, else on `PATH`, else in Python's `nvidia` packages (PyPI
+/// `nvidia-cuda-nvcc`: `nvidia/cu13/bin/ptxas`, or `nvidia/cuda_nvcc/bin/ptxas` for 12.x).
+fn find_ptxas() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("PTXAS") {
+        return Ok(PathBuf::from(p));
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join("ptxas");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    let script = "import importlib.util, os\n\
+                  s = importlib.util.find_spec('nvidia')\n\
+                  for p in (s.submodule_search_locations if s else []):\n\
+                  \x20   for sub in ('cu13', 'cuda_nvcc'):\n\
+                  \x20       print(os.path.join(p, sub, 'bin', 'ptxas'))\n";
+    if let Ok(out) = Command::new("python3").args(["-c", script]).output() {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let candidate = PathBuf::from(line.trim());
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    Err(
+        "ptxas not found: set PTXAS, put it on PATH, or `pip install nvidia-cuda-nvcc` (13.0.x)"
+            .into(),
+    )
+}
+
+fn read_allow_list(path: &Path) -> Result<BTreeSet<String>, String> {
+    match fs::read_to_string(path) {
+        Ok(text) => Ok(text
+            .lines()
+            .map(|l| l.split('#').next().unwrap_or("").trim())
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeSet::new()),
+        Err(e) => Err(format!("reading {}: {e}", path.display())),
+    }
+}
+
+/// The number just before `unit` in `line` (`"Used 18 registers"`, `"registers"` -> 18).
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let at = line.find(unit)?;
+    line[..at].split_whitespace().next_back()?.parse().ok()
+}
+
+/// Parses `ptxas -v` output into one record per function, in order of appearance.
+pub fn parse_ptxas(text: &str) -> Vec<KernelInfo> {
+    let mut kernels: Vec<KernelInfo> = Vec::new();
+    let mut entries = BTreeSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            if let Some(name) = rest.split('\'').next() {
+                entries.insert(name.to_string());
+            }
+        } else if let Some(rest) = line.split("Function properties for ").nth(1) {
+            let name = rest.trim().to_string();
+            kernels.push(KernelInfo {
+                entry: entries.contains(&name),
+                name,
+                ..Default::default()
+            });
+        } else if let Some(k) = kernels.last_mut() {
+            if line.contains("stack frame") {
+                k.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                k.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+                k.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if line.contains("registers") {
+                k.registers = number_before(line, "registers").unwrap_or(0);
+                k.barriers = number_before(line, "barriers").unwrap_or(0);
+                k.shared_bytes = number_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    kernels
+}
+
+fn table(kernels: &[KernelInfo]) -> String {
+    let width = kernels
+        .iter()
+        .map(|k| k.name.len())
+        .max()
+        .unwrap_or(6)
+        .max(6);
+    let mut out = format!(
+        "{:<width$}  {:>4}  {:>6}  {:>4}  {:>5}  {:>9}  {:>8}\n",
+        "kernel", "regs", "shared", "bars", "stack", "spill st", "spill ld"
+    );
+    let _ = writeln!(out, "{}", "-".repeat(width + 49));
+    for k in kernels {
+        let name = if k.entry {
+            k.name.clone()
+        } else {
+            format!("{} (fn)", k.name)
+        };
+        let _ = writeln!(
+            out,
+            "{:<width$}  {:>4}  {:>6}  {:>4}  {:>5}  {:>9}  {:>8}",
+            name,
+            k.registers,
+            k.shared_bytes,
+            k.barriers,
+            k.stack_bytes,
+            k.spill_stores,
+            k.spill_loads
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptxas_verbose_output() {
+        let text = "ptxas info    : 0 bytes gmem\n\
+            ptxas info    : Compiling entry function 'k1' for 'sm_90'\n\
+            ptxas info    : Function properties for k1\n\
+            \x20   8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+            ptxas info    : Used 168 registers, used 1 barriers, 2048 bytes smem, 384 bytes cmem[0]\n\
+            ptxas info    : Compile time = 2.0 ms\n\
+            ptxas info    : Function properties for helper\n\
+            \x20   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+            ptxas info    : Compiling entry function 'k2' for 'sm_90'\n\
+            ptxas info    : Function properties for k2\n\
+            \x20   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+            ptxas info    : Used 10 registers, used 0 barriers\n";
+        let ks = parse_ptxas(text);
+        assert_eq!(ks.len(), 3);
+        assert_eq!(
+            ks[0],
+            KernelInfo {
+                name: "k1".into(),
+                entry: true,
+                registers: 168,
+                shared_bytes: 2048,
+                barriers: 1,
+                stack_bytes: 8,
+                spill_stores: 4,
+                spill_loads: 12,
+            }
+        );
+        assert!(!ks[1].entry);
+        assert_eq!(
+            (ks[2].name.as_str(), ks[2].registers, ks[2].shared_bytes),
+            ("k2", 10, 0)
+        );
+    }
+
+    #[test]
+    fn workspace_and_kernel_toolchains_agree() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        let channel = check_toolchains(root, &root.join("kernels-gpu")).unwrap();
+        assert!(channel.starts_with("nightly-"), "{channel}");
+    }
+}
