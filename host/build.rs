@@ -42,7 +42,10 @@ fn main() {
     for file in ["Cargo.toml", "rust-toolchain.toml"] {
         println!("cargo:rerun-if-changed={}", kernel_dir.join(file).display());
     }
-    println!("cargo:rerun-if-changed={}", abi_dir.join("Cargo.toml").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        abi_dir.join("Cargo.toml").display()
+    );
 
     let toolchain = pinned_toolchain(&kernel_dir.join("rust-toolchain.toml"));
     let target_dir = out_dir.join("kernels-target");

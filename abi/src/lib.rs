@@ -6,6 +6,7 @@
 //! KV cache, so that the CPU reference and the kernels address memory with the same code.
 #![no_std]
 
+pub mod decode;
 pub mod layout;
 pub mod prefill;
 pub mod primitives;

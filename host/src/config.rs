@@ -1,1 +1,209 @@
-//! (to be written)
+//! The sparsity configuration (LServe's defaults) and how GQA groups share a page selection.
+
+use crate::error::{LserveError, Result};
+
+/// How the query heads of one KV group combine their page scores into the group's one selection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GqaAggregation {
+    /// Maximum over the group's query heads (LServe's default).
+    #[default]
+    Max,
+    /// Mean over the group's query heads.
+    Mean,
+}
+
+/// Every knob of LServe's sparse attention. The fields are public; call [`validate`] (every
+/// constructor taking a config does) before use.
+///
+/// Token counts are `usize`; validation also checks they fit the device's `u32` layouts.
+///
+/// ```
+/// use lserve::config::{GqaAggregation, SparsityConfig};
+/// let c = SparsityConfig::default();
+/// assert_eq!((c.sink_tokens, c.local_tokens, c.token_budget), (64, 256, 4096));
+/// assert_eq!(c.pages_per_selection(), 64);
+/// assert_eq!(c.logical_per_page(), 4);
+/// assert_eq!(c.gqa_aggregation, GqaAggregation::Max);
+/// c.validate()?;
+/// let bad = SparsityConfig { token_budget: 100, ..c };
+/// assert!(bad.validate().is_err()); // not a multiple of page_tokens
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+///
+/// [`validate`]: SparsityConfig::validate
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SparsityConfig {
+    /// Attention-sink tokens a streaming head keeps from the start of the sequence (may be 0).
+    pub sink_tokens: usize,
+    /// Most recent tokens a streaming head keeps (the ring; must be > 0).
+    pub local_tokens: usize,
+    /// Tokens a dense head attends to at decode once page selection is on (a multiple of
+    /// `page_tokens`).
+    pub token_budget: usize,
+    /// Tokens per physical page (`N_P`): the unit of storage and of loading.
+    pub page_tokens: usize,
+    /// Tokens per logical page (`N_L`): the unit of key statistics; divides `page_tokens`.
+    pub logical_page_tokens: usize,
+    /// Reuse interval `C`: page selection runs on decode steps `0, C, 2C, ...` (`C >= 1`).
+    pub reuse_interval: usize,
+    /// Dense heads attend to every token while the sequence length `L <= dynamic_min_len`,
+    /// and to selected pages beyond.
+    pub dynamic_min_len: usize,
+    /// How a KV group combines its query heads' page scores.
+    pub gqa_aggregation: GqaAggregation,
+    /// Whether page 0 (the attention sink) is always attended at decode, beside the top-K.
+    pub always_include_first_page: bool,
+    /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
+    pub softmax_scale: Option<f32>,
+}
+
+impl Default for SparsityConfig {
+    /// LServe's defaults: sinks 64, local 256, budget 4096, `N_P` 64, `N_L` 16, `C` 4,
+    /// `dynamic_min_len` 8192 (`2 * token_budget`), max aggregation, first page always included,
+    /// scale `1/sqrt(D)`.
+    fn default() -> Self {
+        Self {
+            sink_tokens: 64,
+            local_tokens: 256,
+            token_budget: 4096,
+            page_tokens: 64,
+            logical_page_tokens: 16,
+            reuse_interval: 4,
+            dynamic_min_len: 8192,
+            gqa_aggregation: GqaAggregation::Max,
+            always_include_first_page: true,
+            softmax_scale: None,
+        }
+    }
+}
+
+impl SparsityConfig {
+    /// Checks every rule: `page_tokens > 0`; `logical_page_tokens > 0` and divides
+    /// `page_tokens`; `token_budget > 0` and a multiple of `page_tokens`; `local_tokens > 0`
+    /// (`sink_tokens` may be 0); `reuse_interval >= 1`; an explicit softmax scale finite and
+    /// `> 0`; token counts (and `sink_tokens + local_tokens`) fit in `u32`.
+    pub fn validate(&self) -> Result<()> {
+        let fits = |field: &'static str, v: usize| -> Result<()> {
+            if u32::try_from(v).is_err() {
+                return Err(invalid(field, format!("{v} does not fit in u32")));
+            }
+            Ok(())
+        };
+        fits("sink_tokens", self.sink_tokens)?;
+        fits("local_tokens", self.local_tokens)?;
+        fits("token_budget", self.token_budget)?;
+        fits("page_tokens", self.page_tokens)?;
+        fits("dynamic_min_len", self.dynamic_min_len)?;
+        if self.page_tokens == 0 {
+            return Err(invalid("page_tokens", "must be > 0".into()));
+        }
+        if self.logical_page_tokens == 0 {
+            return Err(invalid("logical_page_tokens", "must be > 0".into()));
+        }
+        if self.page_tokens % self.logical_page_tokens != 0 {
+            return Err(invalid(
+                "logical_page_tokens",
+                format!(
+                    "{} does not divide page_tokens ({})",
+                    self.logical_page_tokens, self.page_tokens
+                ),
+            ));
+        }
+        if self.token_budget == 0 {
+            return Err(invalid("token_budget", "must be > 0".into()));
+        }
+        if self.token_budget % self.page_tokens != 0 {
+            return Err(invalid(
+                "token_budget",
+                format!(
+                    "{} is not a multiple of page_tokens ({})",
+                    self.token_budget, self.page_tokens
+                ),
+            ));
+        }
+        if self.local_tokens == 0 {
+            return Err(invalid("local_tokens", "must be > 0".into()));
+        }
+        fits(
+            "sink_tokens + local_tokens",
+            self.sink_tokens + self.local_tokens,
+        )?;
+        if self.reuse_interval == 0 {
+            return Err(invalid("reuse_interval", "must be >= 1".into()));
+        }
+        if let Some(s) = self.softmax_scale {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(invalid(
+                    "softmax_scale",
+                    format!("{s} is not finite and > 0"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Physical pages a selection picks (`K = token_budget / page_tokens`), besides the
+    /// always-included newest (and first) page.
+    ///
+    /// Returns 0 for a config with `page_tokens == 0` (which `validate` rejects).
+    pub const fn pages_per_selection(&self) -> usize {
+        match self.token_budget.checked_div(self.page_tokens) {
+            Some(k) => k,
+            None => 0,
+        }
+    }
+
+    /// Logical pages per physical page (`g = N_P / N_L`).
+    ///
+    /// Returns 0 for a config with `logical_page_tokens == 0` (which `validate` rejects).
+    pub const fn logical_per_page(&self) -> usize {
+        match self.page_tokens.checked_div(self.logical_page_tokens) {
+            Some(g) => g,
+            None => 0,
+        }
+    }
+
+    /// Rows a streaming head keeps per sequence (`sink_tokens + local_tokens`).
+    pub const fn streaming_rows(&self) -> usize {
+        self.sink_tokens + self.local_tokens
+    }
+
+    /// Physical pages a sequence of `len` tokens occupies (`ceil(len / page_tokens)`).
+    ///
+    /// Returns 0 for a config with `page_tokens == 0` (which `validate` rejects).
+    pub const fn pages_for_len(&self, len: usize) -> usize {
+        if self.page_tokens == 0 {
+            0
+        } else {
+            len.div_ceil(self.page_tokens)
+        }
+    }
+
+    /// The softmax scale to use for `head_dim`: the explicit one, else `1 / sqrt(head_dim)`.
+    pub fn softmax_scale_for(&self, head_dim: usize) -> f32 {
+        self.softmax_scale
+            .unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt())
+    }
+
+    /// Whether a dense head of a sequence of length `len` (after the step's token) uses page
+    /// selection (`len > dynamic_min_len`) rather than attending to every token.
+    pub const fn uses_page_selection(&self, len: usize) -> bool {
+        len > self.dynamic_min_len
+    }
+
+    /// Whether page selection runs on decode step `step` (`step % reuse_interval == 0`); in
+    /// between the held selection is reused (see `docs/ARCHITECTURE.md`, "Reuse").
+    /// A `reuse_interval` of 0 (which `validate` rejects) is treated as 1.
+    pub const fn is_selection_step(&self, step: u64) -> bool {
+        let c = if self.reuse_interval == 0 {
+            1
+        } else {
+            self.reuse_interval as u64
+        };
+        step % c == 0
+    }
+}
+
+fn invalid(field: &'static str, reason: String) -> LserveError {
+    LserveError::InvalidConfig { field, reason }
+}

@@ -90,5 +90,20 @@ pub enum LserveError {
     /// A CUDA driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// A page id that the pool has not handed out (double free, or a page never allocated).
+    #[error("page {page} is not allocated")]
+    PageNotAllocated {
+        /// The page id.
+        page: u32,
+    },
+    /// A token position the cache does not hold: past the sequence's length, or a streaming
+    /// head's token that has left the local ring.
+    #[error("token {position} not stored (sequence length {len})")]
+    TokenNotStored {
+        /// The token position.
+        position: usize,
+        /// The sequence's length.
+        len: usize,
+    },
     // New variants go above this line (helpers: append, do not reorder).
 }

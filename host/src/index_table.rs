@@ -1,1 +1,298 @@
-//! (to be written)
+//! Index tables: the physical pages each dense KV head of each sequence visits at decode.
+//!
+//! The decode kernel reads only these tables (the sparsity pattern is data). They are
+//! device-shaped: per layer, `pages [slots][Hd][entry_capacity]` (`u32`, [`PAD_PAGE`] past each
+//! entry's length) and `lens [slots][Hd]`, where `Hd` is that layer's dense head count and the
+//! head coordinate is the compact dense index ([`HeadPattern::dense_index`]).
+
+use crate::config::SparsityConfig;
+use crate::error::{LserveError, Result};
+use crate::head_pattern::HeadPattern;
+use crate::paging::{KvCacheManager, PageId, PAD_PAGE};
+
+/// One layer's index table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerIndexTable {
+    slots: usize,
+    heads: usize,
+    entry_capacity: usize,
+    pages: Vec<u32>,
+    lens: Vec<u32>,
+}
+
+impl LayerIndexTable {
+    /// Sequence slots (rows).
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Dense heads of the layer.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// Page ids an entry can hold.
+    pub fn entry_capacity(&self) -> usize {
+        self.entry_capacity
+    }
+
+    /// `[slots][heads][entry_capacity]` page ids (for upload).
+    pub fn pages(&self) -> &[u32] {
+        &self.pages
+    }
+
+    /// `[slots][heads]` entry lengths (for upload).
+    pub fn lens(&self) -> &[u32] {
+        &self.lens
+    }
+
+    fn entry(&self, slot: usize, head: usize) -> usize {
+        slot * self.heads + head
+    }
+}
+
+/// Per layer, per (sequence slot, dense KV head): the physical pages a decode step visits.
+///
+/// ```
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::index_table::IndexTables;
+/// let g = ModelGeometry::new(2, 4, 4, 64)?;
+/// let pattern = HeadPattern::interleaved(g, 0.5)?; // 2 dense heads per layer
+/// let mut t = IndexTables::new(&pattern, 3, 4, 100)?; // 3 slots, 4 pages per entry, pool of 100
+/// t.set(1, 2, 0, &[17, 3, 99])?;
+/// assert_eq!(t.get(1, 2, 0)?, &[17, 3, 99]);
+/// assert!(t.set(1, 2, 0, &[100]).is_err()); // page out of range
+/// assert!(t.set(1, 2, 0, &[1, 2, 3, 4, 5]).is_err()); // too many
+/// assert!(t.set(1, 2, 0, &[5, 5]).is_err()); // duplicate
+/// assert_eq!(t.get(1, 2, 0)?, &[17, 3, 99]); // unchanged by the failures
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IndexTables {
+    pool_capacity: usize,
+    layers: Vec<LayerIndexTable>,
+}
+
+impl IndexTables {
+    /// Empty tables for every layer of `pattern`: `slots` sequence slots, `entry_capacity` page
+    /// ids per entry, page ids checked against `pool_capacity`. All sizes must be > 0.
+    pub fn new(
+        pattern: &HeadPattern,
+        slots: usize,
+        entry_capacity: usize,
+        pool_capacity: usize,
+    ) -> Result<Self> {
+        for (field, v) in [
+            ("slots", slots),
+            ("entry_capacity", entry_capacity),
+            ("pool_capacity", pool_capacity),
+        ] {
+            if v == 0 || u32::try_from(v).is_err() {
+                return Err(LserveError::InvalidConfig {
+                    field,
+                    reason: format!("{v} is not in 1..=u32::MAX"),
+                });
+            }
+        }
+        let layers = (0..pattern.geometry().layers())
+            .map(|layer| {
+                let heads = pattern.dense_heads(layer);
+                LayerIndexTable {
+                    slots,
+                    heads,
+                    entry_capacity,
+                    pages: vec![PAD_PAGE; slots * heads * entry_capacity],
+                    lens: vec![0; slots * heads],
+                }
+            })
+            .collect();
+        Ok(Self {
+            pool_capacity,
+            layers,
+        })
+    }
+
+    /// Tables shaped for `manager` (its pattern, slots and pool), with `entry_capacity`
+    /// from [`entry_capacity_for`](Self::entry_capacity_for).
+    pub fn for_manager(manager: &KvCacheManager) -> Result<Self> {
+        let cap = Self::entry_capacity_for(manager.config(), manager.max_seq_len());
+        Self::new(
+            manager.pattern(),
+            manager.max_sequences(),
+            cap,
+            manager.pool().capacity(),
+        )
+    }
+
+    /// Page ids an entry needs for sequences up to `max_seq_len`: every page while the length
+    /// is at most `dynamic_min_len` (dense decode), else the `K` selected pages plus the first,
+    /// the newest at selection time and, on a reused step, the current newest (`K + 3`); never
+    /// more than `ceil(max_seq_len / page_tokens)`.
+    pub fn entry_capacity_for(config: &SparsityConfig, max_seq_len: usize) -> usize {
+        let all = config.pages_for_len(max_seq_len);
+        let dense = config.pages_for_len(config.dynamic_min_len.min(max_seq_len));
+        // The K selected pages, the first page, the newest page at selection time and, on a
+        // reused step, the current newest page.
+        let selected = config.pages_per_selection() + 3;
+        dense.max(selected).min(all).max(1)
+    }
+
+    /// Layers.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The pool capacity page ids are checked against.
+    pub fn pool_capacity(&self) -> usize {
+        self.pool_capacity
+    }
+
+    /// Layer `layer`'s table (`InvalidArgument` if out of range).
+    pub fn layer(&self, layer: usize) -> Result<&LayerIndexTable> {
+        self.layers
+            .get(layer)
+            .ok_or_else(|| LserveError::InvalidArgument {
+                what: "layer",
+                reason: format!("{layer} is not below {}", self.layers.len()),
+            })
+    }
+
+    fn locate(&self, layer: usize, slot: usize, dense_head: usize) -> Result<(usize, usize)> {
+        let t = self.layer(layer)?;
+        if slot >= t.slots {
+            return Err(LserveError::InvalidArgument {
+                what: "slot",
+                reason: format!("{slot} is not below {}", t.slots),
+            });
+        }
+        if dense_head >= t.heads {
+            return Err(LserveError::InvalidArgument {
+                what: "dense head",
+                reason: format!("{dense_head} is not below {} (layer {layer})", t.heads),
+            });
+        }
+        Ok((layer, t.entry(slot, dense_head)))
+    }
+
+    /// Sets the pages of (`layer`, `slot`, `dense_head`). Every id must be below the pool
+    /// capacity (`PageOutOfRange`), none repeated, at most `entry_capacity` of them
+    /// (`InvalidArgument`); on error the entry is unchanged. Order is kept as given
+    /// (ARCHITECTURE.md: ascending logical page order).
+    pub fn set(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        dense_head: usize,
+        pages: &[PageId],
+    ) -> Result<()> {
+        let (layer, entry) = self.locate(layer, slot, dense_head)?;
+        let t = &self.layers[layer];
+        if pages.len() > t.entry_capacity {
+            return Err(LserveError::InvalidArgument {
+                what: "index table entry",
+                reason: format!("{} pages, capacity {}", pages.len(), t.entry_capacity),
+            });
+        }
+        self.check_entry(pages)?;
+        let t = &mut self.layers[layer];
+        let row = &mut t.pages[entry * t.entry_capacity..(entry + 1) * t.entry_capacity];
+        row[..pages.len()].copy_from_slice(pages);
+        row[pages.len()..].fill(PAD_PAGE);
+        t.lens[entry] = pages.len() as u32;
+        Ok(())
+    }
+
+    /// Replaces a whole layer's table from device-shaped buffers (e.g. downloaded from the
+    /// GPU): `pages [slots][Hd][entry_capacity]`, `lens [slots][Hd]`. Every entry is checked as
+    /// [`set`](Self::set) checks it (length, ids in range, no repeats); ids past an entry's
+    /// length are ignored and stored as [`PAD_PAGE`]. On error nothing changes.
+    pub fn overwrite_layer(&mut self, layer: usize, pages: &[u32], lens: &[u32]) -> Result<()> {
+        let t = self.layer(layer)?;
+        let (entries, cap) = (t.slots * t.heads, t.entry_capacity);
+        if pages.len() != entries * cap {
+            return Err(LserveError::ShapeMismatch {
+                what: "index table pages",
+                expected: entries * cap,
+                actual: pages.len(),
+            });
+        }
+        if lens.len() != entries {
+            return Err(LserveError::ShapeMismatch {
+                what: "index table lens",
+                expected: entries,
+                actual: lens.len(),
+            });
+        }
+        for (e, &len) in lens.iter().enumerate() {
+            let len = len as usize;
+            if len > cap {
+                return Err(LserveError::InvalidArgument {
+                    what: "index table entry",
+                    reason: format!("entry {e}: {len} pages, capacity {cap}"),
+                });
+            }
+            self.check_entry(&pages[e * cap..e * cap + len])?;
+        }
+        let t = &mut self.layers[layer];
+        for (e, &len) in lens.iter().enumerate() {
+            let (row, src) = (
+                &mut t.pages[e * cap..(e + 1) * cap],
+                &pages[e * cap..(e + 1) * cap],
+            );
+            row[..len as usize].copy_from_slice(&src[..len as usize]);
+            row[len as usize..].fill(PAD_PAGE);
+        }
+        t.lens.copy_from_slice(lens);
+        Ok(())
+    }
+
+    /// Checks ids in range and not repeated.
+    fn check_entry(&self, pages: &[PageId]) -> Result<()> {
+        if let Some(&page) = pages.iter().find(|&&p| p as usize >= self.pool_capacity) {
+            return Err(LserveError::PageOutOfRange {
+                page,
+                capacity: self.pool_capacity as u32,
+            });
+        }
+        let mut sorted = pages.to_vec();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(LserveError::InvalidArgument {
+                what: "index table entry",
+                reason: format!("page {} listed twice", w[0]),
+            });
+        }
+        Ok(())
+    }
+
+    /// The pages of (`layer`, `slot`, `dense_head`).
+    pub fn get(&self, layer: usize, slot: usize, dense_head: usize) -> Result<&[PageId]> {
+        let (layer, entry) = self.locate(layer, slot, dense_head)?;
+        let t = &self.layers[layer];
+        let start = entry * t.entry_capacity;
+        Ok(&t.pages[start..start + t.lens[entry] as usize])
+    }
+
+    /// Empties (`layer`, `slot`, `dense_head`).
+    pub fn clear(&mut self, layer: usize, slot: usize, dense_head: usize) -> Result<()> {
+        self.set(layer, slot, dense_head, &[])
+    }
+
+    /// Empties every entry of `slot` in every layer (e.g. when its sequence ends).
+    pub fn clear_slot(&mut self, slot: usize) -> Result<()> {
+        let slots = self.layers.first().map_or(0, |t| t.slots);
+        if slot >= slots {
+            return Err(LserveError::InvalidArgument {
+                what: "slot",
+                reason: format!("{slot} is not below {slots}"),
+            });
+        }
+        for t in &mut self.layers {
+            let (heads, cap) = (t.heads, t.entry_capacity);
+            t.pages[slot * heads * cap..(slot + 1) * heads * cap].fill(PAD_PAGE);
+            t.lens[slot * heads..(slot + 1) * heads].fill(0);
+        }
+        Ok(())
+    }
+}

@@ -9,7 +9,7 @@
 //!   are streaming, the sparsity configuration (LServe's defaults, validated), element types.
 //! - [`paging`]: the two-way paged KV cache: page pool, block tables, streaming sink+ring store,
 //!   sequence lifecycle; [`index_table`] and [`block_iter`]: what each kernel visits.
-//! - [`reference`]: the CPU reference of every operation (the executable specification).
+//! - [`reference`](mod@reference): the CPU reference of every operation (the executable specification).
 //! - [`gpu`]: the device context, the embedded PTX and the kernel launches.
 //!
 //! Layouts and the semantics chosen where the paper leaves room: `docs/ARCHITECTURE.md`.

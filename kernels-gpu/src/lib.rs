@@ -13,12 +13,18 @@
 //! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`).
 #![no_std]
 #![feature(abi_gpu_kernel, stdarch_nvptx, asm_experimental_arch)]
+// Kernels take their scalar launch parameters as `#[repr(C)]` structs from `lserve-abi`, by
+// value. rustc passes them as `.param .align A .b8 name[size]` in C layout (checked in the PTX),
+// which is exactly the bytes the host's launch copies; the GPU tests exercise every such kernel.
+#![allow(improper_gpu_kernel_arg)]
 
 use core::arch::nvptx::*;
 
 pub mod convert;
 pub mod cp_async;
+pub mod decode;
 pub mod ldmatrix;
+pub mod math;
 pub mod mma;
 pub mod primitive_tests;
 pub mod smem;

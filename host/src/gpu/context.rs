@@ -24,6 +24,7 @@ pub struct GpuContext {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
+    sm_count: u32,
 }
 
 impl GpuContext {
@@ -37,10 +38,14 @@ impl GpuContext {
         let ctx = CudaContext::new(ordinal)?;
         let stream = ctx.default_stream();
         let module = ctx.load_module(Ptx::from_src(PTX))?;
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
         Ok(Self {
             ctx,
             stream,
             module,
+            sm_count,
         })
     }
 
@@ -57,6 +62,11 @@ impl GpuContext {
     /// The stream every launch of this context goes to.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Streaming multiprocessors on the device.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
     }
 
     /// A kernel of the embedded module by its symbol name.

@@ -1,7 +1,13 @@
-//! The GPU side: a context that owns the loaded kernel module, and the launches.
+//! The GPU side: a context that owns the loaded kernel module, the device KV cache, and the
+//! launches.
 
+mod cache;
 mod context;
+mod decode;
+mod launch;
 #[doc(hidden)]
 pub mod primitives_testing;
 
-pub use context::{GpuContext, PTX, PTX_ARCH};
+pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
+pub use context::{driver_present, GpuContext, PTX, PTX_ARCH};
+pub use decode::{decode_attention, DecodeWorkspace, MAX_SPLITS};

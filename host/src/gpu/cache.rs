@@ -1,0 +1,304 @@
+//! The two-way paged KV cache in device memory, and the per-step batch description.
+//!
+//! [`DeviceKvCache`] mirrors [`HostKvCache`] buffer for buffer (same layouts, from
+//! `lserve-abi`), plus the tables the kernels read: block tables (shared by all layers), per
+//! layer the index tables and the head map. Everything is allocated when the cache is built;
+//! nothing in a decode step allocates. The host's [`KvCacheManager`] stays the owner of the
+//! page pool: after it changes (a sequence added, grown across a page boundary, freed),
+//! [`DeviceKvCache::sync_tables`] copies the block tables over.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use lserve_abi::decode::HEAD_STREAMING;
+use lserve_abi::{PagedLayout, StreamingLayout};
+
+use super::GpuContext;
+use crate::dtype::Element;
+use crate::head_pattern::{HeadKind, HeadPattern};
+use crate::index_table::IndexTables;
+use crate::paging::{HostKvCache, KvCacheManager, SeqId};
+use crate::{LserveError, Result};
+
+/// An [`Element`] the device buffers can hold (bf16 and f16).
+pub trait DeviceElement: Element + DeviceRepr + ValidAsZeroBits {}
+impl DeviceElement for half::bf16 {}
+impl DeviceElement for half::f16 {}
+
+/// One layer's device buffers.
+pub struct DeviceLayer<E> {
+    /// Dense pool layout.
+    pub(crate) paged: PagedLayout,
+    /// Streaming store layout.
+    pub(crate) streaming: StreamingLayout,
+    pub(crate) k_pool: CudaSlice<E>,
+    pub(crate) v_pool: CudaSlice<E>,
+    pub(crate) kmin: CudaSlice<E>,
+    pub(crate) kmax: CudaSlice<E>,
+    pub(crate) k_stream: CudaSlice<E>,
+    pub(crate) v_stream: CudaSlice<E>,
+    /// `[kv_heads]`: dense index, or streaming index | [`HEAD_STREAMING`].
+    pub(crate) head_map: CudaSlice<u32>,
+    /// `[slots][dense_heads][entry_capacity]` selected physical pages.
+    pub(crate) index_pages: CudaSlice<u32>,
+    /// `[slots][dense_heads]` entries used.
+    pub(crate) index_lens: CudaSlice<u32>,
+}
+
+/// The paged KV cache of every layer on the device.
+///
+/// ```no_run
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 8, 65536)?;
+/// let cache = DeviceKvCache::<half::bf16>::new(&gpu, &mgr)?;
+/// assert_eq!(cache.layers(), 32);
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+pub struct DeviceKvCache<E> {
+    pattern: HeadPattern,
+    layers: Vec<DeviceLayer<E>>,
+    /// `[slots][max_pages]` physical page ids.
+    pub(crate) block_tables: CudaSlice<u32>,
+    pub(crate) max_pages: u32,
+    pub(crate) entry_capacity: u32,
+    pub(crate) slots: u32,
+    /// Sequences up to this length decode densely (`SparsityConfig::dynamic_min_len`).
+    pub(crate) dynamic_min_len: u32,
+    /// Softmax scale of the attention (`SparsityConfig::softmax_scale_for`).
+    pub(crate) softmax_scale: f32,
+}
+
+/// The device's encoding of a layer's head pattern (see [`HEAD_STREAMING`]).
+fn head_map(pattern: &HeadPattern, layer: usize) -> Vec<u32> {
+    (0..pattern.geometry().kv_heads())
+        .map(|h| match pattern.kind(layer, h) {
+            HeadKind::Dense => pattern.compact_index(layer, h) as u32,
+            HeadKind::Streaming => pattern.compact_index(layer, h) as u32 | HEAD_STREAMING,
+        })
+        .collect()
+}
+
+impl<E: DeviceElement> DeviceKvCache<E> {
+    /// A zeroed cache shaped for `manager`: its pool capacity, slots, longest sequence and
+    /// head pattern. Index tables hold [`IndexTables::entry_capacity_for`] pages per entry.
+    pub fn new(gpu: &GpuContext, manager: &KvCacheManager) -> Result<Self> {
+        let host = HostKvCache::<E>::for_manager(manager)?;
+        let index = IndexTables::for_manager(manager)?;
+        Self::upload(gpu, manager, &host, &index)
+    }
+
+    /// A cache holding a copy of `host` (K/V and statistics) and of `index`, with the block
+    /// tables of `manager`. The three must describe the same cache.
+    pub fn upload(
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        host: &HostKvCache<E>,
+        index: &IndexTables,
+    ) -> Result<Self> {
+        let pattern = manager.pattern().clone();
+        if host.pattern() != &pattern || host.layers() != index.layers() {
+            return Err(LserveError::InvalidArgument {
+                what: "host cache / index tables",
+                reason: "shaped for a different pattern than the manager".into(),
+            });
+        }
+        let cfg = manager.config();
+        if cfg.page_tokens % lserve_abi::decode::DECODE_TILE_ROWS as usize != 0 {
+            return Err(LserveError::InvalidConfig {
+                field: "page_tokens",
+                reason: format!(
+                    "{} is not a multiple of {} (the GPU decode tile)",
+                    cfg.page_tokens,
+                    lserve_abi::decode::DECODE_TILE_ROWS
+                ),
+            });
+        }
+        let stream = gpu.stream();
+        let mut layers = Vec::with_capacity(host.layers());
+        for layer in 0..host.layers() {
+            let dense = host.dense(layer)?;
+            let streaming = host.streaming(layer)?;
+            let table = index.layer(layer)?;
+            layers.push(DeviceLayer {
+                paged: dense.layout(),
+                streaming: streaming.layout(),
+                k_pool: stream.clone_htod(dense.k())?,
+                v_pool: stream.clone_htod(dense.v())?,
+                kmin: stream.clone_htod(dense.kmin())?,
+                kmax: stream.clone_htod(dense.kmax())?,
+                k_stream: stream.clone_htod(streaming.k())?,
+                v_stream: stream.clone_htod(streaming.v())?,
+                head_map: stream.clone_htod(&head_map(&pattern, layer))?,
+                index_pages: stream.clone_htod(table.pages())?,
+                index_lens: stream.clone_htod(table.lens())?,
+            });
+        }
+        let pattern_head_dim = pattern.geometry().head_dim();
+        let tables = manager.device_block_tables();
+        let entry_capacity = index.layer(0)?.entry_capacity() as u32;
+        Ok(Self {
+            pattern,
+            layers,
+            block_tables: stream.clone_htod(&tables.pages)?,
+            max_pages: tables.max_pages_per_seq as u32,
+            entry_capacity,
+            slots: tables.slots as u32,
+            dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
+            softmax_scale: cfg.softmax_scale_for(pattern_head_dim),
+        })
+    }
+
+    /// Copies the manager's block tables to the device (after sequences were added, grown or
+    /// freed). Asynchronous on the context's stream; allocates nothing.
+    pub fn sync_tables(&mut self, gpu: &GpuContext, manager: &KvCacheManager) -> Result<()> {
+        let tables = manager.device_block_tables();
+        if tables.slots as u32 != self.slots || tables.max_pages_per_seq as u32 != self.max_pages {
+            return Err(LserveError::InvalidArgument {
+                what: "manager",
+                reason: "block tables shaped differently from this cache's".into(),
+            });
+        }
+        gpu.stream()
+            .memcpy_htod(&tables.pages, &mut self.block_tables)?;
+        Ok(())
+    }
+
+    /// Copies K/V, statistics and index tables back into host structures (for tests and
+    /// debugging; synchronizes).
+    pub fn download(
+        &self,
+        gpu: &GpuContext,
+        host: &mut HostKvCache<E>,
+        index: &mut IndexTables,
+    ) -> Result<()> {
+        let stream = gpu.stream();
+        for (layer, d) in self.layers.iter().enumerate() {
+            let (k, v, kmin, kmax) = host.dense_mut(layer)?.buffers_mut();
+            stream.memcpy_dtoh(&d.k_pool, k)?;
+            stream.memcpy_dtoh(&d.v_pool, v)?;
+            stream.memcpy_dtoh(&d.kmin, kmin)?;
+            stream.memcpy_dtoh(&d.kmax, kmax)?;
+            let (ks, vs) = host.streaming_mut(layer)?.buffers_mut();
+            stream.memcpy_dtoh(&d.k_stream, ks)?;
+            stream.memcpy_dtoh(&d.v_stream, vs)?;
+            let pages = stream.clone_dtoh(&d.index_pages)?;
+            let lens = stream.clone_dtoh(&d.index_lens)?;
+            index.overwrite_layer(layer, &pages, &lens)?;
+        }
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Layers.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The head pattern the cache is laid out for.
+    pub fn pattern(&self) -> &HeadPattern {
+        &self.pattern
+    }
+
+    /// Layer `layer`'s buffers.
+    pub(crate) fn layer(&self, layer: usize) -> Result<&DeviceLayer<E>> {
+        self.layers
+            .get(layer)
+            .ok_or_else(|| LserveError::InvalidArgument {
+                what: "layer",
+                reason: format!("{layer} out of range ({} layers)", self.layers.len()),
+            })
+    }
+
+    /// Layer `layer`'s buffers, mutable.
+    pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<&mut DeviceLayer<E>> {
+        let n = self.layers.len();
+        self.layers
+            .get_mut(layer)
+            .ok_or_else(|| LserveError::InvalidArgument {
+                what: "layer",
+                reason: format!("{layer} out of range ({n} layers)"),
+            })
+    }
+}
+
+/// The sequences of one decode step, on the device: for batch row `b`, its slot and its length
+/// (after the step's token). Sized for `max_batch` rows when made; [`set`](Self::set) rewrites it
+/// in place, so a captured step can be replayed with a new batch.
+pub struct DecodeBatch {
+    pub(crate) seq_slot: CudaSlice<u32>,
+    pub(crate) seq_len: CudaSlice<u32>,
+    pub(crate) len: usize,
+    /// The lengths, as last set (the host's view; launch sizing reads it).
+    pub(crate) host_lens: Vec<u32>,
+}
+
+impl DecodeBatch {
+    /// Room for `max_batch` sequences.
+    pub fn new(gpu: &GpuContext, max_batch: usize) -> Result<Self> {
+        if max_batch == 0 {
+            return Err(LserveError::Empty("batch"));
+        }
+        Ok(Self {
+            seq_slot: gpu.stream().alloc_zeros(max_batch)?,
+            seq_len: gpu.stream().alloc_zeros(max_batch)?,
+            len: 0,
+            host_lens: Vec::with_capacity(max_batch),
+        })
+    }
+
+    /// Describes `seqs` (in this order) as they stand in `manager` now. Validates every id
+    /// before changing anything.
+    pub fn set(
+        &mut self,
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        seqs: &[SeqId],
+    ) -> Result<()> {
+        if seqs.is_empty() {
+            return Err(LserveError::Empty("batch"));
+        }
+        if seqs.len() > self.seq_slot.len() {
+            return Err(LserveError::InvalidArgument {
+                what: "batch",
+                reason: format!("{} sequences, room for {}", seqs.len(), self.seq_slot.len()),
+            });
+        }
+        let mut slots = Vec::with_capacity(seqs.len());
+        let mut lens = Vec::with_capacity(seqs.len());
+        for (i, &s) in seqs.iter().enumerate() {
+            if seqs[..i].contains(&s) {
+                return Err(LserveError::InvalidArgument {
+                    what: "batch",
+                    reason: format!("sequence {} twice", s.get()),
+                });
+            }
+            let len = manager.len(s)?;
+            if len == 0 {
+                return Err(LserveError::Empty("sequence"));
+            }
+            slots.push(manager.slot(s)?);
+            lens.push(len as u32);
+        }
+        let stream = gpu.stream();
+        stream.memcpy_htod(&slots, &mut self.seq_slot.slice_mut(..seqs.len()))?;
+        stream.memcpy_htod(&lens, &mut self.seq_len.slice_mut(..seqs.len()))?;
+        self.len = seqs.len();
+        self.host_lens = lens;
+        Ok(())
+    }
+
+    /// Sequences in the batch.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no batch was set yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

@@ -1,0 +1,207 @@
+//! Paged sparse decode attention on the device: one launch for every (sequence, KV head) pair of
+//! a layer, then a combine of the splits (`kernels-gpu/src/decode`).
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use lserve_abi::decode::{
+    decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS, DECODE_THREADS,
+    DECODE_TILE_ROWS,
+};
+
+use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
+use super::launch::ByValue;
+use super::GpuContext;
+use crate::dtype::DType;
+use crate::{LserveError, Result};
+
+/// Scratch for the split partial states, sized once for the largest batch.
+pub struct DecodeWorkspace {
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    max_pairs: usize,
+    max_splits: u32,
+    group: usize,
+    head_dim: usize,
+}
+
+/// The most splits per (sequence, KV head) pair.
+pub const MAX_SPLITS: u32 = 64;
+
+impl DecodeWorkspace {
+    /// Room for batches of up to `max_batch` sequences of a model with `kv_heads`, `group` and
+    /// `head_dim`.
+    pub fn new(
+        gpu: &GpuContext,
+        max_batch: usize,
+        kv_heads: usize,
+        group: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let max_pairs = max_batch * kv_heads;
+        if max_pairs == 0 {
+            return Err(LserveError::Empty("batch"));
+        }
+        let states = max_pairs * MAX_SPLITS as usize * group;
+        Ok(Self {
+            part_acc: gpu.stream().alloc_zeros(states * head_dim)?,
+            part_ml: gpu.stream().alloc_zeros(states * 2)?,
+            max_pairs,
+            max_splits: MAX_SPLITS,
+            group,
+            head_dim,
+        })
+    }
+}
+
+/// How many splits a launch over `pairs` pairs uses: enough blocks to fill the GPU twice over,
+/// but no split shorter than four tiles of the longest pair.
+fn choose_splits(sm_count: u32, pairs: u32, max_rows: u32, max_splits: u32) -> u32 {
+    let fill = (2 * sm_count).div_ceil(pairs.max(1));
+    let by_length = max_rows.div_ceil(4 * DECODE_TILE_ROWS).max(1);
+    fill.min(by_length).clamp(1, max_splits)
+}
+
+fn kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
+    if !matches!(head_dim, 64 | 128) {
+        return Err(LserveError::InvalidArgument {
+            what: "head_dim",
+            reason: format!("{head_dim}: the GPU decode kernel supports 64 and 128"),
+        });
+    }
+    if !matches!(group, 1 | 2 | 4 | 8) {
+        return Err(LserveError::InvalidArgument {
+            what: "group",
+            reason: format!("{group}: the GPU decode kernel supports GQA groups of 1, 2, 4, 8"),
+        });
+    }
+    Ok(format!(
+        "decode_attention_{}_d{head_dim}_g{group}",
+        dtype.name()
+    ))
+}
+
+/// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`.
+///
+/// Streaming heads attend to their sink and ring rows; dense heads to every page of the block
+/// table while the sequence is at most `dynamic_min_len` long, else to the pages in their index
+/// table (which must hold the newest page last, as selection writes it). Enqueued on the
+/// context's stream; allocates nothing and does not synchronize.
+pub fn decode_attention<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    out: &mut CudaSlice<E>,
+    ws: &mut DecodeWorkspace,
+) -> Result<()> {
+    let geometry = *cache.pattern().geometry();
+    let (hq, hkv, d, group) = (
+        geometry.q_heads(),
+        geometry.kv_heads(),
+        geometry.head_dim(),
+        geometry.group(),
+    );
+    let b = batch.len();
+    if b == 0 {
+        return Err(LserveError::Empty("batch"));
+    }
+    for (what, buf) in [("q", q.len()), ("out", out.len())] {
+        if buf < b * hq * d {
+            return Err(LserveError::ShapeMismatch {
+                what,
+                expected: b * hq * d,
+                actual: buf,
+            });
+        }
+    }
+    let pairs = b * hkv;
+    if pairs > ws.max_pairs || ws.group != group || ws.head_dim != d {
+        return Err(LserveError::InvalidArgument {
+            what: "workspace",
+            reason: "sized for a smaller batch or another geometry".into(),
+        });
+    }
+    let l = cache.layer(layer)?;
+    let cfg_min_len = cache.dynamic_min_len;
+    // The most rows any pair of the batch visits: a dense head's whole sequence below
+    // `dynamic_min_len`, at most a full index table above it.
+    let max_len = batch.host_lens.iter().copied().max().unwrap_or(1);
+    let max_rows = if max_len <= cfg_min_len {
+        max_len
+    } else {
+        max_len.min(cache.entry_capacity * l.paged.page_tokens)
+    }
+    .max(l.streaming.rows());
+    let splits = choose_splits(gpu.sm_count(), pairs as u32, max_rows, ws.max_splits);
+
+    let params = ByValue(DecodeParams {
+        batch: b as u32,
+        kv_heads: hkv as u32,
+        splits,
+        max_pages: cache.max_pages,
+        max_selected: cache.entry_capacity,
+        dynamic_min_len: cfg_min_len,
+        scale_log2: cache.softmax_scale * std::f32::consts::LOG2_E,
+        paged: l.paged,
+        streaming: l.streaming,
+    });
+    let name = kernel_name(E::DTYPE, d, group)?;
+    let f = gpu.function(&name)?;
+    let smem = decode_smem_bytes(d as u32);
+    let cfg = LaunchConfig {
+        grid_dim: (splits, pairs as u32, 1),
+        block_dim: (DECODE_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let stream = gpu.stream();
+    let mut launch = stream.launch_builder(&f);
+    launch
+        .arg(&params)
+        .arg(q)
+        .arg(&l.k_pool)
+        .arg(&l.v_pool)
+        .arg(&l.k_stream)
+        .arg(&l.v_stream)
+        .arg(&cache.block_tables)
+        .arg(&l.index_pages)
+        .arg(&l.index_lens)
+        .arg(&batch.seq_len)
+        .arg(&batch.seq_slot)
+        .arg(&l.head_map)
+        .arg(&mut ws.part_acc)
+        .arg(&mut ws.part_ml);
+    // SAFETY: the argument list matches the kernel's signature (kernels-gpu/src/decode/mod.rs):
+    // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with
+    // `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay inside the
+    // workspace; the cache's buffers have the layouts in `params` (built from them), `batch`
+    // holds live slots and lengths the manager validated, and tables hold page ids < capacity.
+    unsafe { launch.launch(cfg) }?;
+
+    let combine = ByValue(CombineParams {
+        batch: b as u32,
+        q_heads: hq as u32,
+        group: group as u32,
+        head_dim: d as u32,
+        splits,
+    });
+    let f = gpu.function(match E::DTYPE {
+        DType::BF16 => "decode_combine_bf16",
+        DType::F16 => "decode_combine_f16",
+    })?;
+    let cfg = LaunchConfig {
+        grid_dim: ((b * hq) as u32, 1, 1),
+        block_dim: (COMBINE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = stream.launch_builder(&f);
+    launch
+        .arg(&combine)
+        .arg(&ws.part_acc)
+        .arg(&ws.part_ml)
+        .arg(out);
+    // SAFETY: matches `decode_combine_*(CombineParams, *const f32, *const f32, *mut u16)`; the
+    // partial states were written for this batch and split count just above, on this stream;
+    // `out` holds at least `B * Hq * D` elements (checked).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}

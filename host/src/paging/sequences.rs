@@ -1,0 +1,337 @@
+//! Sequence lifecycle over the page pool and the streaming slots.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use super::block_table::BlockTable;
+use super::page_pool::{PageId, PagePool, PAD_PAGE};
+use super::streaming_store::StreamingStore;
+use crate::config::SparsityConfig;
+use crate::error::{LserveError, Result};
+use crate::geometry::ModelGeometry;
+use crate::head_pattern::HeadPattern;
+
+/// A live sequence's id. Ids are handed out in increasing order and never reused, so a stale
+/// id is always detected (`UnknownSequence`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(u32);
+
+impl SeqId {
+    /// The raw id.
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+}
+
+/// What the cache needs to address one sequence: its slot, its length, its block table.
+///
+/// [`KvCacheManager::view`] returns one; tests may build one directly.
+#[derive(Clone, Copy, Debug)]
+pub struct SequenceView<'a> {
+    /// The sequence's slot (its row in the streaming store and in device tables).
+    pub slot: u32,
+    /// Tokens reserved (positions `0..len` exist).
+    pub len: usize,
+    /// Logical page -> physical page id.
+    pub block_table: &'a BlockTable,
+}
+
+/// Per-sequence state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SequenceState {
+    slot: u32,
+    len: usize,
+    block_table: BlockTable,
+    decode_step: u64,
+}
+
+/// The block tables of all slots in the device's shape (row = slot).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceBlockTables {
+    /// Rows (`max_sequences`).
+    pub slots: usize,
+    /// Entries per row (`ceil(max_seq_len / page_tokens)`).
+    pub max_pages_per_seq: usize,
+    /// `[slots][max_pages_per_seq]` physical page ids, [`PAD_PAGE`] past each row's length.
+    pub pages: Vec<u32>,
+    /// `[slots]` pages mapped per row (0 for a free slot).
+    pub num_pages: Vec<u32>,
+    /// `[slots]` sequence length in tokens (0 for a free slot).
+    pub seq_lens: Vec<u32>,
+}
+
+/// Owns the page pool, the streaming slots and every live sequence's length, block table and
+/// decode step counter.
+///
+/// Every method that fails returns a typed error and leaves the manager unchanged.
+///
+/// ```
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+/// use lserve::LserveError;
+///
+/// let g = ModelGeometry::llama3_8b();
+/// let config = SparsityConfig::default(); // 64-token pages
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, config, 4, 2, 1024)?;
+/// let a = mgr.add_sequence()?;
+/// assert_eq!(mgr.reserve(a, 100)?, 0..100); // 2 pages
+/// assert_eq!(mgr.reserve(a, 28)?, 100..128); // still 2 pages
+/// let b = mgr.add_sequence()?;
+/// let before = mgr.clone();
+/// assert!(matches!(mgr.reserve(b, 3 * 64), Err(LserveError::PoolExhausted { .. })));
+/// assert_eq!(mgr, before); // nothing changed
+/// mgr.free_sequence(a)?;
+/// mgr.reserve(b, 3 * 64)?;
+/// assert_eq!(mgr.len(b)?, 192);
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvCacheManager {
+    geometry: ModelGeometry,
+    pattern: HeadPattern,
+    config: SparsityConfig,
+    pool: PagePool,
+    store: StreamingStore,
+    sequences: BTreeMap<SeqId, SequenceState>,
+    next_id: u32,
+    max_seq_len: usize,
+}
+
+impl KvCacheManager {
+    /// A manager for `max_sequences` sequences of at most `max_seq_len` tokens over a pool of
+    /// `capacity_pages` physical pages. Validates the config, that the pattern is for this
+    /// geometry, and the sizes (all > 0 and fitting the device's `u32`s).
+    pub fn new(
+        geometry: ModelGeometry,
+        pattern: HeadPattern,
+        config: SparsityConfig,
+        capacity_pages: usize,
+        max_sequences: usize,
+        max_seq_len: usize,
+    ) -> Result<Self> {
+        config.validate()?;
+        if *pattern.geometry() != geometry {
+            return Err(LserveError::HeadPattern(format!(
+                "pattern is for {:?}, cache for {:?}",
+                pattern.geometry(),
+                geometry
+            )));
+        }
+        if max_seq_len == 0 || u32::try_from(max_seq_len).is_err() {
+            return Err(LserveError::InvalidConfig {
+                field: "max_seq_len",
+                reason: format!("{max_seq_len} is not in 1..=u32::MAX"),
+            });
+        }
+        let pool = PagePool::new(capacity_pages)?;
+        let store = StreamingStore::new(max_sequences, config.sink_tokens, config.local_tokens)?;
+        Ok(Self {
+            geometry,
+            pattern,
+            config,
+            pool,
+            store,
+            sequences: BTreeMap::new(),
+            next_id: 0,
+            max_seq_len,
+        })
+    }
+
+    /// Starts an empty sequence in the lowest free slot (`NoFreeSlot` if all are in use).
+    pub fn add_sequence(&mut self) -> Result<SeqId> {
+        if self.next_id == u32::MAX {
+            return Err(LserveError::InvalidArgument {
+                what: "sequence id",
+                reason: "all u32 ids have been used".into(),
+            });
+        }
+        let slot = self.store.acquire()?;
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.sequences.insert(
+            id,
+            SequenceState {
+                slot,
+                len: 0,
+                block_table: BlockTable::new(),
+                decode_step: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Grows `seq` by `n_tokens`, allocating the pages it needs, and returns the new positions.
+    ///
+    /// All-or-nothing: `Empty` for 0 tokens, `SequenceTooLong` past `max_seq_len`,
+    /// `PoolExhausted` if the pool lacks pages, `UnknownSequence` for a dead id; on error nothing
+    /// changes.
+    pub fn reserve(&mut self, seq: SeqId, n_tokens: usize) -> Result<Range<usize>> {
+        if n_tokens == 0 {
+            return Err(LserveError::Empty("reservation (0 tokens)"));
+        }
+        let state = self
+            .sequences
+            .get(&seq)
+            .ok_or(LserveError::UnknownSequence(seq.0))?;
+        let old_len = state.len;
+        let new_len = old_len.saturating_add(n_tokens);
+        if new_len > self.max_seq_len {
+            return Err(LserveError::SequenceTooLong {
+                len: new_len,
+                max: self.max_seq_len,
+            });
+        }
+        let needed = self.config.pages_for_len(new_len) - state.block_table.len();
+        let pages = self.pool.alloc(needed)?;
+        let state = self.sequences.get_mut(&seq).expect("checked above");
+        state.block_table.extend(&pages);
+        state.len = new_len;
+        Ok(old_len..new_len)
+    }
+
+    /// Ends `seq`: its pages go back to the pool and its slot is free again.
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
+        let state = self
+            .sequences
+            .get(&seq)
+            .ok_or(LserveError::UnknownSequence(seq.0))?;
+        // Both checks first, so that neither release can fail after the other succeeded.
+        self.pool.check_owned(state.block_table.pages())?;
+        if !self.store.is_in_use(state.slot) {
+            return Err(LserveError::InvalidArgument {
+                what: "slot",
+                reason: format!("{} is not in use", state.slot),
+            });
+        }
+        let state = self.sequences.remove(&seq).expect("checked above");
+        self.pool
+            .free(state.block_table.pages())
+            .expect("checked above");
+        self.store.release(state.slot).expect("checked above");
+        Ok(())
+    }
+
+    fn state(&self, seq: SeqId) -> Result<&SequenceState> {
+        self.sequences
+            .get(&seq)
+            .ok_or(LserveError::UnknownSequence(seq.0))
+    }
+
+    /// Tokens reserved for `seq`.
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.state(seq)?.len)
+    }
+
+    /// The block table of `seq`.
+    pub fn block_table(&self, seq: SeqId) -> Result<&BlockTable> {
+        Ok(&self.state(seq)?.block_table)
+    }
+
+    /// The slot of `seq`.
+    pub fn slot(&self, seq: SeqId) -> Result<u32> {
+        Ok(self.state(seq)?.slot)
+    }
+
+    /// The slot, length and block table of `seq`, for [`HostKvCache`](super::HostKvCache).
+    pub fn view(&self, seq: SeqId) -> Result<SequenceView<'_>> {
+        let s = self.state(seq)?;
+        Ok(SequenceView {
+            slot: s.slot,
+            len: s.len,
+            block_table: &s.block_table,
+        })
+    }
+
+    /// The decode step counter of `seq` (0 before and at its first decode step).
+    pub fn decode_step(&self, seq: SeqId) -> Result<u64> {
+        Ok(self.state(seq)?.decode_step)
+    }
+
+    /// Advances the decode step counter of `seq` by one (at the end of a decode step) and
+    /// returns the new value.
+    pub fn advance_decode_step(&mut self, seq: SeqId) -> Result<u64> {
+        let s = self
+            .sequences
+            .get_mut(&seq)
+            .ok_or(LserveError::UnknownSequence(seq.0))?;
+        s.decode_step += 1;
+        Ok(s.decode_step)
+    }
+
+    /// Live sequences, ascending by id.
+    pub fn sequences(&self) -> Vec<SeqId> {
+        self.sequences.keys().copied().collect()
+    }
+
+    /// Live sequences.
+    pub fn num_sequences(&self) -> usize {
+        self.sequences.len()
+    }
+
+    /// Whether `seq` is live.
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.sequences.contains_key(&seq)
+    }
+
+    /// The model geometry.
+    pub fn geometry(&self) -> &ModelGeometry {
+        &self.geometry
+    }
+
+    /// The head pattern.
+    pub fn pattern(&self) -> &HeadPattern {
+        &self.pattern
+    }
+
+    /// The (validated) sparsity configuration.
+    pub fn config(&self) -> &SparsityConfig {
+        &self.config
+    }
+
+    /// The page pool.
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    /// The streaming store's slots.
+    pub fn streaming_store(&self) -> &StreamingStore {
+        &self.store
+    }
+
+    /// Sequence slots in total.
+    pub fn max_sequences(&self) -> usize {
+        self.store.slots()
+    }
+
+    /// The longest a sequence may grow.
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// Block-table entries a sequence can need (`ceil(max_seq_len / page_tokens)`).
+    pub fn max_pages_per_seq(&self) -> usize {
+        self.config.pages_for_len(self.max_seq_len)
+    }
+
+    /// All block tables in the device's shape, indexed by slot.
+    pub fn device_block_tables(&self) -> DeviceBlockTables {
+        let (slots, width) = (self.max_sequences(), self.max_pages_per_seq());
+        let mut t = DeviceBlockTables {
+            slots,
+            max_pages_per_seq: width,
+            pages: vec![PAD_PAGE; slots * width],
+            num_pages: vec![0; slots],
+            seq_lens: vec![0; slots],
+        };
+        for s in self.sequences.values() {
+            let row = s.slot as usize;
+            let pages: &[PageId] = s.block_table.pages();
+            t.pages[row * width..row * width + pages.len()].copy_from_slice(pages);
+            t.num_pages[row] = pages.len() as u32;
+            t.seq_lens[row] = s.len as u32;
+        }
+        t
+    }
+}

@@ -1,0 +1,109 @@
+//! Softmax attention of one query row over an explicit set of key/value rows, in `f64`.
+
+use crate::error::{LserveError, Result};
+
+/// The result of attending one query row: the output row and the log-sum-exp of the scaled
+/// scores (natural log; `lse = m + ln Σ exp(s_j - m)` with `s_j = scale · q·k_j`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attended {
+    /// `Σ_j softmax(s)_j · v_j`, `D` values.
+    pub out: Vec<f64>,
+    /// Log-sum-exp of the scaled scores.
+    pub lse: f64,
+}
+
+/// Dot product of two `f32` rows, accumulated in `f64`.
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
+/// Attends `q` over the rows `keys[j]`, `values[j]` (all of length `q.len()`): softmax over
+/// exactly this set of rows, `f64` throughout. The order of the rows does not matter (up to
+/// rounding).
+///
+/// # Panics
+/// If `keys` is empty, `keys.len() != values.len()`, or a row's length differs from `q.len()`
+/// (the callers in this module validate first; use [`decode_attention`] for a checked entry).
+pub fn attend_rows(q: &[f32], keys: &[&[f32]], values: &[&[f32]], scale: f64) -> Attended {
+    assert!(!keys.is_empty(), "attention over an empty key set");
+    assert_eq!(keys.len(), values.len(), "keys and values differ in count");
+    let d = q.len();
+    let scores: Vec<f64> = keys
+        .iter()
+        .map(|k| {
+            assert_eq!(k.len(), d, "key row length");
+            scale * dot(q, k)
+        })
+        .collect();
+    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scores.iter().map(|&s| (s - m).exp()).collect();
+    let sum: f64 = weights.iter().sum();
+    let mut out = vec![0.0f64; d];
+    for (w, v) in weights.iter().zip(values) {
+        assert_eq!(v.len(), d, "value row length");
+        for (o, &x) in out.iter_mut().zip(v.iter()) {
+            *o += w * x as f64;
+        }
+    }
+    for o in &mut out {
+        *o /= sum;
+    }
+    Attended {
+        out,
+        lse: m + sum.ln(),
+    }
+}
+
+/// Decode attention of one query head over an explicit list of key/value rows: `keys` and
+/// `values` are `[n][head_dim]` (row-major), `q` is `[head_dim]`.
+///
+/// ```
+/// use lserve::reference::decode_attention;
+/// // Two keys; equal scores, so the output is the mean of the values.
+/// let a = decode_attention(&[0.0, 0.0], &[1.0, 2.0, 3.0, 4.0], &[1.0, 0.0, 3.0, 2.0], 2, 0.5)
+///     .unwrap();
+/// assert_eq!(a.out, vec![2.0, 1.0]);
+/// assert!((a.lse - 2f64.ln()).abs() < 1e-15);
+/// ```
+pub fn decode_attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    head_dim: usize,
+    scale: f64,
+) -> Result<Attended> {
+    if head_dim == 0 {
+        return Err(LserveError::InvalidArgument {
+            what: "head_dim",
+            reason: "must be positive".into(),
+        });
+    }
+    check_len("q", head_dim, q.len())?;
+    if keys.is_empty() {
+        return Err(LserveError::Empty("key set"));
+    }
+    if keys.len() % head_dim != 0 {
+        return Err(LserveError::ShapeMismatch {
+            what: "keys",
+            expected: keys.len() / head_dim * head_dim,
+            actual: keys.len(),
+        });
+    }
+    check_len("values", keys.len(), values.len())?;
+    let k: Vec<&[f32]> = keys.chunks_exact(head_dim).collect();
+    let v: Vec<&[f32]> = values.chunks_exact(head_dim).collect();
+    Ok(attend_rows(q, &k, &v, scale))
+}
+
+/// `Err(ShapeMismatch)` unless `actual == expected`.
+pub(crate) fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(LserveError::ShapeMismatch {
+            what,
+            expected,
+            actual,
+        })
+    }
+}

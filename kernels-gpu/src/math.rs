@@ -1,0 +1,69 @@
+//! Fast transcendental and vector helpers shared by the attention kernels.
+
+use core::arch::asm;
+
+use crate::convert::Half16;
+
+/// `2^x` with the hardware's approximate `ex2` (relative error ~2^-22; `-inf -> 0`).
+#[inline(always)]
+pub fn exp2(x: f32) -> f32 {
+    let y: f32;
+    // SAFETY: register-only instruction.
+    unsafe {
+        asm!("ex2.approx.ftz.f32 {0}, {1};", out(reg32) y, in(reg32) x, options(pure, nomem, nostack))
+    };
+    y
+}
+
+/// 16 bytes (eight 16-bit elements), aligned so a load or store of it is one vector access.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub struct Vec16(pub [u32; 4]);
+
+impl Vec16 {
+    /// The eight elements as `f32`, in memory order.
+    #[inline(always)]
+    pub fn to_f32<E: Half16>(self) -> [f32; 8] {
+        let mut out = [0.0; 8];
+        let mut i = 0;
+        while i < 4 {
+            let (lo, hi) = E::unpack2(self.0[i]);
+            out[2 * i] = lo;
+            out[2 * i + 1] = hi;
+            i += 1;
+        }
+        out
+    }
+
+    /// Eight `f32` rounded to `E` and packed, in memory order.
+    #[inline(always)]
+    pub fn from_f32<E: Half16>(x: &[f32; 8]) -> Self {
+        let mut words = [0u32; 4];
+        let mut i = 0;
+        while i < 4 {
+            words[i] = E::pack2(x[2 * i], x[2 * i + 1]);
+            i += 1;
+        }
+        Vec16(words)
+    }
+}
+
+/// Runs `$body` once for each `$i` in `0..$n`, unrolled in the source: `$n` must be a constant
+/// of at most 8 (a const generic such as a GQA group size). LLVM's own unroller gives up on
+/// bodies this large, and a register array indexed by a loop that is not unrolled moves to local
+/// memory; this keeps per-head state in registers.
+#[macro_export]
+macro_rules! unroll8 {
+    ($i:ident in 0..$n:expr => $body:block) => {
+        $crate::unroll8!(@each $i, $n, $body, 0 1 2 3 4 5 6 7)
+    };
+    (@each $i:ident, $n:expr, $body:block, $($k:literal)*) => {
+        $(
+            #[allow(clippy::reversed_empty_ranges, unused_comparisons)]
+            if $k < $n {
+                let $i: usize = $k;
+                $body
+            }
+        )*
+    };
+}

@@ -1,0 +1,455 @@
+//! Multi-step decode runs of the cache-integrated reference against a naive model that keeps the
+//! whole history in plain vectors: selection recomputed exactly on due steps and held otherwise
+//! (newest page always added), dense attend-all below `dynamic_min_len`, streaming heads seeing
+//! exactly the sinks and the last `local_tokens` tokens as the ring wraps; outputs against plain
+//! softmax over an explicit token mask.
+
+use std::collections::BTreeMap;
+
+use half::{bf16, f16};
+use lserve::config::{GqaAggregation, SparsityConfig};
+use lserve::dtype::Element;
+use lserve::geometry::ModelGeometry;
+use lserve::head_pattern::{HeadKind, HeadPattern};
+use lserve::index_table::IndexTables;
+use lserve::paging::{HostKvCache, KvCacheManager};
+use lserve::reference::decode_step::{decode_step, stored_key_stats, write_tokens, HeadVisit};
+use lserve::reference::ReuseState;
+use proptest::prelude::*;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+const D: usize = 64;
+
+#[derive(Debug, Clone)]
+struct Case {
+    kv_heads: usize,
+    group: usize,
+    kinds: Vec<Vec<bool>>, // [layer][kv_head]: true = streaming
+    n_l: usize,
+    g: usize,
+    k: usize,
+    sink: usize,
+    local: usize,
+    dynamic_min_len: usize,
+    reuse: usize,
+    first: bool,
+    mean: bool,
+    prefill: Vec<usize>,
+    steps: usize,
+    f16: bool,
+    seed: u64,
+}
+
+fn case_strategy() -> impl Strategy<Value = Case> {
+    (1usize..=3, 1usize..=3, 1usize..=2).prop_flat_map(|(kv_heads, group, layers)| {
+        (
+            prop::collection::vec(prop::collection::vec(any::<bool>(), kv_heads), layers),
+            (1usize..=4, 1usize..=3, 1usize..=3),
+            (0usize..=3, 1usize..=8, 0usize..=20),
+            (
+                prop_oneof![Just(1usize), Just(4usize), 2usize..=5],
+                any::<bool>(),
+                any::<bool>(),
+            ),
+            (
+                prop::collection::vec(0usize..=30, 1..=3),
+                1usize..=25,
+                any::<bool>(),
+                any::<u64>(),
+            ),
+        )
+            .prop_map(
+                move |(
+                    kinds,
+                    (n_l, g, k),
+                    (sink, local, dml),
+                    (reuse, first, mean),
+                    (prefill, steps, f16, seed),
+                )| Case {
+                    kv_heads,
+                    group,
+                    kinds,
+                    n_l,
+                    g,
+                    k,
+                    sink,
+                    local,
+                    dynamic_min_len: dml,
+                    reuse,
+                    first,
+                    mean,
+                    prefill,
+                    steps,
+                    f16,
+                    seed,
+                },
+            )
+    })
+}
+
+/// Deliberate mistakes on the naive side, to show the comparison can fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tweak {
+    None,
+    /// Select on every step (no reuse).
+    NoReuse,
+    /// Streaming heads attend to every token.
+    StreamingAsCausal,
+}
+
+fn random_row<E: Element>(rng: &mut StdRng, n: usize) -> Vec<E> {
+    (0..n)
+        .map(|_| E::from_f32(rng.gen_range(-2.0f32..2.0)))
+        .collect()
+}
+
+/// Naive selection over the full key history of one KV head (`keys[t]` rows): brute-force
+/// per-logical-page min/max, bounds per query head, aggregation, max per physical page, then a
+/// full sort of the candidates by (score desc, index asc).
+fn naive_select(case: &Case, q_group: &[Vec<f64>], keys: &[Vec<f64>]) -> Vec<u32> {
+    let len = keys.len();
+    let n_p = case.n_l * case.g;
+    let logical = len.div_ceil(case.n_l);
+    let physical = len.div_ceil(n_p);
+    let mut phys = vec![f64::NEG_INFINITY; physical];
+    for lp in 0..logical {
+        let toks: Vec<&Vec<f64>> = keys.iter().skip(lp * case.n_l).take(case.n_l).collect();
+        let per_head: Vec<f64> = q_group
+            .iter()
+            .map(|q| {
+                (0..D)
+                    .map(|i| {
+                        let hi = toks.iter().map(|k| k[i]).fold(f64::NEG_INFINITY, f64::max);
+                        let lo = toks.iter().map(|k| k[i]).fold(f64::INFINITY, f64::min);
+                        (q[i] * hi).max(q[i] * lo)
+                    })
+                    .sum::<f64>()
+            })
+            .collect();
+        let agg = if case.mean {
+            per_head.iter().sum::<f64>() / per_head.len() as f64
+        } else {
+            per_head.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+        };
+        let p = lp / case.g;
+        phys[p] = phys[p].max(agg);
+    }
+    let newest = physical - 1;
+    let mut cands: Vec<(f64, usize)> = (0..newest)
+        .filter(|&p| !(case.first && p == 0))
+        .map(|p| (phys[p], p))
+        .collect();
+    cands.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+    let mut sel: Vec<u32> = cands.iter().take(case.k).map(|c| c.1 as u32).collect();
+    sel.push(newest as u32);
+    if case.first {
+        sel.push(0);
+    }
+    sel.sort();
+    sel.dedup();
+    sel
+}
+
+fn naive_softmax(
+    q: &[f64],
+    keys: &[Vec<f64>],
+    values: &[Vec<f64>],
+    mask: &[bool],
+    scale: f64,
+) -> Vec<f64> {
+    let s: Vec<f64> = keys
+        .iter()
+        .zip(mask)
+        .map(|(k, &m)| {
+            if m {
+                scale * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>()
+            } else {
+                f64::NEG_INFINITY
+            }
+        })
+        .collect();
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+    let z: f64 = p.iter().sum();
+    (0..q.len())
+        .map(|i| p.iter().zip(values).map(|(w, v)| w * v[i]).sum::<f64>() / z)
+        .collect()
+}
+
+fn widen<E: Element>(xs: &[E]) -> Vec<f64> {
+    xs.iter().map(|x| x.to_f32() as f64).collect()
+}
+
+/// Runs `case` through the reference and the naive model; `Err` describes the first mismatch.
+fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
+    let layers = case.kinds.len();
+    let (hkv, group) = (case.kv_heads, case.group);
+    let hq = hkv * group;
+    let geometry = ModelGeometry::new(layers, hq, hkv, D).unwrap();
+    let kinds = case
+        .kinds
+        .iter()
+        .map(|l| {
+            l.iter()
+                .map(|&s| {
+                    if s {
+                        HeadKind::Streaming
+                    } else {
+                        HeadKind::Dense
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let pattern = HeadPattern::from_kinds(geometry, kinds).unwrap();
+    let n_p = case.n_l * case.g;
+    let config = SparsityConfig {
+        sink_tokens: case.sink,
+        local_tokens: case.local,
+        token_budget: case.k * n_p,
+        page_tokens: n_p,
+        logical_page_tokens: case.n_l,
+        reuse_interval: case.reuse,
+        dynamic_min_len: case.dynamic_min_len,
+        gqa_aggregation: if case.mean {
+            GqaAggregation::Mean
+        } else {
+            GqaAggregation::Max
+        },
+        always_include_first_page: case.first,
+        softmax_scale: None,
+    };
+    let max_len: usize = 64;
+    let batch = case.prefill.len();
+    let capacity = batch * max_len.div_ceil(n_p) + 1;
+    let mut mgr =
+        KvCacheManager::new(geometry, pattern.clone(), config, capacity, batch, max_len).unwrap();
+    let mut cache = HostKvCache::<E>::for_manager(&mgr).unwrap();
+    let entry_capacity = IndexTables::entry_capacity_for(&config, max_len);
+    let mut tables = IndexTables::new(&pattern, batch, entry_capacity, capacity).unwrap();
+    let mut reuse = ReuseState::new(case.reuse).unwrap();
+    let mut rng = StdRng::seed_from_u64(case.seed);
+    let scale = config.softmax_scale_for(D) as f64;
+
+    // Naive history [seq][layer][kv_head] -> rows; held selections per (seq, layer, kv_head).
+    let mut hist_k = vec![vec![vec![Vec::<Vec<f64>>::new(); hkv]; layers]; batch];
+    let mut hist_v = hist_k.clone();
+    let mut held: BTreeMap<(usize, usize, usize), Vec<u32>> = BTreeMap::new();
+
+    let mut seqs = Vec::new();
+    // Prefill (a sequence with 0 prefill tokens starts at its first decode step).
+    for (b, &n) in case.prefill.iter().enumerate() {
+        let seq = mgr.add_sequence().unwrap();
+        seqs.push(seq);
+        if n == 0 {
+            continue;
+        }
+        mgr.reserve(seq, n).unwrap();
+        for layer in 0..layers {
+            let k: Vec<E> = random_row(&mut rng, n * hkv * D);
+            let v: Vec<E> = random_row(&mut rng, n * hkv * D);
+            write_tokens(&mut cache, layer, &mgr.view(seq).unwrap(), 0, &k, &v).unwrap();
+            for t in 0..n {
+                for h in 0..hkv {
+                    hist_k[b][layer][h].push(widen(&k[(t * hkv + h) * D..][..D]));
+                    hist_v[b][layer][h].push(widen(&v[(t * hkv + h) * D..][..D]));
+                }
+            }
+        }
+    }
+
+    for step in 0..case.steps {
+        for &seq in &seqs {
+            mgr.reserve(seq, 1).unwrap();
+        }
+        for layer in 0..layers {
+            let q: Vec<E> = random_row(&mut rng, batch * hq * D);
+            let k: Vec<E> = random_row(&mut rng, batch * hkv * D);
+            let v: Vec<E> = random_row(&mut rng, batch * hkv * D);
+            let got = decode_step(
+                &mgr,
+                &mut cache,
+                &mut tables,
+                &mut reuse,
+                layer,
+                &seqs,
+                &q,
+                &k,
+                &v,
+            )
+            .map_err(|e| format!("decode_step: {e}"))?;
+            for (b, &seq) in seqs.iter().enumerate() {
+                for h in 0..hkv {
+                    hist_k[b][layer][h].push(widen(&k[(b * hkv + h) * D..][..D]));
+                    hist_v[b][layer][h].push(widen(&v[(b * hkv + h) * D..][..D]));
+                }
+                let len = mgr.len(seq).unwrap();
+                assert_eq!(mgr.decode_step(seq).unwrap(), step as u64);
+                for h in 0..hkv {
+                    let (keys, values) = (&hist_k[b][layer][h], &hist_v[b][layer][h]);
+                    assert_eq!(keys.len(), len);
+                    let q_group: Vec<Vec<f64>> = (0..group)
+                        .map(|j| widen(&q[(b * hq + h * group + j) * D..][..D]))
+                        .collect();
+                    let visit = &got.visits[b][h];
+                    let mask: Vec<bool> = if case.kinds[layer][h] {
+                        if *visit != HeadVisit::Streaming {
+                            return Err(format!(
+                                "step {step} seq {b} head {h}: {visit:?}, want streaming"
+                            ));
+                        }
+                        let t = len - 1;
+                        (0..len)
+                            .map(|j| {
+                                tweak == Tweak::StreamingAsCausal
+                                    || j < case.sink
+                                    || t - j < case.local
+                            })
+                            .collect()
+                    } else if len <= case.dynamic_min_len {
+                        if *visit != HeadVisit::AllPages {
+                            return Err(format!(
+                                "step {step} seq {b} head {h}: {visit:?}, want all pages"
+                            ));
+                        }
+                        vec![true; len]
+                    } else {
+                        let key = (b, layer, h);
+                        let due = step % case.reuse == 0
+                            || !held.contains_key(&key)
+                            || tweak == Tweak::NoReuse;
+                        let newest = ((len - 1) / n_p) as u32;
+                        let pages = if due {
+                            let sel = naive_select(case, &q_group, keys);
+                            held.insert(key, sel.clone());
+                            sel
+                        } else {
+                            let mut p = held[&key].clone();
+                            if !p.contains(&newest) {
+                                p.push(newest);
+                            }
+                            p.sort();
+                            p
+                        };
+                        assert!(pages.contains(&newest));
+                        let want = HeadVisit::Selected {
+                            pages: pages.clone(),
+                            selected_now: due,
+                        };
+                        if *visit != want {
+                            return Err(format!("step {step} seq {b} layer {layer} head {h}: {visit:?}, want {want:?}"));
+                        }
+                        // The index table holds the physical ids, ascending logical order.
+                        let bt = mgr.block_table(seq).unwrap();
+                        let phys: Vec<u32> = pages
+                            .iter()
+                            .map(|&p| bt.physical(p as usize).unwrap())
+                            .collect();
+                        let slot = mgr.slot(seq).unwrap() as usize;
+                        let head = pattern.compact_index(layer, h);
+                        assert_eq!(tables.get(layer, slot, head).unwrap(), &phys[..]);
+                        (0..len)
+                            .map(|j| pages.contains(&((j / n_p) as u32)))
+                            .collect()
+                    };
+                    for (j, qh) in q_group.iter().enumerate() {
+                        let want = naive_softmax(qh, keys, values, &mask, scale);
+                        let row = (b * hq + h * group + j) * D;
+                        let got_row = &got.out[row..row + D];
+                        let diff: f64 = got_row
+                            .iter()
+                            .zip(&want)
+                            .map(|(a, b)| (a - b).powi(2))
+                            .sum();
+                        let norm: f64 = want.iter().map(|x| x * x).sum();
+                        let rel = (diff / norm).sqrt();
+                        if rel.is_nan() || rel >= 1e-9 {
+                            return Err(format!(
+                                "step {step} seq {b} layer {layer} q head {}: relative error {rel}",
+                                h * group + j
+                            ));
+                        }
+                    }
+                    // Stored statistics equal brute force over the history.
+                    if !case.kinds[layer][h] {
+                        let stats =
+                            stored_key_stats(&cache, layer, &mgr.view(seq).unwrap(), h).unwrap();
+                        for lp in 0..len.div_ceil(case.n_l) {
+                            let toks = &keys[lp * case.n_l..((lp + 1) * case.n_l).min(len)];
+                            for i in 0..D {
+                                let lo = toks.iter().map(|k| k[i]).fold(f64::INFINITY, f64::min);
+                                let hi =
+                                    toks.iter().map(|k| k[i]).fold(f64::NEG_INFINITY, f64::max);
+                                if stats.kmin(lp)[i] as f64 != lo || stats.kmax(lp)[i] as f64 != hi
+                                {
+                                    return Err(format!(
+                                        "step {step}: stats of logical page {lp} differ"
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for &seq in &seqs {
+            mgr.advance_decode_step(seq).unwrap();
+        }
+    }
+    Ok(())
+}
+
+fn run_case(case: &Case, tweak: Tweak) -> Result<(), String> {
+    if case.f16 {
+        run::<f16>(case, tweak)
+    } else {
+        run::<bf16>(case, tweak)
+    }
+}
+
+proptest! {
+    #[test]
+    fn decode_steps_match_naive_model(case in case_strategy()) {
+        if let Err(e) = run_case(&case, Tweak::None) {
+            prop_assert!(false, "{}", e);
+        }
+    }
+}
+
+fn fixed_case(reuse: usize) -> Case {
+    Case {
+        kv_heads: 2,
+        group: 2,
+        kinds: vec![vec![false, true]],
+        n_l: 2,
+        g: 2,
+        k: 2,
+        sink: 2,
+        local: 5,
+        dynamic_min_len: 6,
+        reuse,
+        first: true,
+        mean: false,
+        prefill: vec![3, 17],
+        steps: 24,
+        f16: false,
+        seed: 5,
+    }
+}
+
+/// The two reuse intervals the design names, on a run long enough to wrap the ring several times.
+#[test]
+fn reuse_one_and_four_with_a_wrapping_ring() {
+    for reuse in [1, 4] {
+        run_case(&fixed_case(reuse), Tweak::None).unwrap();
+    }
+}
+
+/// The comparison can fail: a naive side that never reuses disagrees with C = 4, and one that
+/// lets streaming heads see everything disagrees once the ring has wrapped.
+#[test]
+fn comparison_detects_wrong_reuse_and_wrong_streaming() {
+    assert!(run_case(&fixed_case(4), Tweak::NoReuse).is_err());
+    assert!(run_case(&fixed_case(1), Tweak::NoReuse).is_ok()); // C = 1 selects every step anyway
+    assert!(run_case(&fixed_case(4), Tweak::StreamingAsCausal).is_err());
+}
