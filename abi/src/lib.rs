@@ -7,8 +7,10 @@
 #![no_std]
 
 pub mod decode;
+pub mod kv_write;
 pub mod layout;
 pub mod prefill;
 pub mod primitives;
+pub mod select;
 
 pub use layout::{PagedLayout, StreamingLayout};

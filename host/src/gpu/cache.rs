@@ -7,7 +7,9 @@
 //! page pool: after it changes (a sequence added, grown across a page boundary, freed),
 //! [`DeviceKvCache::sync_tables`] copies the block tables over.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::{PagedLayout, StreamingLayout};
 
@@ -41,6 +43,11 @@ pub struct DeviceLayer<E> {
     pub(crate) index_pages: CudaSlice<u32>,
     /// `[slots][dense_heads]` entries used.
     pub(crate) index_lens: CudaSlice<u32>,
+    /// `[slots][dense_heads][held_capacity]` the held selection (logical page numbers,
+    /// ascending) from the last step that selected, reused until the next one.
+    pub(crate) held_pages: CudaSlice<u32>,
+    /// `[slots][dense_heads]` pages in the held selection (0: nothing held).
+    pub(crate) held_lens: CudaSlice<u32>,
 }
 
 /// The paged KV cache of every layer on the device.
@@ -66,11 +73,37 @@ pub struct DeviceKvCache<E> {
     pub(crate) block_tables: CudaSlice<u32>,
     pub(crate) max_pages: u32,
     pub(crate) entry_capacity: u32,
+    /// Room for a held selection: `K` + the first page + the newest page at selection time.
+    pub(crate) held_capacity: u32,
+    /// `[slots]` decode step counter of the sequence in each slot (selection is due on steps
+    /// `0, C, 2C, ...`), kept on the device so that a step never waits for the host.
+    pub(crate) decode_steps: CudaSlice<u32>,
     pub(crate) slots: u32,
     /// Sequences up to this length decode densely (`SparsityConfig::dynamic_min_len`).
     pub(crate) dynamic_min_len: u32,
     /// Softmax scale of the attention (`SparsityConfig::softmax_scale_for`).
     pub(crate) softmax_scale: f32,
+}
+
+/// A device copy of `data`, at least one element long (the driver refuses empty allocations;
+/// a layer may have no dense or no streaming heads).
+fn upload<T: DeviceRepr + Default + Clone>(
+    stream: &Arc<CudaStream>,
+    data: &[T],
+) -> Result<CudaSlice<T>> {
+    if data.is_empty() {
+        Ok(stream.clone_htod(&[T::default()])?)
+    } else {
+        Ok(stream.clone_htod(data)?)
+    }
+}
+
+/// `n` zeroed elements on the device, at least one.
+fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> Result<CudaSlice<T>> {
+    Ok(stream.alloc_zeros(n.max(1))?)
 }
 
 /// The device's encoding of a layer's head pattern (see [`HEAD_STREAMING`]).
@@ -119,6 +152,8 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             });
         }
         let stream = gpu.stream();
+        let slots = manager.max_sequences();
+        let held_capacity = cfg.pages_per_selection() + 2;
         let mut layers = Vec::with_capacity(host.layers());
         for layer in 0..host.layers() {
             let dense = host.dense(layer)?;
@@ -127,15 +162,20 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             layers.push(DeviceLayer {
                 paged: dense.layout(),
                 streaming: streaming.layout(),
-                k_pool: stream.clone_htod(dense.k())?,
-                v_pool: stream.clone_htod(dense.v())?,
-                kmin: stream.clone_htod(dense.kmin())?,
-                kmax: stream.clone_htod(dense.kmax())?,
-                k_stream: stream.clone_htod(streaming.k())?,
-                v_stream: stream.clone_htod(streaming.v())?,
-                head_map: stream.clone_htod(&head_map(&pattern, layer))?,
-                index_pages: stream.clone_htod(table.pages())?,
-                index_lens: stream.clone_htod(table.lens())?,
+                k_pool: upload(stream, dense.k())?,
+                v_pool: upload(stream, dense.v())?,
+                kmin: upload(stream, dense.kmin())?,
+                kmax: upload(stream, dense.kmax())?,
+                k_stream: upload(stream, streaming.k())?,
+                v_stream: upload(stream, streaming.v())?,
+                head_map: upload(stream, &head_map(&pattern, layer))?,
+                index_pages: upload(stream, table.pages())?,
+                index_lens: upload(stream, table.lens())?,
+                held_pages: zeros(
+                    stream,
+                    slots * dense.layout().heads as usize * held_capacity,
+                )?,
+                held_lens: zeros(stream, slots * dense.layout().heads as usize)?,
             });
         }
         let pattern_head_dim = pattern.geometry().head_dim();
@@ -144,9 +184,11 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         Ok(Self {
             pattern,
             layers,
-            block_tables: stream.clone_htod(&tables.pages)?,
+            block_tables: upload(stream, &tables.pages)?,
             max_pages: tables.max_pages_per_seq as u32,
             entry_capacity,
+            held_capacity: held_capacity as u32,
+            decode_steps: zeros(stream, slots)?,
             slots: tables.slots as u32,
             dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
             softmax_scale: cfg.softmax_scale_for(pattern_head_dim),

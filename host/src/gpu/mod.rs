@@ -4,9 +4,12 @@
 mod cache;
 mod context;
 mod decode;
+mod kv_write;
 mod launch;
+mod prefill;
 #[doc(hidden)]
 pub mod primitives_testing;
+mod select;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 pub use context::{driver_present, GpuContext, PTX, PTX_ARCH};
