@@ -106,6 +106,29 @@ fn zeros<T: DeviceRepr + ValidAsZeroBits>(
     Ok(stream.alloc_zeros(n.max(1))?)
 }
 
+/// What a new device cache starts with.
+enum Contents<'a, E> {
+    /// Zeroes, index entries of `entry_capacity` pages.
+    Zeroed { entry_capacity: usize },
+    /// A copy of a host cache and its index tables.
+    Host {
+        host: &'a HostKvCache<E>,
+        index: &'a IndexTables,
+    },
+}
+
+/// The per-layer buffers whose contents depend on [`Contents`].
+struct LayerBuffers<E> {
+    k_pool: CudaSlice<E>,
+    v_pool: CudaSlice<E>,
+    kmin: CudaSlice<E>,
+    kmax: CudaSlice<E>,
+    k_stream: CudaSlice<E>,
+    v_stream: CudaSlice<E>,
+    index_pages: CudaSlice<u32>,
+    index_lens: CudaSlice<u32>,
+}
+
 /// The device's encoding of a layer's head pattern (see [`HEAD_STREAMING`]).
 fn head_map(pattern: &HeadPattern, layer: usize) -> Vec<u32> {
     (0..pattern.geometry().kv_heads())
@@ -119,10 +142,12 @@ fn head_map(pattern: &HeadPattern, layer: usize) -> Vec<u32> {
 impl<E: DeviceElement> DeviceKvCache<E> {
     /// A zeroed cache shaped for `manager`: its pool capacity, slots, longest sequence and
     /// head pattern. Index tables hold [`IndexTables::entry_capacity_for`] pages per entry.
+    ///
+    /// Allocates on the device only (a long-context cache need not fit in host memory).
     pub fn new(gpu: &GpuContext, manager: &KvCacheManager) -> Result<Self> {
-        let host = HostKvCache::<E>::for_manager(manager)?;
-        let index = IndexTables::for_manager(manager)?;
-        Self::upload(gpu, manager, &host, &index)
+        let entry_capacity =
+            IndexTables::entry_capacity_for(manager.config(), manager.max_seq_len());
+        Self::build(gpu, manager, Contents::Zeroed { entry_capacity })
     }
 
     /// A cache holding a copy of `host` (K/V and statistics) and of `index`, with the block
@@ -133,13 +158,21 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         host: &HostKvCache<E>,
         index: &IndexTables,
     ) -> Result<Self> {
-        let pattern = manager.pattern().clone();
-        if host.pattern() != &pattern || host.layers() != index.layers() {
+        if host.pattern() != manager.pattern() || host.layers() != index.layers() {
             return Err(LserveError::InvalidArgument {
                 what: "host cache / index tables",
                 reason: "shaped for a different pattern than the manager".into(),
             });
         }
+        Self::build(gpu, manager, Contents::Host { host, index })
+    }
+
+    fn build(
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        contents: Contents<'_, E>,
+    ) -> Result<Self> {
+        let pattern = manager.pattern().clone();
         let cfg = manager.config();
         if cfg.page_tokens % lserve_abi::decode::DECODE_TILE_ROWS as usize != 0 {
             return Err(LserveError::InvalidConfig {
@@ -154,33 +187,68 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         let stream = gpu.stream();
         let slots = manager.max_sequences();
         let held_capacity = cfg.pages_per_selection() + 2;
-        let mut layers = Vec::with_capacity(host.layers());
-        for layer in 0..host.layers() {
-            let dense = host.dense(layer)?;
-            let streaming = host.streaming(layer)?;
-            let table = index.layer(layer)?;
+        let geometry = *pattern.geometry();
+        let mut layers = Vec::with_capacity(geometry.layers());
+        for layer in 0..geometry.layers() {
+            let paged = manager.paged_layout(layer);
+            let streaming = manager.streaming_layout(layer);
+            let dense_heads = paged.heads as usize;
+            let layer_buffers = match &contents {
+                Contents::Zeroed { entry_capacity } => LayerBuffers {
+                    k_pool: zeros(stream, paged.kv_elements())?,
+                    v_pool: zeros(stream, paged.kv_elements())?,
+                    kmin: zeros(stream, paged.stats_elements())?,
+                    kmax: zeros(stream, paged.stats_elements())?,
+                    k_stream: zeros(stream, streaming.kv_elements())?,
+                    v_stream: zeros(stream, streaming.kv_elements())?,
+                    index_pages: zeros(stream, slots * dense_heads * entry_capacity)?,
+                    index_lens: zeros(stream, slots * dense_heads)?,
+                },
+                Contents::Host { host, index } => {
+                    let (dense, stored) = (host.dense(layer)?, host.streaming(layer)?);
+                    if dense.layout() != paged || stored.layout() != streaming {
+                        return Err(LserveError::InvalidArgument {
+                            what: "host cache",
+                            reason: format!(
+                                "layer {layer} is laid out differently from the manager's"
+                            ),
+                        });
+                    }
+                    let table = index.layer(layer)?;
+                    LayerBuffers {
+                        k_pool: upload(stream, dense.k())?,
+                        v_pool: upload(stream, dense.v())?,
+                        kmin: upload(stream, dense.kmin())?,
+                        kmax: upload(stream, dense.kmax())?,
+                        k_stream: upload(stream, stored.k())?,
+                        v_stream: upload(stream, stored.v())?,
+                        index_pages: upload(stream, table.pages())?,
+                        index_lens: upload(stream, table.lens())?,
+                    }
+                }
+            };
             layers.push(DeviceLayer {
-                paged: dense.layout(),
-                streaming: streaming.layout(),
-                k_pool: upload(stream, dense.k())?,
-                v_pool: upload(stream, dense.v())?,
-                kmin: upload(stream, dense.kmin())?,
-                kmax: upload(stream, dense.kmax())?,
-                k_stream: upload(stream, streaming.k())?,
-                v_stream: upload(stream, streaming.v())?,
+                paged,
+                streaming,
+                k_pool: layer_buffers.k_pool,
+                v_pool: layer_buffers.v_pool,
+                kmin: layer_buffers.kmin,
+                kmax: layer_buffers.kmax,
+                k_stream: layer_buffers.k_stream,
+                v_stream: layer_buffers.v_stream,
                 head_map: upload(stream, &head_map(&pattern, layer))?,
-                index_pages: upload(stream, table.pages())?,
-                index_lens: upload(stream, table.lens())?,
-                held_pages: zeros(
-                    stream,
-                    slots * dense.layout().heads as usize * held_capacity,
-                )?,
-                held_lens: zeros(stream, slots * dense.layout().heads as usize)?,
+                index_pages: layer_buffers.index_pages,
+                index_lens: layer_buffers.index_lens,
+                held_pages: zeros(stream, slots * dense_heads * held_capacity)?,
+                held_lens: zeros(stream, slots * dense_heads)?,
             });
         }
         let pattern_head_dim = pattern.geometry().head_dim();
         let tables = manager.device_block_tables();
-        let entry_capacity = index.layer(0)?.entry_capacity() as u32;
+        let entry_capacity = match &contents {
+            Contents::Zeroed { entry_capacity } => *entry_capacity,
+            Contents::Host { index, .. } => index.layer(0)?.entry_capacity(),
+        } as u32;
         Ok(Self {
             pattern,
             layers,
@@ -265,6 +333,23 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 what: "layer",
                 reason: format!("{layer} out of range ({n} layers)"),
             })
+    }
+
+    /// Layer `layer`'s buffers, mutable, with the block tables (shared by all layers) to read:
+    /// what a kernel that writes the cache through the block tables takes.
+    pub(crate) fn layer_mut_and_tables(
+        &mut self,
+        layer: usize,
+    ) -> Result<(&mut DeviceLayer<E>, &CudaSlice<u32>)> {
+        let n = self.layers.len();
+        let l = self
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| LserveError::InvalidArgument {
+                what: "layer",
+                reason: format!("{layer} out of range ({n} layers)"),
+            })?;
+        Ok((l, &self.block_tables))
     }
 }
 

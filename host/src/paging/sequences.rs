@@ -1,6 +1,8 @@
 //! Sequence lifecycle over the page pool and the streaming slots.
 
 use std::collections::BTreeMap;
+
+use lserve_abi::{PagedLayout, StreamingLayout};
 use std::ops::Range;
 
 use super::block_table::BlockTable;
@@ -313,6 +315,31 @@ impl KvCacheManager {
     /// Block-table entries a sequence can need (`ceil(max_seq_len / page_tokens)`).
     pub fn max_pages_per_seq(&self) -> usize {
         self.config.pages_for_len(self.max_seq_len)
+    }
+
+    /// Layer `layer`'s dense page pool layout (the pool's capacity, the layer's dense heads).
+    ///
+    /// # Panics
+    /// If `layer` is out of range (like the [`HeadPattern`] queries).
+    pub fn paged_layout(&self, layer: usize) -> PagedLayout {
+        PagedLayout {
+            capacity: self.pool.capacity() as u32,
+            heads: self.pattern.dense_heads(layer) as u32,
+            page_tokens: self.config.page_tokens as u32,
+            logical_tokens: self.config.logical_page_tokens as u32,
+            head_dim: self.geometry.head_dim() as u32,
+        }
+    }
+
+    /// Layer `layer`'s streaming store layout (all slots, the layer's streaming heads).
+    ///
+    /// # Panics
+    /// If `layer` is out of range.
+    pub fn streaming_layout(&self, layer: usize) -> StreamingLayout {
+        self.store.layout(
+            self.pattern.streaming_heads(layer),
+            self.geometry.head_dim(),
+        )
     }
 
     /// All block tables in the device's shape, indexed by slot.
