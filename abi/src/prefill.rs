@@ -1,6 +1,68 @@
-//! Prefill block granularity: the unit of the block iterator and of caller block masks.
+//! Prefill block granularity (the unit of the block iterator and of caller block masks) and the
+//! launch contract of the block-sparse prefill attention kernel.
+//!
+//! One launch serves a ragged batch for one layer: grid `(items, q_heads)`, [`PREFILL_THREADS`]
+//! threads. A *work item* is one (sequence, query block) pair, described by a
+//! [`PrefillWorkItem`] in a small device array built on the host (the plan); grid `x` indexes it,
+//! grid `y` is the query head. The KV blocks the item visits follow from its head's kind (dense:
+//! causal; streaming: Λ, with [`PrefillParams::sink_tokens`] / [`PrefillParams::local_tokens`])
+//! and, optionally, a caller block mask.
 
 /// Queries per prefill block (rows of a query tile; the granularity of a block mask's rows).
 pub const BLOCK_Q: u32 = 64;
 /// Keys per prefill block (the granularity of the KV blocks a query block visits).
 pub const BLOCK_KV: u32 = 64;
+
+/// Threads per block of the prefill kernel: 4 warps, 16 query rows each.
+pub const PREFILL_THREADS: u32 = 128;
+/// K/V tiles in flight per block (`cp.async` stages).
+pub const PREFILL_STAGES: u32 = 2;
+/// Padding of every shared-memory tile row, in elements (16 bytes): rows `D + 8` elements apart
+/// make the eight row addresses of an `ldmatrix` 8x8 load fall in distinct bank groups.
+pub const PREFILL_ROW_PAD: u32 = 8;
+
+/// Shared memory of the prefill kernel for head dimension `head_dim`, in bytes: the query tile
+/// plus a K and a V tile per stage, rows padded by [`PREFILL_ROW_PAD`].
+pub const fn prefill_smem_bytes(head_dim: u32) -> u32 {
+    (BLOCK_Q + 2 * PREFILL_STAGES * BLOCK_KV) * (head_dim + PREFILL_ROW_PAD) * 2
+}
+
+/// One (sequence, query block) of a prefill launch (`u32` words, `#[repr(C)]`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefillWorkItem {
+    /// First token of the sequence in the ragged batch (`cu_seqlens[b]`).
+    pub seq_start: u32,
+    /// Tokens in the sequence.
+    pub seq_len: u32,
+    /// The query block (sequence-local): queries `q_block * BLOCK_Q ..`.
+    pub q_block: u32,
+    /// Word offset, in the block-mask array, of query head 0's row for this query block
+    /// (unused without a mask).
+    pub mask_row: u32,
+    /// Words between the rows of consecutive query heads for this sequence
+    /// (`q_blocks * words_per_row`; unused without a mask).
+    pub mask_head_stride: u32,
+}
+
+/// Scalars of one prefill launch (by value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillParams {
+    /// Query heads (`Hq`, grid `y`).
+    pub q_heads: u32,
+    /// KV heads (`Hkv`).
+    pub kv_heads: u32,
+    /// Query heads per KV head (`G = Hq / Hkv`); query head `h` reads KV head `h / G`.
+    pub group: u32,
+    /// Work items (grid `x`).
+    pub items: u32,
+    /// Sink tokens of streaming heads.
+    pub sink_tokens: u32,
+    /// Local window of streaming heads (> 0 when any head streams).
+    pub local_tokens: u32,
+    /// Softmax scale times `log2(e)` (the kernel works in base 2).
+    pub scale_log2: f32,
+    /// 1 if the launch passes a caller block mask, else 0.
+    pub has_mask: u32,
+}

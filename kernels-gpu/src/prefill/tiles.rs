@@ -1,0 +1,191 @@
+//! Tile shapes and the moves between global memory, shared memory and `mma` fragments.
+//!
+//! A tile is 64 rows (queries or keys) of `D` elements. In shared memory its rows are
+//! `D + PREFILL_ROW_PAD` elements apart, so the eight 16-byte rows of every `ldmatrix` 8x8 load
+//! land in distinct bank groups. Shared memory holds the query tile, then per stage a K and a V
+//! tile ([`SmemLayout`]).
+//!
+//! Per warp (16 query rows), with `D/16` head-dimension steps:
+//! - `Q` is `D/16` A fragments (rows x dims), loaded once;
+//! - `S = Q Kᵀ` is 8 accumulators (16 rows x 8 keys each); `Kᵀ`'s B fragments come from the
+//!   row-major K tile with plain `ldmatrix` (keys are B's `n`, dims its `k`);
+//! - `O` is `D/8` accumulators (16 rows x 8 dims each); `V`'s B fragments come from the
+//!   row-major V tile with `ldmatrix.trans` (keys are B's `k`, dims its `n`).
+
+use lserve_abi::prefill::{BLOCK_KV, PREFILL_ROW_PAD, PREFILL_STAGES, PREFILL_THREADS};
+
+use crate::cp_async::cp_async_16;
+use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans, load_a_row_major};
+use crate::mma::{FragA, FragB, FragC, MmaElement};
+use crate::smem::{dynamic_smem, shared_addr};
+
+/// Rows of every tile (queries of a query tile, keys of a K/V tile).
+pub const TILE_ROWS: u32 = BLOCK_KV;
+/// Accumulators of `S` per warp: 64 keys in groups of 8.
+pub const S_TILES: usize = (BLOCK_KV / 8) as usize;
+/// Most accumulators of `O` per warp (`D = 128`: 16 groups of 8 dims).
+pub const MAX_O_TILES: usize = 16;
+/// Most `Q` fragments per warp (`D = 128`: 8 steps of 16 dims).
+pub const MAX_Q_STEPS: usize = 8;
+
+/// The tile geometry for head dimension `D` (64 or 128).
+pub struct Tile<const D: usize>;
+
+impl<const D: usize> Tile<D> {
+    /// Bytes between consecutive rows in shared memory.
+    pub const ROW_BYTES: u32 = (D as u32 + PREFILL_ROW_PAD) * 2;
+    /// Bytes of one tile in shared memory.
+    pub const BYTES: u32 = TILE_ROWS * Self::ROW_BYTES;
+    /// 16-byte chunks per row.
+    const CHUNKS_PER_ROW: u32 = D as u32 / 8;
+    /// Chunks each thread copies per tile.
+    const CHUNKS_PER_THREAD: u32 = TILE_ROWS * Self::CHUNKS_PER_ROW / PREFILL_THREADS;
+    /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
+    pub const D_STEPS: usize = D / 16;
+    /// Accumulators of 8 dims in `O`.
+    pub const O_TILES: usize = D / 8;
+}
+
+/// Where the tiles live in dynamic shared memory (32-bit shared-window addresses).
+pub struct SmemLayout<const D: usize>;
+
+impl<const D: usize> SmemLayout<D> {
+    /// The query tile.
+    #[inline(always)]
+    pub fn q() -> u32 {
+        shared_addr(dynamic_smem::<u8>(0))
+    }
+
+    /// The K tile of `stage`.
+    #[inline(always)]
+    pub fn k(stage: u32) -> u32 {
+        Self::q() + Tile::<D>::BYTES * (1 + 2 * stage)
+    }
+
+    /// The V tile of `stage`.
+    #[inline(always)]
+    pub fn v(stage: u32) -> u32 {
+        Self::k(stage) + Tile::<D>::BYTES
+    }
+}
+
+// The layout above is what `prefill_smem_bytes` sizes.
+const _: () = assert!(
+    lserve_abi::prefill::prefill_smem_bytes(128) == (1 + 2 * PREFILL_STAGES) * Tile::<128>::BYTES
+);
+
+/// Starts the asynchronous copy of 64 rows into the tile at `dst`: row `r` comes from
+/// `src + min(r, valid_rows - 1) * row_stride` (rows past the end repeat the last existing row,
+/// so every element is finite; the kernel masks them out).
+///
+/// # Safety
+/// All [`PREFILL_THREADS`] threads call it; `dst` is a tile of this layout; `1 <= valid_rows`,
+/// and `valid_rows` rows of `D` elements at `src + r * row_stride` are readable, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_tile_async<const D: usize>(
+    dst: u32,
+    src: *const u16,
+    row_stride: usize,
+    valid_rows: u32,
+    thread: u32,
+) {
+    let mut i = 0;
+    while i < Tile::<D>::CHUNKS_PER_THREAD {
+        let c = thread + i * PREFILL_THREADS;
+        let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
+        let src_row = row.min(valid_rows - 1);
+        // SAFETY: `src_row < valid_rows` rows exist; `chunk * 8 + 8 <= D`; the destination is
+        // inside the tile (`row < 64`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
+        unsafe {
+            cp_async_16(
+                dst + row * Tile::<D>::ROW_BYTES + chunk * 16,
+                src.add(src_row as usize * row_stride + chunk as usize * 8) as *const u8,
+            );
+        }
+        i += 1;
+    }
+}
+
+/// This warp's `Q` fragments: rows `16 * warp ..` of the query tile, `D/16` steps of 16 dims.
+///
+/// # Safety
+/// The whole warp calls it after a barrier that follows the query tile's arrival.
+#[inline(always)]
+pub unsafe fn load_q_fragments<E: MmaElement, const D: usize>(
+    warp: u32,
+    lane: u32,
+) -> [FragA<E>; MAX_Q_STEPS] {
+    let mut q = [FragA::from_regs([0; 4]); MAX_Q_STEPS];
+    let rows = SmemLayout::<D>::q() + 16 * warp * Tile::<D>::ROW_BYTES;
+    crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+        // SAFETY: a 16x16 block inside the query tile; forwarded barrier.
+        q[kk] = unsafe { load_a_row_major::<E>(rows + kk as u32 * 32, Tile::<D>::ROW_BYTES, lane) };
+    });
+    q
+}
+
+/// The B fragments of `Kᵀ` for keys `16 * pair .. + 16` (two accumulators of 8 keys) and dims
+/// `16 * kk .. + 16`, from the row-major K tile at `k_tile`, with one `ldmatrix.x4`.
+///
+/// Matrices: (keys +0..8, dims +0..8), (keys +0..8, dims +8..16), (keys +8..16, dims +0..8),
+/// (keys +8..16, dims +8..16); lane `l` addresses row `l % 8` of matrix `l / 8`.
+///
+/// # Safety
+/// The whole warp calls it after a barrier that follows the tile's arrival.
+#[inline(always)]
+pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
+    k_tile: u32,
+    pair: u32,
+    kk: u32,
+    lane: u32,
+) -> [FragB<E>; 2] {
+    let (matrix, row) = (lane / 8, lane % 8);
+    let key = 16 * pair + row + 8 * (matrix / 2);
+    let dim = 16 * kk + 8 * (matrix % 2);
+    // SAFETY: key < 64, dim + 8 <= D: inside the tile; forwarded barrier.
+    let r = unsafe { ldmatrix_x4(k_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
+}
+
+/// The B fragments of `V` for keys `16 * kk .. + 16` and dims `16 * pair .. + 16` (two
+/// accumulators of 8 dims), from the row-major V tile at `v_tile`, with one `ldmatrix.x4.trans`.
+///
+/// Matrices: (keys +0..8, dims +0..8), (keys +8..16, dims +0..8), (keys +0..8, dims +8..16),
+/// (keys +8..16, dims +8..16); the transpose makes each lane hold two consecutive keys of one dim.
+///
+/// # Safety
+/// As [`load_k_fragments`].
+#[inline(always)]
+pub unsafe fn load_v_fragments<E: MmaElement, const D: usize>(
+    v_tile: u32,
+    kk: u32,
+    pair: u32,
+    lane: u32,
+) -> [FragB<E>; 2] {
+    let (matrix, row) = (lane / 8, lane % 8);
+    let key = 16 * kk + row + 8 * (matrix % 2);
+    let dim = 16 * pair + 8 * (matrix / 2);
+    // SAFETY: key < 64, dim + 8 <= D: inside the tile; forwarded barrier.
+    let r = unsafe { ldmatrix_x4_trans(v_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
+}
+
+/// The A fragment of `P` for keys `16 * kk .. + 16`, from the two `S` accumulators of those keys
+/// (FlashAttention-2's register reuse): accumulator `2 kk` holds keys `+0..8` of rows `group`
+/// (`regs[0..2]`) and `group + 8` (`regs[2..4]`), exactly A's `a0a1` / `a2a3`; accumulator
+/// `2 kk + 1` holds keys `+8..16`, A's `a4a5` / `a6a7`.
+#[inline(always)]
+pub fn p_fragment<E: MmaElement>(lo: &FragC, hi: &FragC) -> FragA<E> {
+    FragA::from_regs([
+        E::pack2(lo.regs[0], lo.regs[1]),
+        E::pack2(lo.regs[2], lo.regs[3]),
+        E::pack2(hi.regs[0], hi.regs[1]),
+        E::pack2(hi.regs[2], hi.regs[3]),
+    ])
+}
