@@ -26,4 +26,7 @@ pub mod index_table;
 pub mod paging;
 pub mod reference;
 
+/// The `cudarc` lserve is built on (device buffers, streams, graphs), re-exported so callers use
+/// the same version.
+pub use cudarc;
 pub use error::{LserveError, Result};

@@ -83,6 +83,8 @@ pub struct DeviceKvCache<E> {
     pub(crate) dynamic_min_len: u32,
     /// Softmax scale of the attention (`SparsityConfig::softmax_scale_for`).
     pub(crate) softmax_scale: f32,
+    /// The manager's sparsity configuration (page selection reads budget, reuse, rules).
+    pub(crate) config: crate::config::SparsityConfig,
 }
 
 /// A device copy of `data`, at least one element long (the driver refuses empty allocations;
@@ -260,6 +262,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             slots: tables.slots as u32,
             dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
             softmax_scale: cfg.softmax_scale_for(pattern_head_dim),
+            config: *cfg,
         })
     }
 
@@ -287,20 +290,51 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         index: &mut IndexTables,
     ) -> Result<()> {
         let stream = gpu.stream();
+        // Device buffers hold at least one element (`upload`), a host buffer may hold none (a
+        // layer without dense or without streaming heads): copy the host's length.
+        let copy = |src: &CudaSlice<E>, dst: &mut [E]| -> Result<()> {
+            if !dst.is_empty() {
+                stream.memcpy_dtoh(&src.slice(..dst.len()), dst)?;
+            }
+            Ok(())
+        };
+        let copy_u32 = |src: &CudaSlice<u32>, n: usize| -> Result<Vec<u32>> {
+            match n {
+                0 => Ok(Vec::new()),
+                _ => Ok(stream.clone_dtoh(&src.slice(..n))?),
+            }
+        };
         for (layer, d) in self.layers.iter().enumerate() {
             let (k, v, kmin, kmax) = host.dense_mut(layer)?.buffers_mut();
-            stream.memcpy_dtoh(&d.k_pool, k)?;
-            stream.memcpy_dtoh(&d.v_pool, v)?;
-            stream.memcpy_dtoh(&d.kmin, kmin)?;
-            stream.memcpy_dtoh(&d.kmax, kmax)?;
+            copy(&d.k_pool, k)?;
+            copy(&d.v_pool, v)?;
+            copy(&d.kmin, kmin)?;
+            copy(&d.kmax, kmax)?;
             let (ks, vs) = host.streaming_mut(layer)?.buffers_mut();
-            stream.memcpy_dtoh(&d.k_stream, ks)?;
-            stream.memcpy_dtoh(&d.v_stream, vs)?;
-            let pages = stream.clone_dtoh(&d.index_pages)?;
-            let lens = stream.clone_dtoh(&d.index_lens)?;
+            copy(&d.k_stream, ks)?;
+            copy(&d.v_stream, vs)?;
+            let t = index.layer(layer)?;
+            let (n_pages, n_lens) = (t.pages().len(), t.lens().len());
+            let pages = copy_u32(&d.index_pages, n_pages)?;
+            let lens = copy_u32(&d.index_lens, n_lens)?;
             index.overwrite_layer(layer, &pages, &lens)?;
         }
         stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Fills every layer's K and V (pool and streaming store) with deterministic pseudo-random
+    /// values ([`fill_random`](super::fill_random), seeded per buffer from `seed`). For
+    /// benchmarks and tests that need a long context without uploading one; the key statistics
+    /// are not updated (run [`pool_key_stats`](super::pool_key_stats) after).
+    pub fn fill_random(&mut self, gpu: &GpuContext, seed: u64) -> Result<()> {
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let base = seed.wrapping_add(4 * i as u64);
+            super::fill_random(gpu, &mut l.k_pool, base)?;
+            super::fill_random(gpu, &mut l.v_pool, base + 1)?;
+            super::fill_random(gpu, &mut l.k_stream, base + 2)?;
+            super::fill_random(gpu, &mut l.v_stream, base + 3)?;
+        }
         Ok(())
     }
 
@@ -350,6 +384,23 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 reason: format!("{layer} out of range ({n} layers)"),
             })?;
         Ok((l, &self.block_tables))
+    }
+
+    /// Layer `layer`'s buffers, mutable, with the block tables and the decode step counters to
+    /// read: what page selection takes.
+    pub(crate) fn layer_mut_tables_steps(
+        &mut self,
+        layer: usize,
+    ) -> Result<(&mut DeviceLayer<E>, &CudaSlice<u32>, &CudaSlice<u32>)> {
+        let n = self.layers.len();
+        let l = self
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| LserveError::InvalidArgument {
+                what: "layer",
+                reason: format!("{layer} out of range ({n} layers)"),
+            })?;
+        Ok((l, &self.block_tables, &self.decode_steps))
     }
 }
 

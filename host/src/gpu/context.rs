@@ -15,6 +15,10 @@ pub const PTX_ARCH: &str = env!("LSERVE_CUDA_ARCH");
 
 /// A CUDA device with lserve's kernels loaded.
 ///
+/// Everything lserve enqueues goes to one stream ([`stream`](Self::stream)), in order; cudarc's
+/// cross-stream event tracking is off for this context (so a decode step can be captured in a
+/// CUDA graph). Using lserve's buffers on another stream needs explicit synchronization with it.
+///
 /// ```no_run
 /// let gpu = lserve::gpu::GpuContext::new(0)?;
 /// println!("running on {}", gpu.device_name()?);
@@ -36,7 +40,14 @@ impl GpuContext {
             return Err(LserveError::NoCudaDriver);
         }
         let ctx = CudaContext::new(ordinal)?;
-        let stream = ctx.default_stream();
+        // SAFETY: every launch and copy lserve makes goes to this context's one stream, in
+        // order, so cudarc's cross-stream event tracking has nothing to order; without it the
+        // decode step records no events and can be captured in a CUDA graph. A caller who uses
+        // lserve's buffers on another stream synchronizes with `stream()` itself (documented on
+        // `GpuContext`).
+        unsafe { ctx.disable_event_tracking() };
+        // A stream of our own, not the legacy default stream: only those can be captured.
+        let stream = ctx.new_stream()?;
         let module = ctx.load_module(Ptx::from_src(PTX))?;
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,

@@ -10,7 +10,18 @@ mod prefill;
 #[doc(hidden)]
 pub mod primitives_testing;
 mod select;
+mod step;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 pub use context::{driver_present, GpuContext, PTX, PTX_ARCH};
 pub use decode::{decode_attention, DecodeWorkspace, MAX_SPLITS};
+pub use kv_write::{
+    append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, DeviceKvWritePlan,
+    KvWritePlan,
+};
+pub use prefill::{prefill_attention, prefill_into_cache, PrefillArgs, PrefillPlan};
+pub use select::{
+    advance_decode_steps, download_selection, poison_index_tables, reset_selection_state,
+    score_pages, select_pages, select_top_k, upload_key_stats, SelectWorkspace, SelectionState,
+};
+pub use step::DecodeStep;

@@ -1,0 +1,97 @@
+//! A whole decode step on the device: per layer append, select when due, attend; then advance
+//! the step counters. No allocation, no host synchronization: a step can be captured in a CUDA
+//! graph and replayed (the batch description is rewritten in place before each replay).
+
+use cudarc::driver::CudaSlice;
+
+use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
+use super::decode::{decode_attention, DecodeWorkspace};
+use super::kv_write::append_kv;
+use super::select::{advance_decode_steps, select_pages, SelectWorkspace};
+use super::GpuContext;
+use crate::Result;
+
+/// The scratch a decode step needs, allocated once for batches of up to `max_batch` sequences.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 4, 65536)?;
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let seq = mgr.add_sequence()?;
+/// // ... prefill the sequence into `cache` ...
+/// let mut step = DecodeStep::new(&gpu, &cache, 4)?;
+/// let mut batch = DecodeBatch::new(&gpu, 4)?;
+/// mgr.reserve(seq, 1)?; // room for the new token
+/// cache.sync_tables(&gpu, &mgr)?;
+/// batch.set(&gpu, &mgr, &[seq])?;
+/// let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+/// let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// for layer in 0..g.layers() {
+///     step.layer(&gpu, &mut cache, layer, &batch, &q, &k, &v, &mut out)?;
+/// }
+/// step.finish(&gpu, &mut cache, &batch)?;
+/// mgr.advance_decode_step(seq)?;
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+pub struct DecodeStep {
+    attention: DecodeWorkspace,
+    selection: SelectWorkspace,
+}
+
+impl DecodeStep {
+    /// Workspaces for `cache`'s geometry and batches of up to `max_batch` sequences.
+    pub fn new<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        max_batch: usize,
+    ) -> Result<Self> {
+        let g = *cache.pattern().geometry();
+        Ok(Self {
+            attention: DecodeWorkspace::new(gpu, max_batch, g.kv_heads(), g.group(), g.head_dim())?,
+            selection: SelectWorkspace::new(gpu, cache, max_batch)?,
+        })
+    }
+
+    /// One layer of the step: writes the new token's `k`, `v` `[B][Hkv][D]` into the cache
+    /// (statistics updated), selects pages for the dense heads whose selection is due (sequences
+    /// longer than `dynamic_min_len`; every `reuse_interval` steps, else the held selection plus
+    /// the newest page), and attends: `q [B][Hq][D]` -> `out [B][Hq][D]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer<E: DeviceElement>(
+        &mut self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        q: &CudaSlice<E>,
+        k: &CudaSlice<E>,
+        v: &CudaSlice<E>,
+        out: &mut CudaSlice<E>,
+    ) -> Result<()> {
+        append_kv(gpu, cache, layer, batch, k, v)?;
+        select_pages(gpu, cache, layer, batch, q, &mut self.selection)?;
+        decode_attention(gpu, cache, layer, batch, q, out, &mut self.attention)
+    }
+
+    /// Ends the step for every sequence of `batch` (advances their decode step counters on the
+    /// device). Call once, after the last layer.
+    pub fn finish<E: DeviceElement>(
+        &mut self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        batch: &DecodeBatch,
+    ) -> Result<()> {
+        advance_decode_steps(gpu, cache, batch)
+    }
+}
