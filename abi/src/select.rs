@@ -1,1 +1,113 @@
-//! (being written)
+//! Launch parameters of the page scorer, the top-K page selector and the decode step counter
+//! (`kernels-gpu/src/select`), and the selection rules the host and the kernels share.
+//!
+//! A layer's page selection is two launches over every (sequence, dense KV head) *pair* of the
+//! batch (`pair = b * dense_heads + dense_head`):
+//! 1. the scorer, grid `(chunks, pairs)`, [`SCORE_THREADS`] threads: the physical-page scores of
+//!    the pairs whose selection is due, into a workspace `[batch][dense_heads][max_pages]` of
+//!    `f32` ([`score_offset`]);
+//! 2. the selector, grid `pairs`, [`SELECT_THREADS`] threads, [`SELECT_SMEM_BYTES`] of dynamic
+//!    shared memory: the exact top-K of the due pairs into their held selection, then every
+//!    pair's index-table entry (held selection plus the newest page).
+//!
+//! Both decide "due" with [`selection_due`] on the same state, so they agree.
+
+use crate::layout::PagedLayout;
+
+/// Threads per block of the scorer (8 warps).
+pub const SCORE_THREADS: u32 = 256;
+
+/// Threads per block of the selector (16 warps).
+pub const SELECT_THREADS: u32 = 512;
+
+/// Dynamic shared memory of the selector, in bytes: a 256-bin histogram, one partial sum per
+/// warp (room for 32) and 8 broadcast words, all `u32`.
+pub const SELECT_SMEM_BYTES: u32 = (256 + 32 + 8) * 4;
+
+/// Threads per block of the decode step counter kernel.
+pub const STEP_THREADS: u32 = 128;
+
+/// [`SelectParams::aggregation`]: maximum over the group's query heads.
+pub const AGGREGATE_MAX: u32 = 0;
+/// [`SelectParams::aggregation`]: mean over the group's query heads.
+pub const AGGREGATE_MEAN: u32 = 1;
+
+/// Scalars of one scorer or selector launch (by value; both kernels take the same struct).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelectParams {
+    /// Sequences in the batch (`B`).
+    pub batch: u32,
+    /// KV heads of the model (`Hkv`); the query heads are `[B][kv_heads * G][D]`.
+    pub kv_heads: u32,
+    /// Row stride of the block tables (`[slots][max_pages]`) and of the score workspace.
+    pub max_pages: u32,
+    /// Row stride of the held selections (`[slots][dense_heads][held_capacity]`).
+    pub held_capacity: u32,
+    /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`).
+    pub entry_capacity: u32,
+    /// Sequences of at most this many tokens attend densely: no selection, tables untouched.
+    pub dynamic_min_len: u32,
+    /// Reuse interval `C` (at least 1).
+    pub reuse_interval: u32,
+    /// Pages chosen by score (`K = token_budget / N_P`).
+    pub top_k: u32,
+    /// 1 if physical page 0 is always selected, else 0.
+    pub always_include_first: u32,
+    /// [`AGGREGATE_MAX`] or [`AGGREGATE_MEAN`].
+    pub aggregation: u32,
+    /// The layer's dense pool (`heads` is `dense_heads`; statistics layout).
+    pub paged: PagedLayout,
+}
+
+/// Whether a (sequence, dense KV head) pair runs page selection on this step
+/// (`docs/ARCHITECTURE.md`, "Reuse"): the sequence is past `dynamic_min_len` and either its
+/// decode step counter is a multiple of the reuse interval or the pair holds no selection yet.
+///
+/// ```
+/// use lserve_abi::select::selection_due;
+/// assert!(!selection_due(100, 100, 0, 4, 0)); // dense decode: never
+/// assert!(selection_due(101, 100, 8, 4, 5)); // step 8 of C = 4
+/// assert!(!selection_due(101, 100, 9, 4, 5)); // reuse
+/// assert!(selection_due(101, 100, 9, 4, 0)); // nothing held yet
+/// ```
+#[inline(always)]
+pub const fn selection_due(
+    len: u32,
+    dynamic_min_len: u32,
+    step: u32,
+    reuse_interval: u32,
+    held_len: u32,
+) -> bool {
+    let interval = if reuse_interval == 0 {
+        1
+    } else {
+        reuse_interval
+    };
+    len > dynamic_min_len && (step.is_multiple_of(interval) || held_len == 0)
+}
+
+/// Offset of pair (`b`, `dense_head`)'s first page score in the workspace
+/// `[batch][dense_heads][max_pages]`.
+#[inline(always)]
+pub const fn score_offset(b: u32, dense_head: u32, dense_heads: u32, max_pages: u32) -> usize {
+    (b as usize * dense_heads as usize + dense_head as usize) * max_pages as usize
+}
+
+/// The order-preserving `u32` key of an `f32` score: `a < b` (IEEE total order, so `-0 < +0`)
+/// iff `key(a) < key(b)`. Negative values have every bit flipped, the others their sign bit set.
+///
+/// ```
+/// use lserve_abi::select::score_key;
+/// let xs = [f32::NEG_INFINITY, -2.5, -0.0, 0.0, 1e-30, 3.0, f32::INFINITY];
+/// assert!(xs.windows(2).all(|w| score_key(w[0]) < score_key(w[1])));
+/// ```
+#[inline(always)]
+pub const fn score_key(x: f32) -> u32 {
+    let bits = x.to_bits();
+    if bits & 0x8000_0000 != 0 {
+        !bits
+    } else {
+        bits | 0x8000_0000
+    }
+}

@@ -1,1 +1,527 @@
-//! (being written)
+//! Page selection on the device (`kernels-gpu/src/select`): the page scorer, the top-K selector
+//! with reuse, and the per-sequence decode step counters.
+//!
+//! A decode step of a model, for the selection part:
+//! 1. per layer, after the token's K/V were appended (the statistics are current):
+//!    [`select_pages`] (or its two halves, [`score_pages`] then [`select_top_k`]);
+//! 2. once, after every layer: [`advance_decode_steps`].
+//!
+//! When a sequence is added to a slot (or the slot is reused), [`reset_selection_state`] zeroes
+//! its step counter and held selections. Selection runs for a (sequence, dense KV head) when
+//! the sequence is longer than `dynamic_min_len` and its step counter is a multiple of the
+//! reuse interval, or the head holds no selection yet; in between the held selection is reused
+//! plus the newest page (`docs/ARCHITECTURE.md`, "Reuse"). Everything — counters, held
+//! selections, index tables — stays on the device: the step launches allocate nothing and never
+//! synchronize, so they can be captured in a CUDA graph. Launch sizes come from the batch's
+//! lengths as last set, but every kernel loops over what it finds on the device, so a captured
+//! launch stays correct as the sequences grow.
+//!
+//! ```no_run
+//! use half::bf16;
+//! use lserve::config::SparsityConfig;
+//! use lserve::geometry::ModelGeometry;
+//! use lserve::gpu::{advance_decode_steps, reset_selection_state, select_pages, DecodeBatch,
+//!                   DeviceKvCache, GpuContext, SelectWorkspace};
+//! use lserve::head_pattern::HeadPattern;
+//! use lserve::paging::KvCacheManager;
+//!
+//! let gpu = GpuContext::new(0)?;
+//! let g = ModelGeometry::llama3_8b();
+//! let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?,
+//!                                   SparsityConfig::default(), 8192, 4, 1 << 18)?;
+//! let seq = mgr.add_sequence()?;
+//! mgr.reserve(seq, 100_000)?;
+//! let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+//! reset_selection_state(&gpu, &mut cache, mgr.slot(seq)?)?;
+//! let mut ws = SelectWorkspace::new(&gpu, &cache, 4)?;
+//! let mut batch = DecodeBatch::new(&gpu, 4)?;
+//! batch.set(&gpu, &mgr, &[seq])?;
+//! let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+//! for layer in 0..g.layers() {
+//!     select_pages(&gpu, &mut cache, layer, &batch, &q, &mut ws)?;
+//! }
+//! advance_decode_steps(&gpu, &mut cache, &batch)?;
+//! # Ok::<(), lserve::LserveError>(())
+//! ```
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use lserve_abi::select::{
+    SelectParams, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS, SELECT_SMEM_BYTES, SELECT_THREADS,
+    STEP_THREADS,
+};
+
+use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
+use super::launch::{ByValue, LaunchParams};
+use super::GpuContext;
+use crate::config::GqaAggregation;
+use crate::dtype::DType;
+use crate::paging::HostKvCache;
+use crate::{LserveError, Result};
+
+impl LaunchParams for SelectParams {}
+
+/// Device scratch of page selection: the physical-page scores of every (sequence, dense KV
+/// head) pair, `[max_batch][dense heads][max_pages]` `f32` (for a layer with `Hd` dense heads
+/// the score of page `p` of pair `(b, h)` is at `(b * Hd + h) * max_pages + p`). Allocated once;
+/// one workspace serves every layer, one layer at a time.
+pub struct SelectWorkspace {
+    scores: CudaSlice<f32>,
+    max_batch: usize,
+    dense_heads: usize,
+    max_pages: usize,
+}
+
+impl SelectWorkspace {
+    /// Room for batches of up to `max_batch` sequences of `cache` (its widest layer and its
+    /// longest block table). `Empty` if `max_batch == 0`.
+    pub fn new<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        max_batch: usize,
+    ) -> Result<Self> {
+        if max_batch == 0 {
+            return Err(LserveError::Empty("batch"));
+        }
+        let dense_heads = cache.pattern().max_dense_heads();
+        let max_pages = cache.max_pages as usize;
+        let n = (max_batch * dense_heads * max_pages).max(1);
+        Ok(Self {
+            scores: gpu.stream().alloc_zeros(n)?,
+            max_batch,
+            dense_heads,
+            max_pages,
+        })
+    }
+
+    /// The largest batch the workspace serves.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// The scores as last written (layout in the type's docs), for tests and debugging;
+    /// synchronizes the stream.
+    #[doc(hidden)]
+    pub fn download_scores(&self, gpu: &GpuContext) -> Result<Vec<f32>> {
+        let scores = gpu.stream().clone_dtoh(&self.scores)?;
+        gpu.stream().synchronize()?;
+        Ok(scores)
+    }
+
+    /// Overwrites every score with `value` (tests poison the workspace before a run).
+    #[doc(hidden)]
+    pub fn poison(&mut self, gpu: &GpuContext, value: f32) -> Result<()> {
+        let fill = vec![value; self.scores.len()];
+        gpu.stream().memcpy_htod(&fill, &mut self.scores)?;
+        Ok(())
+    }
+}
+
+/// The kernel name for element type, head dim and group size (`score_pages_bf16_d128_g4`).
+fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
+    if !matches!(head_dim, 64 | 128) {
+        return Err(LserveError::InvalidArgument {
+            what: "head_dim",
+            reason: format!("{head_dim}: the GPU page scorer supports 64 and 128"),
+        });
+    }
+    if !matches!(group, 1 | 2 | 4 | 8) {
+        return Err(LserveError::InvalidArgument {
+            what: "group",
+            reason: format!("{group}: the GPU page scorer supports GQA groups of 1, 2, 4, 8"),
+        });
+    }
+    Ok(format!("score_pages_{}_d{head_dim}_g{group}", dtype.name()))
+}
+
+/// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
+/// (`pages` physical pages; `row_groups` per block), but no more than about eight blocks per SM
+/// over all `pairs` — past that the row groups loop (the kernel's grid-stride loop covers any
+/// grid, so this only sizes the work, never decides what is scored).
+fn score_blocks_per_pair(sm_count: u32, pairs: u32, pages: u32, row_groups: u32) -> u32 {
+    let cover = pages.div_ceil(row_groups.max(1)).max(1);
+    let fill = (8 * sm_count.max(1)).div_ceil(pairs.max(1)).max(1);
+    cover.min(fill)
+}
+
+/// The launch parameters of `layer` for a batch of `batch` sequences, after checking the
+/// cache's capacities hold what selection writes.
+fn select_params<E: DeviceElement>(
+    cache: &DeviceKvCache<E>,
+    layer: &DeviceLayer<E>,
+    batch: usize,
+) -> Result<SelectParams> {
+    let cfg = &cache.config;
+    let top_k = cfg.pages_per_selection();
+    let reuse_interval =
+        u32::try_from(cfg.reuse_interval).map_err(|_| LserveError::InvalidConfig {
+            field: "reuse_interval",
+            reason: format!("{} does not fit in u32", cfg.reuse_interval),
+        })?;
+    // Held: K + the first page + the newest; index entry: that + a newer newest page (never
+    // more than the sequence's pages).
+    let held_needed = top_k + 2;
+    let entry_needed = (top_k + 3).min(cache.max_pages as usize);
+    if (cache.held_capacity as usize) < held_needed
+        || (cache.entry_capacity as usize) < entry_needed
+    {
+        return Err(LserveError::InvalidArgument {
+            what: "cache",
+            reason: format!(
+                "held / index capacities {} / {} below {held_needed} / {entry_needed}",
+                cache.held_capacity, cache.entry_capacity
+            ),
+        });
+    }
+    Ok(SelectParams {
+        batch: batch as u32,
+        kv_heads: cache.pattern().geometry().kv_heads() as u32,
+        max_pages: cache.max_pages,
+        held_capacity: cache.held_capacity,
+        entry_capacity: cache.entry_capacity,
+        dynamic_min_len: cache.dynamic_min_len,
+        reuse_interval,
+        top_k: top_k as u32,
+        always_include_first: u32::from(cfg.always_include_first_page),
+        aggregation: match cfg.gqa_aggregation {
+            GqaAggregation::Max => AGGREGATE_MAX,
+            GqaAggregation::Mean => AGGREGATE_MEAN,
+        },
+        paged: layer.paged,
+    })
+}
+
+/// Checks a selection launch's arguments; returns the number of pairs (`B * Hd`).
+fn check_launch<E: DeviceElement>(
+    cache: &DeviceKvCache<E>,
+    layer: &DeviceLayer<E>,
+    batch: &DecodeBatch,
+    ws: &SelectWorkspace,
+) -> Result<usize> {
+    let b = batch.len();
+    if b == 0 {
+        return Err(LserveError::Empty("batch"));
+    }
+    let dense = layer.paged.heads as usize;
+    if b > ws.max_batch || dense > ws.dense_heads || ws.max_pages != cache.max_pages as usize {
+        return Err(LserveError::InvalidArgument {
+            what: "workspace",
+            reason: "sized for a smaller batch or another cache".into(),
+        });
+    }
+    let pairs = b * dense;
+    if pairs > 65535 {
+        return Err(LserveError::InvalidArgument {
+            what: "batch",
+            reason: format!("{pairs} (sequence, dense head) pairs: at most 65535 per launch"),
+        });
+    }
+    Ok(pairs)
+}
+
+/// Scores the physical pages of every (sequence, dense KV head) pair of `layer` whose selection
+/// is due on this step, into `ws` (`q` is `[B][Hq][D]`). Pairs that are not due (dense decode,
+/// or reusing their held selection) are skipped. Enqueued on the context's stream; allocates
+/// nothing and does not synchronize.
+///
+/// Errors: `Empty` for an empty batch; `ShapeMismatch` for a short `q`; `InvalidArgument` for a
+/// bad layer, a workspace sized for less, an unsupported head dim (64, 128) or group (1, 2, 4,
+/// 8).
+pub fn score_pages<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    ws: &mut SelectWorkspace,
+) -> Result<()> {
+    let geometry = *cache.pattern().geometry();
+    let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
+    let name = score_kernel_name(E::DTYPE, d, group)?;
+    let l = cache.layer(layer)?;
+    let pairs = check_launch(cache, l, batch, ws)?;
+    if q.len() < batch.len() * hq * d {
+        return Err(LserveError::ShapeMismatch {
+            what: "q",
+            expected: batch.len() * hq * d,
+            actual: q.len(),
+        });
+    }
+    let params = ByValue(select_params(cache, l, batch.len())?);
+    if pairs == 0 {
+        return Ok(()); // no dense heads in this layer
+    }
+    let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
+    let pages = longest.div_ceil(l.paged.page_tokens);
+    let row_groups = SCORE_THREADS / (d as u32 / 8);
+    let blocks = score_blocks_per_pair(gpu.sm_count(), pairs as u32, pages, row_groups);
+    let f = gpu.function(&name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, pairs as u32, 1),
+        block_dim: (SCORE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = gpu.stream();
+    let mut launch = stream.launch_builder(&f);
+    launch
+        .arg(&params)
+        .arg(q)
+        .arg(&l.kmin)
+        .arg(&l.kmax)
+        .arg(&cache.block_tables)
+        .arg(&batch.seq_len)
+        .arg(&batch.seq_slot)
+        .arg(&l.head_map)
+        .arg(&cache.decode_steps)
+        .arg(&l.held_lens)
+        .arg(&mut ws.scores);
+    // SAFETY: the arguments match `score_pages_*` (kernels-gpu/src/select/mod.rs): the params by
+    // value, then the buffers in order. Grid `(blocks, B * Hd)` with `SCORE_THREADS` threads as
+    // the kernel requires; `q` holds `B * Hq * D` elements (checked); the statistics have the
+    // layout in `params.paged` (built from this layer); the batch's slots and lengths are live
+    // (validated by `DecodeBatch::set`) and their block tables hold pool page ids; the
+    // workspace holds `B * Hd * max_pages` scores (checked).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Runs the top-K selection of every due pair of `layer` from the scores in `ws` (written by
+/// [`score_pages`] on the same batch and step) and writes every pair's index-table entry: the
+/// held selection plus the newest page, ascending logical order, as physical page ids. Pairs of
+/// sequences at most `dynamic_min_len` long are left alone (attention reads their block table).
+/// Enqueued on the context's stream; allocates nothing and does not synchronize.
+///
+/// Errors as [`score_pages`].
+pub fn select_top_k<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    ws: &SelectWorkspace,
+) -> Result<()> {
+    let pairs = check_launch(cache, cache.layer(layer)?, batch, ws)?;
+    let params = ByValue(select_params(cache, cache.layer(layer)?, batch.len())?);
+    if pairs == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("select_pages")?;
+    let cfg = LaunchConfig {
+        grid_dim: (pairs as u32, 1, 1),
+        block_dim: (SELECT_THREADS, 1, 1),
+        shared_mem_bytes: SELECT_SMEM_BYTES,
+    };
+    let (l, block_tables, decode_steps) = cache.layer_mut_tables_steps(layer)?;
+    let mut launch = gpu.stream().launch_builder(&f);
+    launch
+        .arg(&params)
+        .arg(&ws.scores)
+        .arg(block_tables)
+        .arg(&batch.seq_len)
+        .arg(&batch.seq_slot)
+        .arg(decode_steps)
+        .arg(&mut l.held_pages)
+        .arg(&mut l.held_lens)
+        .arg(&mut l.index_pages)
+        .arg(&mut l.index_lens);
+    // SAFETY: the arguments match `select_pages` (kernels-gpu/src/select/mod.rs). Grid `B * Hd`,
+    // `SELECT_THREADS` threads, `SELECT_SMEM_BYTES` of shared memory as the kernel requires; the
+    // capacities were checked (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3,
+    // max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair owns its
+    // held state and index entry; the workspace rows were written by the scorer for the due
+    // pairs of this batch (the only rows the selector reads).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Page selection of `layer` for `batch`: [`score_pages`] then [`select_top_k`]. After it, the
+/// layer's index tables hold every selecting pair's pages for this step.
+pub fn select_pages<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    ws: &mut SelectWorkspace,
+) -> Result<()> {
+    score_pages(gpu, cache, layer, batch, q, ws)?;
+    select_top_k(gpu, cache, layer, batch, ws)
+}
+
+/// Advances the decode step counter of every sequence of `batch` by one: call once per model
+/// step, after every layer's selection. Allocates nothing, does not synchronize.
+pub fn advance_decode_steps<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    batch: &DecodeBatch,
+) -> Result<()> {
+    let b = batch.len();
+    if b == 0 {
+        return Err(LserveError::Empty("batch"));
+    }
+    let f = gpu.function("advance_decode_steps")?;
+    let cfg = LaunchConfig {
+        grid_dim: ((b as u32).div_ceil(STEP_THREADS), 1, 1),
+        block_dim: (STEP_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n = b as u32;
+    let mut launch = gpu.stream().launch_builder(&f);
+    launch
+        .arg(&n)
+        .arg(&batch.seq_slot)
+        .arg(&mut cache.decode_steps);
+    // SAFETY: matches `advance_decode_steps(u32, *const u32, *mut u32)`; the grid covers `b`
+    // threads; the batch's slots are distinct live slots below the cache's slot count
+    // (`DecodeBatch::set`), each with one counter.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Zeroes the selection state of `slot`: its decode step counter and, in every layer, the held
+/// selections of its dense heads. Call when a sequence is added in that slot (before its first
+/// decode step). Asynchronous on the context's stream.
+///
+/// Errors: `InvalidArgument` if `slot` is not below the cache's slot count.
+pub fn reset_selection_state<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    slot: u32,
+) -> Result<()> {
+    if slot >= cache.slots {
+        return Err(LserveError::InvalidArgument {
+            what: "slot",
+            reason: format!("{slot} is not below {}", cache.slots),
+        });
+    }
+    let stream = gpu.stream().clone();
+    let s = slot as usize;
+    stream.memset_zeros(&mut cache.decode_steps.slice_mut(s..s + 1))?;
+    for layer in 0..cache.layers() {
+        let l = cache.layer_mut(layer)?;
+        let heads = l.paged.heads as usize;
+        if heads > 0 {
+            stream.memset_zeros(&mut l.held_lens.slice_mut(s * heads..(s + 1) * heads))?;
+        }
+    }
+    Ok(())
+}
+
+/// A layer's selection state as downloaded by [`download_selection`] (device layouts).
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SelectionState {
+    /// `[slots][Hd][held_capacity]` held selections (logical page numbers).
+    pub held_pages: Vec<u32>,
+    /// `[slots][Hd]`.
+    pub held_lens: Vec<u32>,
+    /// `[slots][Hd][entry_capacity]` index tables (physical page ids).
+    pub index_pages: Vec<u32>,
+    /// `[slots][Hd]`.
+    pub index_lens: Vec<u32>,
+    /// `[slots]` decode step counters.
+    pub decode_steps: Vec<u32>,
+    /// Row stride of `held_pages`.
+    pub held_capacity: usize,
+    /// Row stride of `index_pages`.
+    pub entry_capacity: usize,
+}
+
+/// Downloads `layer`'s held selections and index tables and the step counters (tests and
+/// debugging; synchronizes).
+#[doc(hidden)]
+pub fn download_selection<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+) -> Result<SelectionState> {
+    let l = cache.layer(layer)?;
+    let stream = gpu.stream();
+    let state = SelectionState {
+        held_pages: stream.clone_dtoh(&l.held_pages)?,
+        held_lens: stream.clone_dtoh(&l.held_lens)?,
+        index_pages: stream.clone_dtoh(&l.index_pages)?,
+        index_lens: stream.clone_dtoh(&l.index_lens)?,
+        decode_steps: stream.clone_dtoh(&cache.decode_steps)?,
+        held_capacity: cache.held_capacity as usize,
+        entry_capacity: cache.entry_capacity as usize,
+    };
+    stream.synchronize()?;
+    Ok(state)
+}
+
+/// Overwrites `layer`'s index tables (pages and lengths) with `value` (tests poison outputs).
+#[doc(hidden)]
+pub fn poison_index_tables<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    value: u32,
+) -> Result<()> {
+    let stream = gpu.stream().clone();
+    let l = cache.layer_mut(layer)?;
+    stream.memcpy_htod(&vec![value; l.index_pages.len()], &mut l.index_pages)?;
+    stream.memcpy_htod(&vec![value; l.index_lens.len()], &mut l.index_lens)?;
+    Ok(())
+}
+
+/// Copies the key statistics of every layer of `host` to the device (tests that grow
+/// sequences on the host between device selections).
+#[doc(hidden)]
+pub fn upload_key_stats<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    host: &HostKvCache<E>,
+) -> Result<()> {
+    if host.layers() != cache.layers() {
+        return Err(LserveError::InvalidArgument {
+            what: "host cache",
+            reason: "another layer count".into(),
+        });
+    }
+    let stream = gpu.stream().clone();
+    for layer in 0..cache.layers() {
+        let dense = host.dense(layer)?;
+        let l = cache.layer_mut(layer)?;
+        if dense.layout() != l.paged {
+            return Err(LserveError::InvalidArgument {
+                what: "host cache",
+                reason: format!("layer {layer} laid out differently"),
+            });
+        }
+        if !dense.kmin().is_empty() {
+            stream.memcpy_htod(dense.kmin(), &mut l.kmin)?;
+            stream.memcpy_htod(dense.kmax(), &mut l.kmax)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scorer_grid_covers_short_sequences_and_caps_long_batches() {
+        // 132 SMs, D = 128 (16 row groups): 256K tokens at 64-token pages, one layer's 4 pairs.
+        assert_eq!(score_blocks_per_pair(132, 4, 4096, 16), 256);
+        // Few pages: one block covers them.
+        assert_eq!(score_blocks_per_pair(132, 4, 10, 16), 1);
+        // Many pairs: about 8 blocks per SM in all.
+        assert_eq!(score_blocks_per_pair(132, 64, 4096, 16), 17);
+        // Never zero.
+        assert_eq!(score_blocks_per_pair(0, 0, 0, 0), 1);
+    }
+
+    #[test]
+    fn kernel_names_cover_the_supported_shapes_only() {
+        assert_eq!(
+            score_kernel_name(DType::BF16, 128, 4).unwrap(),
+            "score_pages_bf16_d128_g4"
+        );
+        assert_eq!(
+            score_kernel_name(DType::F16, 64, 1).unwrap(),
+            "score_pages_f16_d64_g1"
+        );
+        assert!(score_kernel_name(DType::BF16, 256, 4).is_err());
+        assert!(score_kernel_name(DType::BF16, 128, 3).is_err());
+    }
+}

@@ -1,1 +1,123 @@
-//! (being written)
+//! Query-aware page selection on the device (DESIGN.md §2, `docs/ARCHITECTURE.md` "Page
+//! selection" and "Reuse"), in two launches per layer and step:
+//!
+//! - [`score`]: for each (sequence, dense KV head) pair whose selection is due, the score of
+//!   every physical page: logical-page bounds `Σ_i max(q_h[i]·kmax[i], q_h[i]·kmin[i])` for each
+//!   query head of the group, aggregated over the group (max or mean), max over the physical
+//!   page's logical pages. Reads only the key statistics, spread over many blocks.
+//! - [`top_k`]: for each pair past `dynamic_min_len`: if due, the exact top-K candidates (ties
+//!   to the lower page) become the held selection; then the index-table entry is the held
+//!   selection plus the newest page, in physical ids.
+//!
+//! [`steps`] advances the per-sequence decode step counters once per model step; the counters
+//! and the held selections live on the device, so no step waits for the host.
+//! Costs and predictions: `NOTES.md` beside this file.
+
+pub mod scan;
+pub mod score;
+pub mod steps;
+pub mod top_k;
+
+use lserve_abi::select::SelectParams;
+
+use crate::convert::{Bf16, F16};
+use score::ScoreBuffers;
+use top_k::SelectBuffers;
+
+/// Declares one scorer entry point per (element type, head dim, group size).
+macro_rules! score_kernels {
+    ($($name:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
+        /// Page scorer entry point (see [`score`]).
+        ///
+        /// # Safety
+        /// As [`score::score_pages`]'s: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "gpu-kernel" fn $name(
+            p: SelectParams,
+            q: *const u16,
+            kmin: *const u16,
+            kmax: *const u16,
+            block_tables: *const u32,
+            seq_len: *const u32,
+            seq_slot: *const u32,
+            head_map: *const u32,
+            decode_steps: *const u32,
+            held_lens: *const u32,
+            scores: *mut f32,
+        ) {
+            let bufs = ScoreBuffers {
+                q, kmin, kmax, block_tables, seq_len, seq_slot, head_map, decode_steps, held_lens,
+                scores,
+            };
+            // SAFETY: forwarded launch contract.
+            unsafe { score::score_pages::<$elem, $d, $g>(&p, &bufs) }
+        }
+    )*};
+}
+
+score_kernels! {
+    score_pages_bf16_d64_g1: Bf16, 64, 1;
+    score_pages_bf16_d64_g2: Bf16, 64, 2;
+    score_pages_bf16_d64_g4: Bf16, 64, 4;
+    score_pages_bf16_d64_g8: Bf16, 64, 8;
+    score_pages_bf16_d128_g1: Bf16, 128, 1;
+    score_pages_bf16_d128_g2: Bf16, 128, 2;
+    score_pages_bf16_d128_g4: Bf16, 128, 4;
+    score_pages_bf16_d128_g8: Bf16, 128, 8;
+    score_pages_f16_d64_g1: F16, 64, 1;
+    score_pages_f16_d64_g2: F16, 64, 2;
+    score_pages_f16_d64_g4: F16, 64, 4;
+    score_pages_f16_d64_g8: F16, 64, 8;
+    score_pages_f16_d128_g1: F16, 128, 1;
+    score_pages_f16_d128_g2: F16, 128, 2;
+    score_pages_f16_d128_g4: F16, 128, 4;
+    score_pages_f16_d128_g8: F16, 128, 8;
+}
+
+/// Top-K selection and index tables entry point (see [`top_k`]).
+///
+/// # Safety
+/// As [`top_k::select_pages`]'s: launched by `lserve`'s host launcher only.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "gpu-kernel" fn select_pages(
+    p: SelectParams,
+    scores: *const f32,
+    block_tables: *const u32,
+    seq_len: *const u32,
+    seq_slot: *const u32,
+    decode_steps: *const u32,
+    held_pages: *mut u32,
+    held_lens: *mut u32,
+    index_pages: *mut u32,
+    index_lens: *mut u32,
+) {
+    let bufs = SelectBuffers {
+        scores,
+        block_tables,
+        seq_len,
+        seq_slot,
+        decode_steps,
+        held_pages,
+        held_lens,
+        index_pages,
+        index_lens,
+    };
+    // SAFETY: forwarded launch contract.
+    unsafe { top_k::select_pages(&p, &bufs) }
+}
+
+/// Decode step counters entry point (see [`steps`]).
+///
+/// # Safety
+/// As [`steps::advance_decode_steps`]'s: launched by `lserve`'s host launcher only.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn advance_decode_steps(
+    batch: u32,
+    seq_slot: *const u32,
+    decode_steps: *mut u32,
+) {
+    // SAFETY: forwarded launch contract.
+    unsafe { steps::advance_decode_steps(batch, seq_slot, decode_steps) }
+}

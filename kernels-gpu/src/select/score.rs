@@ -1,0 +1,281 @@
+//! The page scorer: physical-page scores of every (sequence, dense KV head) pair whose selection
+//! is due, from the logical-page key statistics.
+//!
+//! Grid `(chunks, pairs)`, [`SCORE_THREADS`] threads. A *row group* of `D / 8` lanes reads one
+//! logical page's statistics row (`kmin` and `kmax`, 16 bytes per lane each: the row is one
+//! coalesced run) and scores it for every query head of the group:
+//! `S_h(j) = Σ_i max(q_h[i] · kmax_j[i], q_h[i] · kmin_j[i])`. Since `kmax ≥ kmin`, the max is
+//! `q⁺ · kmax + q⁻ · kmin` with `q⁺ = max(q, 0)`, `q⁻ = min(q, 0)`: two multiply-adds, no
+//! compare, and exactly the product the max would pick. The lane sums meet in a row-group
+//! shuffle reduction, the group's heads are aggregated (max or mean), and a row group keeps the
+//! max over the logical pages of its physical page. Each row group walks whole physical pages,
+//! `chunks * row_groups` apart (a grid-stride loop: any grid covers every page, so a captured
+//! launch stays correct as sequences grow); it issues the loads of up to [`Rows::IN_FLIGHT`]
+//! logical pages before using any.
+
+use core::arch::asm;
+
+use lserve_abi::select::{
+    score_offset, selection_due, SelectParams, AGGREGATE_MEAN, SCORE_THREADS,
+};
+
+use crate::convert::Half16;
+use crate::math::Vec16;
+use crate::thread::{block_idx_x, block_idx_y, grid_dim_x, lane, thread_in_block, WARP_SIZE};
+use crate::unroll8;
+use crate::warp::shfl_xor_f32;
+
+/// How head dimension `D` and group size `G` map onto lanes and loads.
+pub struct Rows<const D: usize, const G: usize>;
+
+impl<const D: usize, const G: usize> Rows<D, G> {
+    /// Lanes reading one statistics row (a row group): 8 elements, 16 bytes each.
+    pub const LANES: u32 = (D / 8) as u32;
+    /// Row groups per block.
+    pub const GROUPS: u32 = SCORE_THREADS / Self::LANES;
+    /// Logical pages whose loads a row group issues before computing (fewer for `G = 8`, whose
+    /// `q⁺`/`q⁻` already take 128 registers).
+    pub const IN_FLIGHT: usize = if G >= 8 { 2 } else { 4 };
+}
+
+/// The buffers the scorer reads and writes.
+#[derive(Clone, Copy)]
+pub struct ScoreBuffers {
+    /// `[B][Hq][D]` queries.
+    pub q: *const u16,
+    /// The layer's `kmin` (`[capacity][Hd][N_P / N_L][D]`).
+    pub kmin: *const u16,
+    /// The layer's `kmax`, same layout.
+    pub kmax: *const u16,
+    /// `[slots][max_pages]` physical page ids.
+    pub block_tables: *const u32,
+    /// `[B]` sequence lengths (after this step's token).
+    pub seq_len: *const u32,
+    /// `[B]` sequence slots.
+    pub seq_slot: *const u32,
+    /// `[Hkv]` head map of the layer (dense index, or streaming index | `HEAD_STREAMING`).
+    pub head_map: *const u32,
+    /// `[slots]` decode step counters.
+    pub decode_steps: *const u32,
+    /// `[slots][Hd]` held selection lengths.
+    pub held_lens: *const u32,
+    /// `[B][Hd][max_pages]` physical-page scores (written for due pairs only).
+    pub scores: *mut f32,
+}
+
+/// `a * b + c` with one rounding (`fma.rn.f32`; rustc never contracts a multiply and an add).
+#[inline(always)]
+fn fma(a: f32, b: f32, c: f32) -> f32 {
+    let d: f32;
+    // SAFETY: register-only instruction.
+    unsafe {
+        asm!("fma.rn.f32 {0}, {1}, {2}, {3};", out(reg32) d, in(reg32) a, in(reg32) b,
+             in(reg32) c, options(pure, nomem, nostack));
+    }
+    d
+}
+
+/// Sum of `x` over the `lanes` consecutive lanes of a row group (a power of two).
+///
+/// # Safety
+/// All 32 lanes call it.
+#[inline(always)]
+unsafe fn row_group_sum(mut x: f32, lanes: u32) -> f32 {
+    let mut offset = 1;
+    while offset < lanes {
+        // SAFETY: forwarded: the whole warp participates.
+        x += unsafe { shfl_xor_f32(x, offset) };
+        offset <<= 1;
+    }
+    x
+}
+
+/// The KV head whose dense index is `dense_head` (the head map lists each KV head's index).
+///
+/// # Safety
+/// `head_map` holds `kv_heads` entries, one of them `dense_head`.
+#[inline(always)]
+unsafe fn kv_head_of(head_map: *const u32, kv_heads: u32, dense_head: u32) -> u32 {
+    let mut h = 0;
+    while h < kv_heads {
+        // SAFETY: `h < kv_heads`.
+        if unsafe { *head_map.add(h as usize) } == dense_head {
+            return h;
+        }
+        h += 1;
+    }
+    0
+}
+
+/// This lane's 8 dimensions of every query head of the group, split by sign: `(q⁺, q⁻)`.
+///
+/// # Safety
+/// `q` is `[B][kv_heads * G][D]` with 16-byte aligned rows; `b < B`, `kv_head < kv_heads`.
+#[inline(always)]
+unsafe fn query_halves<E: Half16, const D: usize, const G: usize>(
+    q: *const u16,
+    b: u32,
+    kv_head: u32,
+    kv_heads: u32,
+    col: u32,
+) -> ([[f32; 8]; G], [[f32; 8]; G]) {
+    let mut pos = [[0.0f32; 8]; G];
+    let mut neg = [[0.0f32; 8]; G];
+    unroll8!(g in 0..G => {
+        let head = (b * kv_heads + kv_head) * G as u32 + g as u32;
+        // SAFETY: inside `q` by the caller's contract; rows are 16-byte aligned.
+        let raw = unsafe { *(q.add(head as usize * D + col as usize * 8) as *const Vec16) };
+        let x = raw.to_f32::<E>();
+        let mut i = 0;
+        while i < 8 {
+            pos[g][i] = x[i].max(0.0);
+            neg[g][i] = x[i].min(0.0);
+            i += 1;
+        }
+    });
+    (pos, neg)
+}
+
+/// The group-aggregated score of one statistics row slice (this lane's 8 dimensions), reduced
+/// over the row group.
+///
+/// # Safety
+/// All 32 lanes call it.
+#[inline(always)]
+unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
+    pos: &[[f32; 8]; G],
+    neg: &[[f32; 8]; G],
+    lo: Vec16,
+    hi: Vec16,
+    mean: bool,
+) -> f32 {
+    let (lo, hi) = (lo.to_f32::<E>(), hi.to_f32::<E>());
+    let mut total = if mean { 0.0 } else { f32::NEG_INFINITY };
+    unroll8!(g in 0..G => {
+        let mut s = 0.0f32;
+        let mut i = 0;
+        while i < 8 {
+            // max(q·hi, q·lo) = q⁺·hi + q⁻·lo, as hi ≥ lo (one of the two terms is zero).
+            s = fma(pos[g][i], hi[i], s);
+            s = fma(neg[g][i], lo[i], s);
+            i += 1;
+        }
+        // SAFETY: forwarded: every lane reaches this reduction.
+        let s = unsafe { row_group_sum(s, Rows::<D, G>::LANES) };
+        total = if mean { total + s } else { total.max(s) };
+    });
+    if mean {
+        total / G as f32
+    } else {
+        total
+    }
+}
+
+/// The scorer body (see the module docs).
+///
+/// # Safety
+/// Launched with grid `(chunks, p.batch * p.paged.heads)` and [`SCORE_THREADS`] threads; the
+/// buffers hold the layouts `p` describes, slots and lengths are live, and the block tables
+/// hold valid page ids for every page of each sequence.
+#[inline(always)]
+pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(
+    p: &SelectParams,
+    bufs: &ScoreBuffers,
+) {
+    let pair = block_idx_y();
+    let dense_heads = p.paged.heads;
+    let (b, dense_head) = (pair / dense_heads, pair % dense_heads);
+    // SAFETY: `b < batch` by the grid; the slot is live, so its counters exist.
+    let (len, slot) = unsafe {
+        (
+            *bufs.seq_len.add(b as usize),
+            *bufs.seq_slot.add(b as usize),
+        )
+    };
+    let (step, held) = unsafe {
+        (
+            *bufs.decode_steps.add(slot as usize),
+            *bufs
+                .held_lens
+                .add((slot * dense_heads + dense_head) as usize),
+        )
+    };
+    if !selection_due(len, p.dynamic_min_len, step, p.reuse_interval, held) {
+        return;
+    }
+    // SAFETY: `dense_head < dense_heads`, so the head map lists it.
+    let kv_head = unsafe { kv_head_of(bufs.head_map, p.kv_heads, dense_head) };
+
+    let lanes = Rows::<D, G>::LANES;
+    let col = lane() % lanes;
+    // SAFETY: `b < batch`, `kv_head < kv_heads`.
+    let (pos, neg) = unsafe { query_halves::<E, D, G>(bufs.q, b, kv_head, p.kv_heads, col) };
+    let mean = p.aggregation == AGGREGATE_MEAN;
+
+    let per_page = p.paged.logical_per_page();
+    let logical_rows = len.div_ceil(p.paged.logical_tokens); // logical pages that exist
+    let pages = len.div_ceil(p.paged.page_tokens);
+    // SAFETY: the slot's block table row.
+    let table = unsafe { bufs.block_tables.add((slot * p.max_pages) as usize) };
+    // SAFETY: the pair's workspace row.
+    let out = unsafe {
+        bufs.scores
+            .add(score_offset(b, dense_head, dense_heads, p.max_pages))
+    };
+
+    // Pages go to row groups `stride` apart. The loop bound is per warp (its first row group's
+    // page), so every lane of a warp runs the same iterations and reaches every shuffle.
+    let group = thread_in_block() / lanes;
+    let warp_first_group = thread_in_block() / WARP_SIZE * (WARP_SIZE / lanes);
+    let stride = grid_dim_x() * Rows::<D, G>::GROUPS;
+    let mut page = block_idx_x() * Rows::<D, G>::GROUPS + group;
+    let mut warp_page = block_idx_x() * Rows::<D, G>::GROUPS + warp_first_group;
+    while warp_page < pages {
+        let live = page < pages;
+        // SAFETY: `page < pages` is inside the sequence's block table.
+        let physical = if live {
+            unsafe { *table.add(page as usize) }
+        } else {
+            0
+        };
+        let stats = p.paged.stats_row(physical, dense_head, 0) + col as usize * 8;
+        let mut best = f32::NEG_INFINITY;
+        let mut first = 0;
+        while first < per_page {
+            // Issue the loads of up to IN_FLIGHT logical pages, then score them.
+            // Eight slots so that `unroll8!`'s statically dead arms index in bounds; only the
+            // first IN_FLIGHT are used (registers, no local memory: checked with ptxas).
+            let mut lo = [Vec16([0; 4]); 8];
+            let mut hi = [Vec16([0; 4]); 8];
+            unroll8!(u in 0..Rows::<D, G>::IN_FLIGHT => {
+                let l = first + u as u32;
+                if live && l < per_page && page * per_page + l < logical_rows {
+                    let at = stats + l as usize * D;
+                    // SAFETY: an existing logical page of a page of the sequence: inside the
+                    // statistics; rows are 16-byte aligned.
+                    unsafe {
+                        lo[u] = *(bufs.kmin.add(at) as *const Vec16);
+                        hi[u] = *(bufs.kmax.add(at) as *const Vec16);
+                    }
+                }
+            });
+            unroll8!(u in 0..Rows::<D, G>::IN_FLIGHT => {
+                let l = first + u as u32;
+                if l < per_page {
+                    // SAFETY: `l < per_page` is warp-uniform, so every lane of the warp is here.
+                    let s = unsafe { aggregated_score::<E, D, G>(&pos, &neg, lo[u], hi[u], mean) };
+                    if page * per_page + l < logical_rows {
+                        best = best.max(s);
+                    }
+                }
+            });
+            first += Rows::<D, G>::IN_FLIGHT as u32;
+        }
+        if live && col == 0 {
+            // SAFETY: `page < pages <= max_pages`: inside the pair's row.
+            unsafe { *out.add(page as usize) = best };
+        }
+        page += stride;
+        warp_page += stride;
+    }
+}
