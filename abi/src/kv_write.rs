@@ -1,1 +1,199 @@
-//! (being written)
+//! Launch parameters of the KV-cache write kernels: append (one decode token per sequence),
+//! ragged row writes (prefill), key-statistics pooling, and the random fill used by benchmarks.
+//!
+//! Every kernel here moves rows of `head_dim` elements in chunks of 8 (16 bytes): a *chunk* is
+//! the unit of work of one thread, so a launch is a flat range of chunks cut into blocks of
+//! [`KV_WRITE_THREADS`] threads. `head_dim` must be a multiple of 8.
+
+use crate::layout::{PagedLayout, StreamingLayout};
+
+/// Threads per block of every kernel in this module.
+pub const KV_WRITE_THREADS: u32 = 128;
+
+/// Elements one thread moves (16 bytes of a 16-bit type).
+pub const CHUNK_ELEMS: u32 = 8;
+
+/// The cache a write kernel addresses: one layer's dense pool and streaming store, and the block
+/// tables shared by all layers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// KV heads of the model (`Hkv`): the activations are `[rows][kv_heads][head_dim]`.
+    pub kv_heads: u32,
+    /// Row stride of the block tables (`[slots][max_pages]`).
+    pub max_pages: u32,
+    /// The layer's dense pool.
+    pub paged: PagedLayout,
+    /// The layer's streaming store.
+    pub streaming: StreamingLayout,
+}
+
+impl CacheLayout {
+    /// Chunks of one activation row (`kv_heads * head_dim / 8`).
+    #[inline(always)]
+    pub const fn chunks_per_token(&self) -> u32 {
+        self.kv_heads * (self.paged.head_dim / CHUNK_ELEMS)
+    }
+
+    /// Whether position `pos` of a sequence of length `len` is held by a streaming head: a sink
+    /// token, or one of the last `local_tokens` (`StreamingStore::is_resident`).
+    #[inline(always)]
+    pub const fn streaming_resident(&self, pos: u32, len: u32) -> bool {
+        pos < len && (pos < self.streaming.sink_tokens || pos + self.streaming.local_tokens >= len)
+    }
+}
+
+/// Scalars of one `append_kv_*` launch: grid `ceil(batch * chunks_per_token / KV_WRITE_THREADS)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AppendParams {
+    /// Sequences in the batch (`B`); `k`, `v` are `[B][kv_heads][head_dim]`.
+    pub batch: u32,
+    /// Where rows go.
+    pub cache: CacheLayout,
+}
+
+/// One sequence's token range for `write_kv_rows_*` and `pool_key_stats_*`: positions
+/// `start..end` of the sequence in `slot`, whose length is `len` (`end <= len`). For a row write,
+/// position `pos` is activation row `first_row + (pos - start)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SeqRange {
+    /// The sequence's slot (block-table row, streaming-store slot).
+    pub slot: u32,
+    /// First position of the range.
+    pub start: u32,
+    /// One past the last position.
+    pub end: u32,
+    /// The sequence's length (tokens that exist; streaming residency is judged at this length).
+    pub len: u32,
+    /// Activation row of position `start` (the ragged batch's `cu_seqlens[b]`).
+    pub first_row: u32,
+}
+
+/// Scalars of one `write_kv_rows_*` launch: grid `(ceil(max_tokens * chunks_per_token /
+/// KV_WRITE_THREADS), sequences)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteRowsParams {
+    /// Entries of the range list (`grid.y`).
+    pub sequences: u32,
+    /// Where rows go.
+    pub cache: CacheLayout,
+}
+
+/// Scalars of one `pool_key_stats_*` launch: grid `(ceil(max_logical_pages /
+/// pool_pages_per_block(head_dim)), dense_heads, sequences)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolParams {
+    /// Entries of the range list (`grid.z`).
+    pub sequences: u32,
+    /// Where the keys and statistics are.
+    pub cache: CacheLayout,
+}
+
+/// Logical pages one `pool_key_stats_*` block pools: each takes `head_dim / 8` threads.
+pub const fn pool_pages_per_block(head_dim: u32) -> u32 {
+    KV_WRITE_THREADS / (head_dim / CHUNK_ELEMS)
+}
+
+/// The logical pages (of `logical_tokens`) that hold a position of `start..end`, as a half-open
+/// range of logical page numbers (empty if `start >= end`).
+#[inline(always)]
+pub const fn logical_pages_of(start: u32, end: u32, logical_tokens: u32) -> (u32, u32) {
+    if start >= end {
+        (0, 0)
+    } else {
+        (start / logical_tokens, (end - 1) / logical_tokens + 1)
+    }
+}
+
+/// The value `fill_random_*` writes at index `index` for `seed`, in `f32` (the kernel rounds it
+/// to the element type, to nearest even): `(n - 2^23) / 2^23` for a 24-bit `n` from a
+/// SplitMix64 hash of `(seed, index)`, so in `[-1, 1)` before rounding, exact in `f32`, and never
+/// `-0.0`.
+#[inline(always)]
+pub fn random_value(seed: u64, index: u64) -> f32 {
+    let n = (splitmix64(seed ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03)) >> 40) as i32;
+    (n - (1 << 23)) as f32 * (1.0 / (1u32 << 23) as f32)
+}
+
+/// SplitMix64's output function of `x + golden gamma` (a counter-based hash).
+#[inline(always)]
+pub const fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Scalars of one `fill_random_*` launch: grid `ceil(len / (KV_WRITE_THREADS * 8))`, each thread
+/// writing 8 consecutive elements.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FillParams {
+    /// Elements to write.
+    pub len: u64,
+    /// Seed of the hash.
+    pub seed: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logical_pages_cover_the_range() {
+        assert_eq!(logical_pages_of(0, 1, 4), (0, 1));
+        assert_eq!(logical_pages_of(3, 5, 4), (0, 2));
+        assert_eq!(logical_pages_of(4, 8, 4), (1, 2));
+        assert_eq!(logical_pages_of(4, 9, 4), (1, 3));
+        assert_eq!(logical_pages_of(5, 5, 4), (0, 0));
+    }
+
+    #[test]
+    fn random_values_are_in_range_and_vary() {
+        let mut distinct = 0;
+        let mut last = 2.0;
+        for i in 0..10_000u64 {
+            let x = random_value(7, i);
+            assert!((-1.0..1.0).contains(&x));
+            assert!(!(x == 0.0 && x.is_sign_negative()));
+            if x != last {
+                distinct += 1;
+            }
+            last = x;
+        }
+        assert!(distinct > 9_900);
+        assert_ne!(random_value(7, 3), random_value(8, 3));
+    }
+
+    #[test]
+    fn residency_matches_the_ring() {
+        let c = CacheLayout {
+            kv_heads: 1,
+            max_pages: 1,
+            paged: PagedLayout {
+                capacity: 1,
+                heads: 0,
+                page_tokens: 16,
+                logical_tokens: 16,
+                head_dim: 64,
+            },
+            streaming: StreamingLayout {
+                slots: 1,
+                heads: 1,
+                sink_tokens: 2,
+                local_tokens: 3,
+                head_dim: 64,
+            },
+        };
+        let held: [bool; 10] = core::array::from_fn(|p| c.streaming_resident(p as u32, 10));
+        assert_eq!(
+            held,
+            [true, true, false, false, false, false, false, true, true, true]
+        );
+        assert!(!c.streaming_resident(10, 10));
+    }
+}

@@ -274,11 +274,13 @@ fn run_script(tests: &[Artifact], benches: &[Artifact]) -> String {
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # lserve GPU bundle, made by `cargo xtask gpu-bundle`. Run it on the GPU machine:
 #
-#   ./run.sh            every test executable with --include-ignored (the GPU tests included),
-#                       then every bench executable with --bench; a summary at the end
-#   ./run.sh tests      the tests only
+#   ./run.sh            the GPU test executables with --include-ignored, then every bench
+#                       executable with --bench; a summary at the end
+#   ./run.sh tests      the GPU tests only
+#   ./run.sh all-tests  every test executable (CPU tests too; those that read ../shared/data
+#                       need the repository's shared/ folder beside the bundle's source path)
 #   ./run.sh sanitize   the GPU test executables under compute-sanitizer
-#                       (memcheck, racecheck, initcheck, synccheck)
+#                       (memcheck, racecheck, initcheck, synccheck; SANITIZE_TOOLS picks)
 #
 # Output of each run goes to reports/<name>.txt, the summary to reports/summary.txt. The exit
 # status is non-zero if anything failed. Extra arguments after the mode go to every test
@@ -329,15 +331,29 @@ header() {
 
 run_tests() {
     local exe
+    for exe in "${GPU_TESTS[@]}"; do
+        run_one "$exe" "$REPORTS/$(basename "$exe").txt" "./$exe" --include-ignored "$@"
+    done
+}
+
+run_all_tests() {
+    local exe
     for exe in "${TESTS[@]}"; do
         run_one "$exe" "$REPORTS/$(basename "$exe").txt" "./$exe" --include-ignored "$@"
     done
 }
 
 run_benches() {
-    local exe
+    local exe py
     for exe in "${BENCHES[@]}"; do
         run_one "$exe" "$REPORTS/bench-$(basename "$exe").txt" "./$exe" --bench
+    done
+    # Peer numbers in the same run (torch SDPA, cuDNN and flash back ends).
+    for py in benches/*.py; do
+        [ -f "$py" ] || continue
+        for what in decode prefill; do
+            run_one "$py $what" "$REPORTS/bench-$(basename "$py" .py)-$what.txt" python3 "$py" "$what"
+        done
     done
 }
 
@@ -348,7 +364,7 @@ run_sanitize() {
     fi
     local exe tool
     for exe in "${GPU_TESTS[@]}"; do
-        for tool in memcheck racecheck initcheck synccheck; do
+        for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
             run_one "$tool $exe" "$REPORTS/sanitize-$tool-$(basename "$exe").txt" \
                 compute-sanitizer --tool "$tool" --error-exitcode 97 \
                 "./$exe" --include-ignored --test-threads=1 "$@"
@@ -360,9 +376,10 @@ header | tee "$SUMMARY"
 case "$MODE" in
     all) run_tests "$@"; run_benches ;;
     tests) run_tests "$@" ;;
+    all-tests) run_all_tests "$@" ;;
     benches) run_benches ;;
     sanitize) run_sanitize "$@" ;;
-    *) echo "usage: $0 [all|tests|benches|sanitize] [test filter...]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|tests|all-tests|benches|sanitize] [test filter...]" >&2; exit 2 ;;
 esac
 
 {

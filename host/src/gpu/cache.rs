@@ -79,6 +79,9 @@ pub struct DeviceKvCache<E> {
     /// `0, C, 2C, ...`), kept on the device so that a step never waits for the host.
     pub(crate) decode_steps: CudaSlice<u32>,
     pub(crate) slots: u32,
+    /// The sequence each slot held at the last [`sync_tables`](Self::sync_tables) (host side):
+    /// a slot that changed hands gets its selection state reset.
+    slot_owners: Vec<Option<SeqId>>,
     /// Sequences up to this length decode densely (`SparsityConfig::dynamic_min_len`).
     pub(crate) dynamic_min_len: u32,
     /// Softmax scale of the attention (`SparsityConfig::softmax_scale_for`).
@@ -131,6 +134,28 @@ struct LayerBuffers<E> {
     index_lens: CudaSlice<u32>,
 }
 
+/// The sequence in each slot of `manager`.
+fn slot_owners(manager: &KvCacheManager) -> Vec<Option<SeqId>> {
+    let mut owners = vec![None; manager.max_sequences()];
+    for seq in manager.sequences() {
+        if let Ok(slot) = manager.slot(seq) {
+            owners[slot as usize] = Some(seq);
+        }
+    }
+    owners
+}
+
+/// The decode step counter of the sequence in each slot of `manager` (0 for free slots).
+fn step_counters(manager: &KvCacheManager) -> Vec<u32> {
+    let mut steps = vec![0; manager.max_sequences()];
+    for seq in manager.sequences() {
+        if let (Ok(slot), Ok(step)) = (manager.slot(seq), manager.decode_step(seq)) {
+            steps[slot as usize] = step as u32;
+        }
+    }
+    steps
+}
+
 /// The device's encoding of a layer's head pattern (see [`HEAD_STREAMING`]).
 fn head_map(pattern: &HeadPattern, layer: usize) -> Vec<u32> {
     (0..pattern.geometry().kv_heads())
@@ -153,7 +178,9 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     }
 
     /// A cache holding a copy of `host` (K/V and statistics) and of `index`, with the block
-    /// tables of `manager`. The three must describe the same cache.
+    /// tables and decode step counters of `manager`. The three must describe the same cache.
+    /// Held selections start empty, so each sequence past `dynamic_min_len` selects at its next
+    /// decode step.
     pub fn upload(
         gpu: &GpuContext,
         manager: &KvCacheManager,
@@ -258,8 +285,9 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             max_pages: tables.max_pages_per_seq as u32,
             entry_capacity,
             held_capacity: held_capacity as u32,
-            decode_steps: zeros(stream, slots)?,
+            decode_steps: upload(stream, &step_counters(manager))?,
             slots: tables.slots as u32,
+            slot_owners: slot_owners(manager),
             dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
             softmax_scale: cfg.softmax_scale_for(pattern_head_dim),
             config: *cfg,
@@ -267,7 +295,9 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     }
 
     /// Copies the manager's block tables to the device (after sequences were added, grown or
-    /// freed). Asynchronous on the context's stream; allocates nothing.
+    /// freed), and resets the selection state (step counter, held selections) of every slot
+    /// that now holds another sequence than at the last call. Asynchronous on the context's
+    /// stream; allocates nothing on the device.
     pub fn sync_tables(&mut self, gpu: &GpuContext, manager: &KvCacheManager) -> Result<()> {
         let tables = manager.device_block_tables();
         if tables.slots as u32 != self.slots || tables.max_pages_per_seq as u32 != self.max_pages {
@@ -278,6 +308,13 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         }
         gpu.stream()
             .memcpy_htod(&tables.pages, &mut self.block_tables)?;
+        let owners = slot_owners(manager);
+        for (slot, owner) in owners.iter().enumerate() {
+            if owner.is_some() && *owner != self.slot_owners[slot] {
+                super::reset_selection_state(gpu, self, slot as u32)?;
+            }
+        }
+        self.slot_owners = owners;
         Ok(())
     }
 

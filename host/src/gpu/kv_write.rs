@@ -1,1 +1,527 @@
-//! (being written)
+//! Writing the KV cache on the device (`kernels-gpu/src/kv_write`): the decode append, prefill's
+//! row writes, key-statistics pooling, and a pseudo-random fill for benchmarks.
+//!
+//! - [`append_kv`]: one token per sequence of a [`DecodeBatch`] (part of a decode step: allocates
+//!   nothing, never synchronizes, so it can be captured in a CUDA graph).
+//! - [`KvWritePlan`] → [`DeviceKvWritePlan`]: token ranges of a batch of sequences, planned on
+//!   the host from the [`KvCacheManager`] and uploaded once (plan / run split: one plan serves
+//!   every layer); then [`write_kv_rows`] writes a ragged batch's K/V and [`pool_key_stats`]
+//!   recomputes the statistics of the logical pages the ranges touch.
+//! - [`fill_random`]: deterministic values in `[-1, 1]` without an upload.
+//!
+//! The device block tables must be current ([`DeviceKvCache::sync_tables`] after the manager
+//! reserved the tokens) before any of these run.
+//!
+//! ```no_run
+//! use half::bf16;
+//! use lserve::config::SparsityConfig;
+//! use lserve::geometry::ModelGeometry;
+//! use lserve::gpu::{fill_random, pool_key_stats, write_kv_rows, DeviceKvCache, GpuContext, KvWritePlan};
+//! use lserve::head_pattern::HeadPattern;
+//! use lserve::paging::KvCacheManager;
+//!
+//! let gpu = GpuContext::new(0)?;
+//! let g = ModelGeometry::llama3_8b();
+//! let pattern = HeadPattern::interleaved(g, 0.5)?;
+//! let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 1, 1 << 18)?;
+//! let seq = mgr.add_sequence()?;
+//! let prompt = mgr.reserve(seq, 1000)?;
+//! let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+//! // Prefill's K and V for the prompt, [1000][Hkv][D] (random here).
+//! let mut k = gpu.stream().alloc_zeros::<bf16>(1000 * 8 * 128)?;
+//! let mut v = gpu.stream().alloc_zeros::<bf16>(1000 * 8 * 128)?;
+//! fill_random(&gpu, &mut k, 1)?;
+//! fill_random(&gpu, &mut v, 2)?;
+//! let plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?.upload(&gpu)?;
+//! for layer in 0..g.layers() {
+//!     write_kv_rows(&gpu, &mut cache, layer, &plan, &k, &v)?;
+//!     pool_key_stats(&gpu, &mut cache, layer, &plan)?;
+//! }
+//! # Ok::<(), lserve::LserveError>(())
+//! ```
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use lserve_abi::kv_write::{
+    logical_pages_of, pool_pages_per_block, AppendParams, CacheLayout, FillParams, PoolParams,
+    SeqRange, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
+};
+
+use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
+use super::launch::{ByValue, LaunchParams};
+use super::GpuContext;
+use crate::dtype::DType;
+use crate::paging::{KvCacheManager, SeqId};
+use crate::{LserveError, Result};
+
+impl LaunchParams for AppendParams {}
+impl LaunchParams for WriteRowsParams {}
+impl LaunchParams for PoolParams {}
+impl LaunchParams for FillParams {}
+
+/// `u32` words of one [`SeqRange`] as the kernels read it (`#[repr(C)]`, five `u32`).
+const RANGE_WORDS: usize = 5;
+const _: () = assert!(std::mem::size_of::<SeqRange>() == RANGE_WORDS * 4);
+
+/// The largest `gridDim.y` / `gridDim.z`.
+const MAX_GRID_YZ: usize = 65_535;
+/// The largest `gridDim.x`.
+const MAX_GRID_X: usize = (1 << 31) - 1;
+
+fn invalid(what: &'static str, reason: impl Into<String>) -> LserveError {
+    LserveError::InvalidArgument {
+        what,
+        reason: reason.into(),
+    }
+}
+
+fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if actual < expected {
+        return Err(LserveError::ShapeMismatch {
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// The kernel of `E` among a (bf16, f16) pair of names.
+fn kernel<E: DeviceElement>(bf16: &'static str, f16: &'static str) -> &'static str {
+    match E::DTYPE {
+        DType::BF16 => bf16,
+        DType::F16 => f16,
+    }
+}
+
+/// One layer's cache as the write kernels address it.
+fn cache_layout<E>(l: &DeviceLayer<E>, kv_heads: usize, max_pages: u32) -> CacheLayout {
+    CacheLayout {
+        kv_heads: kv_heads as u32,
+        max_pages,
+        paged: l.paged,
+        streaming: l.streaming,
+    }
+}
+
+/// Blocks covering `chunks` chunks, one per thread.
+fn blocks_for(chunks: usize) -> Result<u32> {
+    let blocks = chunks.div_ceil(KV_WRITE_THREADS as usize);
+    if blocks > MAX_GRID_X {
+        return Err(invalid(
+            "launch",
+            format!("{chunks} chunks exceed one grid"),
+        ));
+    }
+    Ok(blocks as u32)
+}
+
+/// Appends the token of each sequence of `batch` (position `len - 1`, `len` as set in the
+/// batch) to `layer` of the cache: `k`, `v` are `[B][Hkv][D]` (at least that many elements).
+///
+/// Dense KV heads write row `(len - 1) % N_P` of page `block_table[(len - 1) / N_P]` and update
+/// their logical page's `kmin`/`kmax` (the key itself if the token starts the logical page, else
+/// the per-channel min/max with it: exactly `reference::decode_step::update_key_stats`);
+/// streaming KV heads write their sink or ring row. The block tables on the device must map the
+/// token's page (reserve, then [`DeviceKvCache::sync_tables`]).
+///
+/// Enqueued on the context's stream; allocates nothing and does not synchronize (it runs inside
+/// a captured decode step).
+///
+/// Errors (nothing launched): `Empty` for an empty batch, `ShapeMismatch` for short `k`/`v`,
+/// `InvalidArgument` for a bad layer or a batch length the block tables cannot hold.
+pub fn append_kv<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    k: &CudaSlice<E>,
+    v: &CudaSlice<E>,
+) -> Result<()> {
+    let g = *cache.pattern().geometry();
+    let (hkv, d) = (g.kv_heads(), g.head_dim());
+    let b = batch.len();
+    if b == 0 {
+        return Err(LserveError::Empty("batch"));
+    }
+    check_len("k", b * hkv * d, k.len())?;
+    check_len("v", b * hkv * d, v.len())?;
+    let max_pages = cache.max_pages;
+    let (l, tables) = cache.layer_mut_and_tables(layer)?;
+    let max_len = max_pages as usize * l.paged.page_tokens as usize;
+    if let Some(&len) = batch
+        .host_lens
+        .iter()
+        .find(|&&len| len == 0 || len as usize > max_len)
+    {
+        return Err(invalid(
+            "batch",
+            format!("length {len} is not in 1..={max_len} (the block tables' reach)"),
+        ));
+    }
+    let params = ByValue(AppendParams {
+        batch: b as u32,
+        cache: cache_layout(l, hkv, max_pages),
+    });
+    let f = gpu.function(kernel::<E>("append_kv_bf16", "append_kv_f16"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks_for(b * hkv * d / CHUNK_ELEMS as usize)?, 1, 1),
+        block_dim: (KV_WRITE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(&f);
+    launch
+        .arg(&params)
+        .arg(k)
+        .arg(v)
+        .arg(&mut l.k_pool)
+        .arg(&mut l.v_pool)
+        .arg(&mut l.kmin)
+        .arg(&mut l.kmax)
+        .arg(&mut l.k_stream)
+        .arg(&mut l.v_stream)
+        .arg(tables)
+        .arg(&l.head_map)
+        .arg(&batch.seq_slot)
+        .arg(&batch.seq_len);
+    // SAFETY: the arguments match `append_kv_*` (kernels-gpu/src/kv_write/mod.rs) in order and
+    // type. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
+    // elements (checked), the cache buffers have the layouts in `params` (taken from them), the
+    // batch holds distinct live slots of lengths in `1..=max_pages * N_P` (checked; the manager
+    // set them), and the block tables hold page ids below the capacity (the manager's).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Token ranges of a batch of sequences, planned on the host: for each `(sequence, start..end)`
+/// its slot, its current length and where its rows sit in a ragged activation batch (the
+/// sequences' tokens concatenated in order, as prefill lays out `k`, `v` `[T][Hkv][D]` with
+/// `cu_seqlens`).
+///
+/// Build it after reserving the tokens; [`upload`](Self::upload) it once and use it for every
+/// layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvWritePlan {
+    ranges: Vec<SeqRange>,
+    rows: usize,
+    max_tokens: u32,
+    slots: u32,
+    max_pages: u32,
+    page_tokens: u32,
+    logical_tokens: u32,
+}
+
+impl KvWritePlan {
+    /// Plans positions `range` of each `(seq, range)`, in this order.
+    ///
+    /// Errors (nothing planned): `Empty` for no ranges; `UnknownSequence`; `TokenNotStored` for a
+    /// range past the sequence's length; `InvalidArgument` for a reversed range, a sequence
+    /// listed twice, or more ranges or tokens than one launch can cover.
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::KvWritePlan;
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    ///
+    /// let g = ModelGeometry::new(1, 2, 2, 64)?;
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 64, 4, 4096)?;
+    /// let (a, b) = (mgr.add_sequence()?, mgr.add_sequence()?);
+    /// mgr.reserve(a, 100)?;
+    /// mgr.reserve(b, 30)?;
+    /// let grown = mgr.reserve(a, 20)?; // 100..120
+    /// let plan = KvWritePlan::new(&mgr, &[(a, grown), (b, 0..30)])?;
+    /// assert_eq!(plan.cu_seqlens(), [0, 20, 50]);
+    /// assert_eq!(plan.rows(), 50);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn new(manager: &KvCacheManager, ranges: &[(SeqId, Range<usize>)]) -> Result<Self> {
+        if ranges.is_empty() {
+            return Err(LserveError::Empty("ranges"));
+        }
+        if ranges.len() > MAX_GRID_YZ {
+            return Err(invalid(
+                "ranges",
+                format!("{} sequences, at most {MAX_GRID_YZ}", ranges.len()),
+            ));
+        }
+        let mut planned = Vec::with_capacity(ranges.len());
+        let mut rows = 0usize;
+        for (i, (seq, range)) in ranges.iter().enumerate() {
+            if ranges[..i].iter().any(|(s, _)| s == seq) {
+                return Err(invalid(
+                    "ranges",
+                    format!("sequence {} listed twice", seq.get()),
+                ));
+            }
+            let len = manager.len(*seq)?;
+            if range.start > range.end {
+                return Err(invalid("ranges", format!("reversed range {range:?}")));
+            }
+            if range.end > len {
+                return Err(LserveError::TokenNotStored {
+                    position: range.end - 1,
+                    len,
+                });
+            }
+            planned.push(SeqRange {
+                slot: manager.slot(*seq)?,
+                start: range.start as u32,
+                end: range.end as u32,
+                len: len as u32,
+                first_row: u32::try_from(rows)
+                    .map_err(|_| invalid("ranges", "more than u32::MAX rows"))?,
+            });
+            rows += range.len();
+        }
+        u32::try_from(rows).map_err(|_| invalid("ranges", "more than u32::MAX rows"))?;
+        let config = manager.config();
+        Ok(Self {
+            max_tokens: planned.iter().map(|r| r.end - r.start).max().unwrap_or(0),
+            ranges: planned,
+            rows,
+            slots: manager.max_sequences() as u32,
+            max_pages: manager.max_pages_per_seq() as u32,
+            page_tokens: config.page_tokens as u32,
+            logical_tokens: config.logical_page_tokens as u32,
+        })
+    }
+
+    /// The planned ranges, in order.
+    pub fn ranges(&self) -> &[SeqRange] {
+        &self.ranges
+    }
+
+    /// Activation rows the ranges take together (`T`).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The ragged batch's offsets: `B + 1` entries, range `b`'s rows are
+    /// `cu_seqlens[b]..cu_seqlens[b + 1]`.
+    pub fn cu_seqlens(&self) -> Vec<u32> {
+        let mut cu: Vec<u32> = self.ranges.iter().map(|r| r.first_row).collect();
+        cu.push(self.rows as u32);
+        cu
+    }
+
+    /// The most logical pages one range touches (the pooling launch's extent).
+    pub fn max_logical_pages(&self) -> u32 {
+        self.ranges
+            .iter()
+            .map(|r| {
+                let (first, end) = logical_pages_of(r.start, r.end, self.logical_tokens);
+                end - first
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The ranges in device memory, for [`write_kv_rows`] and [`pool_key_stats`].
+    pub fn upload(&self, gpu: &GpuContext) -> Result<DeviceKvWritePlan> {
+        let words: Vec<u32> = self
+            .ranges
+            .iter()
+            .flat_map(|r| [r.slot, r.start, r.end, r.len, r.first_row])
+            .collect();
+        Ok(DeviceKvWritePlan {
+            ranges: gpu.stream().clone_htod(&words)?,
+            plan: self.clone(),
+        })
+    }
+
+    /// Whether this plan was made for a cache shaped like `cache`'s layer `l`.
+    fn check_cache<E>(
+        &self,
+        cache_slots: u32,
+        cache_max_pages: u32,
+        l: &DeviceLayer<E>,
+    ) -> Result<()> {
+        if self.slots != cache_slots
+            || self.max_pages != cache_max_pages
+            || self.page_tokens != l.paged.page_tokens
+            || self.logical_tokens != l.paged.logical_tokens
+        {
+            return Err(invalid(
+                "plan",
+                "made for a manager shaped differently from this cache",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A [`KvWritePlan`] in device memory.
+pub struct DeviceKvWritePlan {
+    ranges: CudaSlice<u32>,
+    plan: KvWritePlan,
+}
+
+impl DeviceKvWritePlan {
+    /// The host plan it was uploaded from.
+    pub fn plan(&self) -> &KvWritePlan {
+        &self.plan
+    }
+}
+
+/// Writes a ragged batch's K/V into `layer` of the cache: `k`, `v` are `[T][Hkv][D]` with `T =
+/// plan.rows()`, the tokens of each planned range in order ([`KvWritePlan::cu_seqlens`]).
+///
+/// Dense heads write every token into its page; streaming heads only the tokens they hold at the
+/// sequence's length (the sinks and the last `local_tokens`), as
+/// `HostKvCache::write_token`. Key statistics are left alone: run [`pool_key_stats`] with the
+/// same plan after. Enqueued on the context's stream.
+///
+/// Errors (nothing launched): `ShapeMismatch` for short `k`/`v`; `InvalidArgument` for a bad
+/// layer or a plan made for another cache shape.
+pub fn write_kv_rows<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    plan: &DeviceKvWritePlan,
+    k: &CudaSlice<E>,
+    v: &CudaSlice<E>,
+) -> Result<()> {
+    let g = *cache.pattern().geometry();
+    let (hkv, d) = (g.kv_heads(), g.head_dim());
+    let host = &plan.plan;
+    check_len("k", host.rows * hkv * d, k.len())?;
+    check_len("v", host.rows * hkv * d, v.len())?;
+    let (slots, max_pages) = (cache.slots, cache.max_pages);
+    let (l, tables) = cache.layer_mut_and_tables(layer)?;
+    host.check_cache(slots, max_pages, l)?;
+    let chunks = host.max_tokens as usize * hkv * d / CHUNK_ELEMS as usize;
+    if chunks == 0 {
+        return Ok(());
+    }
+    let params = ByValue(WriteRowsParams {
+        sequences: host.ranges.len() as u32,
+        cache: cache_layout(l, hkv, max_pages),
+    });
+    let f = gpu.function(kernel::<E>("write_kv_rows_bf16", "write_kv_rows_f16"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks_for(chunks)?, host.ranges.len() as u32, 1),
+        block_dim: (KV_WRITE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(&f);
+    launch
+        .arg(&params)
+        .arg(&plan.ranges)
+        .arg(k)
+        .arg(v)
+        .arg(&mut l.k_pool)
+        .arg(&mut l.v_pool)
+        .arg(&mut l.k_stream)
+        .arg(&mut l.v_stream)
+        .arg(tables)
+        .arg(&l.head_map);
+    // SAFETY: the arguments match `write_kv_rows_*` in order and type; `plan.ranges` holds
+    // `sequences` `SeqRange`s (five `u32` each, `#[repr(C)]`) that the manager validated
+    // (`start <= end <= len`, distinct live slots) for a cache of this shape (checked), so their
+    // block-table rows map every page below `len`; `k`/`v` hold `T * Hkv * D` elements (checked);
+    // the grid covers the longest range's chunks.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Recomputes `kmin`/`kmax` of every dense head of `layer` for each logical page that holds a
+/// position of a planned range, over the page's tokens below the sequence's length: exactly
+/// `reference::decode_step::pool_key_stats`. Run after the rows are in the cache (e.g. after
+/// [`write_kv_rows`] with the same plan). Enqueued on the context's stream.
+///
+/// Errors (nothing launched): `InvalidArgument` for a bad layer or a plan made for another cache
+/// shape.
+pub fn pool_key_stats<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    plan: &DeviceKvWritePlan,
+) -> Result<()> {
+    let hkv = cache.pattern().geometry().kv_heads();
+    let host = &plan.plan;
+    let (slots, max_pages) = (cache.slots, cache.max_pages);
+    let (l, tables) = cache.layer_mut_and_tables(layer)?;
+    host.check_cache(slots, max_pages, l)?;
+    let dense_heads = l.paged.heads as usize;
+    let pages = host.max_logical_pages();
+    if dense_heads == 0 || pages == 0 {
+        return Ok(());
+    }
+    if dense_heads > MAX_GRID_YZ {
+        return Err(invalid("layer", "more dense heads than one launch covers"));
+    }
+    let params = ByValue(PoolParams {
+        sequences: host.ranges.len() as u32,
+        cache: cache_layout(l, hkv, max_pages),
+    });
+    let f = gpu.function(kernel::<E>("pool_key_stats_bf16", "pool_key_stats_f16"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            pages.div_ceil(pool_pages_per_block(l.paged.head_dim)),
+            dense_heads as u32,
+            host.ranges.len() as u32,
+        ),
+        block_dim: (KV_WRITE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(&f);
+    launch
+        .arg(&params)
+        .arg(&plan.ranges)
+        .arg(&l.k_pool)
+        .arg(&mut l.kmin)
+        .arg(&mut l.kmax)
+        .arg(tables);
+    // SAFETY: the arguments match `pool_key_stats_*` in order and type; the ranges are valid for
+    // a cache of this shape (checked, see `write_kv_rows`); the grid is `(logical page blocks,
+    // dense heads, ranges)` as the kernel expects.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// The value [`fill_random`] writes at `index` for `seed`, before rounding to the element type:
+/// `(n - 2^23) / 2^23` for a 24-bit `n` from a SplitMix64 hash of `(seed, index)` (the kernel
+/// runs this same function, from `lserve-abi`).
+///
+/// ```
+/// let x = lserve::gpu::random_fill_value(7, 123);
+/// assert!((-1.0..1.0).contains(&x));
+/// assert_eq!(x, lserve::gpu::random_fill_value(7, 123));
+/// ```
+pub fn random_fill_value(seed: u64, index: u64) -> f32 {
+    lserve_abi::kv_write::random_value(seed, index)
+}
+
+/// Fills `buf` with deterministic pseudo-random values: element `i` is
+/// [`random_fill_value`]`(seed, i)` (in `[-1, 1)`, never `-0.0`) rounded to `E` to
+/// nearest even (so `1.0` can appear). Enqueued on the context's stream; an empty buffer is left
+/// alone.
+pub fn fill_random<E: DeviceElement>(
+    gpu: &GpuContext,
+    buf: &mut CudaSlice<E>,
+    seed: u64,
+) -> Result<()> {
+    let len = buf.len();
+    if len == 0 {
+        return Ok(());
+    }
+    let params = ByValue(FillParams {
+        len: len as u64,
+        seed,
+    });
+    let f = gpu.function(kernel::<E>("fill_random_bf16", "fill_random_f16"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks_for(len.div_ceil(CHUNK_ELEMS as usize))?, 1, 1),
+        block_dim: (KV_WRITE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(&f);
+    launch.arg(&params).arg(buf);
+    // SAFETY: matches `fill_random_*(FillParams, *mut u16)`; `buf` holds `len` elements of a
+    // 16-bit type, allocated by the driver (16-byte aligned); the grid covers `len / 8` chunks.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}

@@ -1,1 +1,144 @@
-//! (being written)
+//! Writing the KV cache: the decode append, prefill's row writes, key-statistics pooling, and a
+//! random fill for benchmarks.
+//!
+//! Every kernel here is a flat range of *chunks* (8 elements, 16 bytes: one thread's vector load
+//! and store) cut into blocks of [`KV_WRITE_THREADS`]. A chunk of an activation row `[Hkv][D]`
+//! belongs to one KV head; [`target::RowTarget`] says where that head keeps the token — a row of
+//! a physical page for a dense head, a sink or ring row for a streaming head, or nowhere (a
+//! streaming head no longer holds the position) — so the kernels never branch on the head kind
+//! themselves.
+//!
+//! - [`append`]: one new token per sequence of a decode batch (`append_kv_*`), with the newest
+//!   logical page's `kmin`/`kmax` updated in place.
+//! - [`rows`]: the tokens of a ragged batch (`write_kv_rows_*`), as prefill produces them.
+//! - [`pool`]: `kmin`/`kmax` recomputed for every logical page a token range touches
+//!   (`pool_key_stats_*`).
+//! - [`fill`]: deterministic pseudo-random values (`fill_random_*`).
+//!
+//! [`KV_WRITE_THREADS`]: lserve_abi::kv_write::KV_WRITE_THREADS
+
+pub mod append;
+pub mod fill;
+pub mod pool;
+pub mod rows;
+pub mod stats;
+pub mod target;
+
+use lserve_abi::kv_write::{AppendParams, FillParams, PoolParams, SeqRange, WriteRowsParams};
+
+use crate::convert::{Bf16, F16};
+use target::CacheBuffers;
+
+/// Declares the `extern "gpu-kernel"` entry points of one element type.
+macro_rules! kv_write_kernels {
+    ($elem:ty, $append:ident, $rows:ident, $pool:ident, $fill:ident) => {
+        /// Appends one decode token per sequence (see [`append`]).
+        ///
+        /// # Safety
+        /// As [`append::append_kv`]: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "gpu-kernel" fn $append(
+            p: AppendParams,
+            k: *const u16,
+            v: *const u16,
+            k_pool: *mut u16,
+            v_pool: *mut u16,
+            kmin: *mut u16,
+            kmax: *mut u16,
+            k_stream: *mut u16,
+            v_stream: *mut u16,
+            block_tables: *const u32,
+            head_map: *const u32,
+            seq_slot: *const u32,
+            seq_len: *const u32,
+        ) {
+            let bufs = CacheBuffers {
+                k_pool,
+                v_pool,
+                kmin,
+                kmax,
+                k_stream,
+                v_stream,
+                block_tables,
+                head_map,
+            };
+            // SAFETY: forwarded launch contract.
+            unsafe { append::append_kv::<$elem>(&p, k, v, &bufs, seq_slot, seq_len) }
+        }
+
+        /// Writes the tokens of a ragged batch into the cache (see [`rows`]).
+        ///
+        /// # Safety
+        /// As [`rows::write_kv_rows`]: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "gpu-kernel" fn $rows(
+            p: WriteRowsParams,
+            ranges: *const SeqRange,
+            k: *const u16,
+            v: *const u16,
+            k_pool: *mut u16,
+            v_pool: *mut u16,
+            k_stream: *mut u16,
+            v_stream: *mut u16,
+            block_tables: *const u32,
+            head_map: *const u32,
+        ) {
+            let bufs = CacheBuffers {
+                k_pool,
+                v_pool,
+                kmin: core::ptr::null_mut(),
+                kmax: core::ptr::null_mut(),
+                k_stream,
+                v_stream,
+                block_tables,
+                head_map,
+            };
+            // SAFETY: forwarded launch contract.
+            unsafe { rows::write_kv_rows(&p, ranges, k, v, &bufs) }
+        }
+
+        /// Pools `kmin`/`kmax` over token ranges (see [`pool`]).
+        ///
+        /// # Safety
+        /// As [`pool::pool_key_stats`]: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $pool(
+            p: PoolParams,
+            ranges: *const SeqRange,
+            k_pool: *const u16,
+            kmin: *mut u16,
+            kmax: *mut u16,
+            block_tables: *const u32,
+        ) {
+            // SAFETY: forwarded launch contract.
+            unsafe { pool::pool_key_stats::<$elem>(&p, ranges, k_pool, kmin, kmax, block_tables) }
+        }
+
+        /// Fills a buffer with pseudo-random values (see [`fill`]).
+        ///
+        /// # Safety
+        /// As [`fill::fill_random`]: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $fill(p: FillParams, out: *mut u16) {
+            // SAFETY: forwarded launch contract.
+            unsafe { fill::fill_random::<$elem>(&p, out) }
+        }
+    };
+}
+
+kv_write_kernels!(
+    Bf16,
+    append_kv_bf16,
+    write_kv_rows_bf16,
+    pool_key_stats_bf16,
+    fill_random_bf16
+);
+kv_write_kernels!(
+    F16,
+    append_kv_f16,
+    write_kv_rows_f16,
+    pool_key_stats_f16,
+    fill_random_f16
+);

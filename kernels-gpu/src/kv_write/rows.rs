@@ -1,0 +1,55 @@
+//! Prefill's cache write: every token of a ragged batch, every KV head.
+//!
+//! Grid `(ceil(max_tokens * Hkv * D / 8 / KV_WRITE_THREADS), sequences)`: block `(x, s)` takes
+//! chunks `x * KV_WRITE_THREADS ..` of range `s`'s tokens (`[tokens][Hkv][D / 8]`, row-major, so
+//! a block reads contiguous activations). A dense head writes every token into its page; a
+//! streaming head only the tokens it holds at the sequence's length (sinks and the last
+//! `local_tokens`), so the ring's rows are written once each and the order of writes does not
+//! matter. Key statistics are not touched: `pool_key_stats` runs after.
+
+use lserve_abi::kv_write::{SeqRange, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS};
+
+use super::target::{load, write_chunk, CacheBuffers, RowTarget};
+use crate::thread::{block_idx_x, block_idx_y, thread_idx_x};
+
+/// The row-write body (element-type agnostic: it moves bits).
+///
+/// # Safety
+/// Launched with the grid above and `KV_WRITE_THREADS` threads; `ranges` holds `p.sequences`
+/// entries with `start <= end <= len`, distinct slots whose block-table rows map every page
+/// below `len`; `k`, `v` hold the rows `first_row .. first_row + end - start` of every range as
+/// `[kv_heads][head_dim]`; the buffers hold the layouts in `p`, `head_dim % 8 == 0`.
+#[inline(always)]
+pub unsafe fn write_kv_rows(
+    p: &WriteRowsParams,
+    ranges: *const SeqRange,
+    k: *const u16,
+    v: *const u16,
+    bufs: &CacheBuffers,
+) {
+    let c = &p.cache;
+    // SAFETY: `block_idx_y() < sequences`.
+    let r = unsafe { *ranges.add(block_idx_y() as usize) };
+    let per_token = c.chunks_per_token();
+    let i = block_idx_x() * KV_WRITE_THREADS + thread_idx_x();
+    if i >= (r.end - r.start) * per_token {
+        return;
+    }
+    let (t, in_token) = (i / per_token, i % per_token);
+    let chunks_per_head = c.paged.head_dim / CHUNK_ELEMS;
+    let (kv_head, chunk) = (in_token / chunks_per_head, in_token % chunks_per_head);
+    let pos = r.start + t;
+    let src = ((r.first_row + t) as usize * per_token as usize + in_token as usize)
+        * CHUNK_ELEMS as usize;
+    // SAFETY: `kv_head < kv_heads`, `pos < end <= len`, the block table maps `pos`'s page.
+    let target = unsafe { RowTarget::of(c, bufs, kv_head, r.slot, pos, r.len) };
+    if let RowTarget::Nowhere = target {
+        return;
+    }
+    // SAFETY: activation row `first_row + t` exists; `target` is this sequence's; distinct
+    // (sequence, position, head) triples have distinct destination rows.
+    unsafe {
+        let (key, value) = (load(k.add(src)), load(v.add(src)));
+        write_chunk(c, bufs, target, r.slot, chunk, key, value);
+    }
+}

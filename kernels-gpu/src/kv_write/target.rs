@@ -1,0 +1,171 @@
+//! Where a KV head keeps a token: the one place the write kernels look at the head pattern.
+
+use core::arch::asm;
+
+use lserve_abi::decode::HEAD_STREAMING;
+use lserve_abi::kv_write::{CacheLayout, CHUNK_ELEMS};
+
+use crate::math::Vec16;
+
+/// Device buffers of one layer of the cache, as the write kernels see them.
+#[derive(Clone, Copy)]
+pub struct CacheBuffers {
+    /// Dense pool K of the layer (`PagedLayout`).
+    pub k_pool: *mut u16,
+    /// Dense pool V.
+    pub v_pool: *mut u16,
+    /// Key statistics of the dense pool (null where a kernel does not touch them).
+    pub kmin: *mut u16,
+    /// See `kmin`.
+    pub kmax: *mut u16,
+    /// Streaming store K of the layer (`StreamingLayout`).
+    pub k_stream: *mut u16,
+    /// Streaming store V.
+    pub v_stream: *mut u16,
+    /// `[slots][max_pages]` physical page ids.
+    pub block_tables: *const u32,
+    /// `[kv_heads]`: dense index, or streaming index | `HEAD_STREAMING`.
+    pub head_map: *const u32,
+}
+
+/// Where one KV head keeps one token.
+#[derive(Clone, Copy)]
+pub enum RowTarget {
+    /// A dense head: row `token` of physical page `page`, compact dense index `head`.
+    Dense {
+        /// Physical page id.
+        page: u32,
+        /// Index among the layer's dense heads.
+        head: u32,
+        /// Row within the page (`pos % N_P`).
+        token: u32,
+    },
+    /// A streaming head holding the position: `row` of the sequence's slot.
+    Streaming {
+        /// Index among the layer's streaming heads.
+        head: u32,
+        /// Sink or ring row (`StreamingLayout::row_of_token`).
+        row: u32,
+    },
+    /// A streaming head that does not hold the position at the sequence's length.
+    Nowhere,
+}
+
+impl RowTarget {
+    /// Where KV head `kv_head` keeps position `pos` of the sequence in `slot` of length `len`.
+    ///
+    /// # Safety
+    /// `kv_head < c.kv_heads`, `slot` is a row of the block tables, `pos < len` and the block
+    /// table maps page `pos / N_P` of the sequence (a dense head reads it).
+    #[inline(always)]
+    pub unsafe fn of(
+        c: &CacheLayout,
+        bufs: &CacheBuffers,
+        kv_head: u32,
+        slot: u32,
+        pos: u32,
+        len: u32,
+    ) -> Self {
+        // SAFETY: `kv_head < kv_heads`.
+        let entry = unsafe { *bufs.head_map.add(kv_head as usize) };
+        let head = entry & !HEAD_STREAMING;
+        if entry & HEAD_STREAMING != 0 {
+            return if c.streaming_resident(pos, len) {
+                RowTarget::Streaming {
+                    head,
+                    row: c.streaming.row_of_token(pos),
+                }
+            } else {
+                RowTarget::Nowhere
+            };
+        }
+        let n_p = c.paged.page_tokens;
+        // SAFETY: the caller guarantees the block table holds the page of `pos`.
+        let page = unsafe {
+            *bufs
+                .block_tables
+                .add(slot as usize * c.max_pages as usize + (pos / n_p) as usize)
+        };
+        RowTarget::Dense {
+            page,
+            head,
+            token: pos % n_p,
+        }
+    }
+}
+
+/// Element offset of chunk `chunk` of a row that starts at `row_offset`.
+#[inline(always)]
+pub fn chunk_at(row_offset: usize, chunk: u32) -> usize {
+    row_offset + (chunk * CHUNK_ELEMS) as usize
+}
+
+/// Loads the 8 elements at `p` with one 16-byte access.
+///
+/// (Inline PTX: a plain copy of a 16-byte aggregate is lowered as two 8-byte accesses through a
+/// local-memory temporary.)
+///
+/// # Safety
+/// `p` is 16-byte aligned and 16 readable bytes.
+#[inline(always)]
+pub unsafe fn load(p: *const u16) -> Vec16 {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: forwarded; a generic-address vector load of 16 aligned bytes.
+    unsafe {
+        asm!("ld.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];",
+             out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg64) p,
+             options(readonly, nostack));
+    }
+    Vec16([a, b, c, d])
+}
+
+/// Stores 8 elements at `p` with one 16-byte access.
+///
+/// # Safety
+/// `p` is 16-byte aligned and 16 writable bytes.
+#[inline(always)]
+pub unsafe fn store(p: *mut u16, x: Vec16) {
+    // SAFETY: forwarded; a generic-address vector store of 16 aligned bytes.
+    unsafe {
+        asm!("st.v4.u32 [{0}], {{{1}, {2}, {3}, {4}}};",
+             in(reg64) p, in(reg32) x.0[0], in(reg32) x.0[1], in(reg32) x.0[2], in(reg32) x.0[3],
+             options(nostack));
+    }
+}
+
+/// Writes one chunk of a token's K and V rows (`k`, `v`) where `target` says, leaving the
+/// statistics alone.
+///
+/// # Safety
+/// `target` came from [`RowTarget::of`] for the sequence in `slot`; `chunk < D / 8`; the buffers
+/// hold the layouts `c` describes.
+#[inline(always)]
+pub unsafe fn write_chunk(
+    c: &CacheLayout,
+    bufs: &CacheBuffers,
+    target: RowTarget,
+    slot: u32,
+    chunk: u32,
+    k: Vec16,
+    v: Vec16,
+) {
+    let (k_dst, v_dst, offset) = match target {
+        RowTarget::Dense { page, head, token } => (
+            bufs.k_pool,
+            bufs.v_pool,
+            chunk_at(c.paged.kv_row(page, head, token), chunk),
+        ),
+        RowTarget::Streaming { head, row } => (
+            bufs.k_stream,
+            bufs.v_stream,
+            chunk_at(c.streaming.kv_row(slot, head, row), chunk),
+        ),
+        RowTarget::Nowhere => return,
+    };
+    // SAFETY: the row lies inside its buffer by the layout; rows are `D` elements, `D % 8 == 0`,
+    // so every chunk is 16-byte aligned.
+    unsafe {
+        store(k_dst.add(offset), k);
+        store(v_dst.add(offset), v);
+    }
+}
