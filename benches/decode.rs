@@ -9,8 +9,8 @@
 //! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern);
 //! - `copy`: a device-to-device copy, the bandwidth ceiling, in the same run.
 //!
-//! Each is timed with CUDA events around `iters` back-to-back launches (criterion's
-//! `iter_custom`). Throughput is the bytes that must move (K and V of the rows visited, the key
+//! Each is captured once in a CUDA graph (as an engine runs a decode step) and timed with CUDA
+//! events around `iters` back-to-back replays (criterion's `iter_custom`). Throughput is the bytes that must move (K and V of the rows visited, the key
 //! statistics the selector reads, amortized over the reuse interval), so criterion's GB/s is the
 //! achieved bandwidth. Without a GPU the benchmarks are skipped (and say so).
 
@@ -19,6 +19,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::bf16;
 use lserve::config::SparsityConfig;
+use lserve::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use lserve::cudarc::driver::CudaSlice;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
@@ -202,30 +203,38 @@ fn decode(c: &mut Criterion) {
                     .warm_up_time(Duration::from_millis(300))
                     .measurement_time(Duration::from_millis(800));
                 group.throughput(Throughput::Bytes(l.step_bytes(run_select, run_attend)));
+                // One decode step (or selector run) captured in a CUDA graph, as an engine runs
+                // it; the graph is replayed back to back between two events.
+                let stream = gpu.stream().clone();
+                stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .expect("capture");
+                {
+                    let Layer {
+                        cache,
+                        batch,
+                        attention,
+                        selection,
+                        q,
+                        out,
+                        ..
+                    } = &mut l;
+                    if run_select {
+                        select_pages(&gpu, cache, 0, batch, q, selection).expect("select");
+                    }
+                    if run_attend {
+                        decode_attention(&gpu, cache, 0, batch, q, out, attention).expect("attend");
+                    }
+                    if run_select {
+                        advance_decode_steps(&gpu, cache, batch).expect("advance");
+                    }
+                }
+                let graph = stream
+                    .end_capture(CUgraphInstantiate_flags(0))
+                    .expect("capture")
+                    .expect("a non-empty graph");
                 group.bench_function(id(name), |b| {
-                    b.iter_custom(|iters| {
-                        timed(&gpu, iters, || {
-                            let Layer {
-                                cache,
-                                batch,
-                                attention,
-                                selection,
-                                q,
-                                out,
-                                ..
-                            } = &mut l;
-                            if run_select {
-                                select_pages(&gpu, cache, 0, batch, q, selection).expect("select");
-                            }
-                            if run_attend {
-                                decode_attention(&gpu, cache, 0, batch, q, out, attention)
-                                    .expect("attend");
-                            }
-                            if run_select {
-                                advance_decode_steps(&gpu, cache, batch).expect("advance");
-                            }
-                        })
-                    })
+                    b.iter_custom(|iters| timed(&gpu, iters, || graph.launch().expect("replay")))
                 });
                 group.finish();
             }

@@ -4,6 +4,7 @@
 use half::bf16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
+use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
@@ -99,6 +100,15 @@ pub fn decode_step(
     let q = p.rng.vec(hq * d);
     let k = p.rng.vec(hkv * d);
     let v = p.rng.vec(hkv * d);
+    let gpu = match force_cpu {
+        true => Err("--cpu was given".to_string()),
+        false => GpuContext::new(0).map_err(|e| format!("no usable GPU: {e}")),
+    };
+    // The GPU starts from the cache as it stood before the step (the reference appends to it).
+    let before = gpu
+        .as_ref()
+        .ok()
+        .map(|_| (p.host.clone(), p.tables.clone()));
     let mut reuse = ReuseState::new(config.reuse_interval)?;
     let want = reference_step(
         &p.manager,
@@ -111,22 +121,49 @@ pub fn decode_step(
         &k,
         &v,
     )?;
-
-    let why_cpu = if force_cpu {
-        "--cpu was given".to_string()
-    } else {
-        match lserve::gpu::GpuContext::new(0) {
-            Ok(gpu) => format!(
-                "a GPU is present ({}), but the GPU decode step (issue 3) is not wired into this job yet",
-                gpu.device_name()?
-            ),
-            Err(e) => format!("no usable GPU: {e}"),
-        }
-    };
     let finite = want.out.iter().all(|x| x.is_finite());
+    let summary = summarize(&want.visits[0], config, context + 1, finite, &want.out, d);
+    let (gpu, (host, tables)) = match (gpu, before) {
+        (Ok(gpu), Some(before)) => (gpu, before),
+        (Err(why), _) => {
+            return Ok(StepReport {
+                device: format!("ran on: CPU reference (f64 accumulation), layer {layer}; {why}"),
+                summary,
+            })
+        }
+        (Ok(_), None) => unreachable!("the state is cloned whenever a GPU is present"),
+    };
+
+    // The same step on the GPU: append, select, attend, advance.
+    let mut cache = DeviceKvCache::upload(&gpu, &p.manager, &host, &tables)?;
+    let mut step = DecodeStep::new(&gpu, &cache, 1)?;
+    let mut batch = DecodeBatch::new(&gpu, 1)?;
+    batch.set(&gpu, &p.manager, &[p.seq])?;
+    let stream = gpu.stream();
+    let (q_dev, k_dev, v_dev) = (
+        stream.clone_htod(&q)?,
+        stream.clone_htod(&k)?,
+        stream.clone_htod(&v)?,
+    );
+    let mut out = stream.clone_htod(&vec![bf16::NAN; hq * d])?;
+    step.layer(
+        &gpu, &mut cache, 0, &batch, &q_dev, &k_dev, &v_dev, &mut out,
+    )?;
+    step.finish(&gpu, &mut cache, &batch)?;
+    let got: Vec<bf16> = stream.clone_dtoh(&out)?;
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(&want.out) {
+        diff += (g.to_f64() - w) * (g.to_f64() - w);
+        norm += w * w;
+    }
+    let rel = (diff / norm).sqrt();
     Ok(StepReport {
-        device: format!("ran on: CPU reference (f64 accumulation), layer {layer}; {why_cpu}"),
-        summary: summarize(&want.visits[0], config, context + 1, finite, &want.out, d),
+        device: format!(
+            "ran on: GPU ({}), layer {layer}: append + page selection + attention, \
+             checked against the CPU reference: relative error {rel:.2e} over all query heads",
+            gpu.device_name()?
+        ),
+        summary,
     })
 }
 

@@ -18,6 +18,15 @@ pub const DECODE_TILE_ROWS: u32 = 16;
 pub const DECODE_STAGES: u32 = 4;
 /// Threads per block of the combine kernel.
 pub const COMBINE_THREADS: u32 = 128;
+/// The most splits per (sequence, KV head) pair (the combine kernel keeps one weight per split
+/// in shared memory).
+pub const MAX_SPLITS: u32 = 256;
+
+/// Shared memory of the combine kernel, in bytes: a weight per split and a word per warp for
+/// block reductions.
+pub const fn combine_smem_bytes() -> u32 {
+    (MAX_SPLITS + COMBINE_THREADS / 32) * 4
+}
 
 /// `head_map` entry flag: the KV head is streaming (low bits: its index among the layer's
 /// streaming heads); without it the low bits are its index among the layer's dense heads.

@@ -3,8 +3,8 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lserve_abi::decode::{
-    decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS, DECODE_THREADS,
-    DECODE_TILE_ROWS,
+    combine_smem_bytes, decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS,
+    DECODE_THREADS, DECODE_TILE_ROWS,
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
@@ -23,8 +23,7 @@ pub struct DecodeWorkspace {
     head_dim: usize,
 }
 
-/// The most splits per (sequence, KV head) pair.
-pub const MAX_SPLITS: u32 = 64;
+pub use lserve_abi::decode::MAX_SPLITS;
 
 impl DecodeWorkspace {
     /// Room for batches of up to `max_batch` sequences of a model with `kv_heads`, `group` and
@@ -52,11 +51,12 @@ impl DecodeWorkspace {
     }
 }
 
-/// How many splits a launch over `pairs` pairs uses: enough blocks to fill the GPU twice over,
-/// but no split shorter than four tiles of the longest pair.
-fn choose_splits(sm_count: u32, pairs: u32, max_rows: u32, max_splits: u32) -> u32 {
-    let fill = (2 * sm_count).div_ceil(pairs.max(1));
-    let by_length = max_rows.div_ceil(4 * DECODE_TILE_ROWS).max(1);
+/// How many splits a launch uses: enough blocks of the `heavy_pairs` long pairs (the dense
+/// heads; streaming heads have a few hundred rows) to fill the GPU four times over (a full wave
+/// at 4 resident blocks per SM), but no split shorter than eight tiles of the longest pair.
+fn choose_splits(sm_count: u32, heavy_pairs: u32, max_rows: u32, max_splits: u32) -> u32 {
+    let fill = (4 * sm_count).div_ceil(heavy_pairs.max(1));
+    let by_length = max_rows.div_ceil(8 * DECODE_TILE_ROWS).max(1);
     fill.min(by_length).clamp(1, max_splits)
 }
 
@@ -132,7 +132,9 @@ pub fn decode_attention<E: DeviceElement>(
         max_len.min(cache.entry_capacity * l.paged.page_tokens)
     }
     .max(l.streaming.rows());
-    let splits = choose_splits(gpu.sm_count(), pairs as u32, max_rows, ws.max_splits);
+    let dense_heads = l.paged.heads as usize;
+    let heavy_pairs = b * if dense_heads > 0 { dense_heads } else { hkv };
+    let splits = choose_splits(gpu.sm_count(), heavy_pairs as u32, max_rows, ws.max_splits);
 
     let params = ByValue(DecodeParams {
         batch: b as u32,
@@ -191,7 +193,7 @@ pub fn decode_attention<E: DeviceElement>(
     let cfg = LaunchConfig {
         grid_dim: ((b * hq) as u32, 1, 1),
         block_dim: (COMBINE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: combine_smem_bytes(),
     };
     let mut launch = stream.launch_builder(&f);
     launch

@@ -1,20 +1,59 @@
 //! Merges the decode splits' partial softmax states into the output.
 //!
-//! Grid `batch * q_heads`, `COMBINE_THREADS` threads; thread `d` (strided) owns output dimension
-//! `d`. For split states `(m_s, l_s, acc_s)` (log2 units): `M = max m_s`,
-//! `out = Σ 2^(m_s - M) acc_s / Σ 2^(m_s - M) l_s`.
+//! Grid `batch * q_heads`, `COMBINE_THREADS` threads. For split states `(m_s, l_s, acc_s)` (log2
+//! units): `M = max m_s`, `w_s = 2^(m_s - M)`, `out = Σ w_s acc_s / Σ w_s l_s`. The splits are
+//! spread over the threads for `M` and the weights (block reductions), so no thread walks them
+//! one dependent load at a time; then thread `d` (strided) sums its output dimension over the
+//! splits, four loads in flight at once.
 
-use lserve_abi::decode::{CombineParams, COMBINE_THREADS};
+use lserve_abi::decode::{CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
 use crate::convert::{Bf16, Half16, F16};
 use crate::math::exp2;
-use crate::thread::{block_idx_x, thread_in_block};
+use crate::smem::dynamic_smem;
+use crate::sync::sync_threads;
+use crate::thread::{block_idx_x, lane, thread_in_block, warp_in_block, WARP_SIZE};
+use crate::warp::{warp_max_f32, warp_sum_f32};
+
+const WARPS: u32 = COMBINE_THREADS / WARP_SIZE;
+
+/// Reduces `x` over the block with `warp_op` inside warps and `op` across them, through
+/// `scratch` (`WARPS` words of shared memory); every thread gets the result.
+///
+/// # Safety
+/// Every thread of the block calls it (it has barriers); `scratch` points to `WARPS` shared words
+/// no one else uses meanwhile.
+#[inline(always)]
+unsafe fn block_reduce(
+    x: f32,
+    scratch: *mut f32,
+    warp_op: unsafe fn(f32) -> f32,
+    op: fn(f32, f32) -> f32,
+) -> f32 {
+    // SAFETY: the caller guarantees block-uniform control flow and the scratch words.
+    unsafe {
+        let x = warp_op(x);
+        if lane() == 0 {
+            *scratch.add(warp_in_block() as usize) = x;
+        }
+        sync_threads();
+        let mut total = *scratch;
+        let mut w = 1;
+        while w < WARPS as usize {
+            total = op(total, *scratch.add(w));
+            w += 1;
+        }
+        sync_threads(); // the scratch may be reused right after
+        total
+    }
+}
 
 /// The combine body for element type `E`.
 ///
 /// # Safety
-/// Grid `p.batch * p.q_heads`, `COMBINE_THREADS` threads; `part_acc` / `part_ml` as the decode
-/// kernel wrote them for the same batch, `out` is `[batch][q_heads][head_dim]`.
+/// Grid `p.batch * p.q_heads`, `COMBINE_THREADS` threads, `combine_smem_bytes()` of dynamic
+/// shared memory, `p.splits <= MAX_SPLITS`; `part_acc` / `part_ml` as the decode kernel wrote
+/// them for the same batch, `out` is `[batch][q_heads][head_dim]`.
 #[inline(always)]
 unsafe fn combine<E: Half16>(
     p: &CombineParams,
@@ -29,40 +68,61 @@ unsafe fn combine<E: Half16>(
     let g = q_head % p.group;
     // Partial state index of split `s`.
     let state = |s: u32| ((pair * p.splits + s) * p.group + g) as usize;
+    let weights = dynamic_smem::<f32>(0);
+    let scratch = dynamic_smem::<f32>(MAX_SPLITS as usize * 4);
+    let tid = thread_in_block();
 
+    // M, the largest split maximum.
     let mut m_max = f32::NEG_INFINITY;
-    let mut s = 0;
+    let mut s = tid;
     while s < p.splits {
         // SAFETY: `state(s)` indexes `[pairs][splits][group]` within the batch.
         m_max = m_max.max(unsafe { *part_ml.add(state(s) * 2) });
-        s += 1;
+        s += COMBINE_THREADS;
     }
-    let mut d = thread_in_block();
-    while d < p.head_dim {
-        let mut num = 0.0f32;
-        let mut den = 0.0f32;
-        let mut s = 0;
-        while s < p.splits {
-            // SAFETY: as above; `d < head_dim`.
-            let (m, l, a) = unsafe {
-                let i = state(s);
-                (
-                    *part_ml.add(i * 2),
-                    *part_ml.add(i * 2 + 1),
-                    *part_acc.add(i * p.head_dim as usize + d as usize),
-                )
+    // SAFETY: every thread reaches the reductions; `scratch` follows the weights.
+    let m_max = unsafe { block_reduce(m_max, scratch, warp_max_f32, f32::max) };
+
+    // The weights, and the denominator.
+    let mut den = 0.0f32;
+    let mut s = tid;
+    while s < p.splits {
+        // SAFETY: as above; `s < splits <= MAX_SPLITS` weights fit.
+        unsafe {
+            let (m, l) = (*part_ml.add(state(s) * 2), *part_ml.add(state(s) * 2 + 1));
+            let w = if m == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp2(m - m_max)
             };
-            if m != f32::NEG_INFINITY {
-                let w = exp2(m - m_max);
-                num += w * a;
-                den += w * l;
-            }
+            *weights.add(s as usize) = w;
+            den += w * l;
+        }
+        s += COMBINE_THREADS;
+    }
+    // SAFETY: as above; its barriers also publish the weights.
+    let den = unsafe { block_reduce(den, scratch, warp_sum_f32, |a, b| a + b) };
+
+    let d_stride = p.head_dim as usize;
+    let mut d = tid;
+    while d < p.head_dim {
+        let acc = |s: u32| -> f32 {
+            // SAFETY: `s < splits`, `d < head_dim`; the weight was written before the barrier.
+            unsafe { *weights.add(s as usize) * *part_acc.add(state(s) * d_stride + d as usize) }
+        };
+        let mut num = 0.0f32;
+        let mut s = 0;
+        while s + 4 <= p.splits {
+            let (a0, a1, a2, a3) = (acc(s), acc(s + 1), acc(s + 2), acc(s + 3));
+            num += (a0 + a1) + (a2 + a3);
+            s += 4;
+        }
+        while s < p.splits {
+            num += acc(s);
             s += 1;
         }
         // SAFETY: `out` is `[batch][q_heads][head_dim]`.
-        unsafe {
-            *out.add(row as usize * p.head_dim as usize + d as usize) = E::from_f32(num / den)
-        };
+        unsafe { *out.add(row as usize * d_stride + d as usize) = E::from_f32(num / den) };
         d += COMBINE_THREADS;
     }
 }

@@ -45,16 +45,17 @@ impl<const D: usize> RowGeometry<D> {
     const TILE_CHUNKS: u32 = Self::TILE_BYTES / 16;
 }
 
-/// Issues the `cp.async` copies of tile `t` into stage `stage` (rows past the tile's end are
-/// not copied: they are never read).
+/// Issues the `cp.async` copies of tile `t`, at element offset `offset`, into stage `stage`
+/// (rows past the tile's end are not copied: they are never read).
 ///
 /// # Safety
-/// `t < src.tiles()`; the shared memory holds `DECODE_STAGES` K and V tiles.
+/// `t < src.tiles()`, `offset == src.tile_offset(p, t)`; the shared memory holds
+/// `DECODE_STAGES` K and V tiles.
 #[inline(always)]
-unsafe fn load_tile<const D: usize>(p: &DecodeParams, src: &RowSource, t: u32, stage: u32) {
+unsafe fn load_tile<const D: usize>(src: &RowSource, t: u32, offset: usize, stage: u32) {
     let rows = src.tile_rows(t);
-    // SAFETY: forwarded `t < tiles`.
-    let (k, v) = unsafe { src.tile(p, t) };
+    // SAFETY: forwarded.
+    let (k, v) = unsafe { src.tile_at(offset) };
     let k_stage = shared_addr(dynamic_smem::<u8>(
         (stage * 2 * RowGeometry::<D>::TILE_BYTES) as usize,
     ));
@@ -185,10 +186,17 @@ unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
     while s < DECODE_STAGES - 1 {
         if s < count {
             // SAFETY: `first + s < end <= tiles`.
-            unsafe { load_tile::<D>(p, &src, first + s, s) };
+            unsafe { load_tile::<D>(&src, first + s, src.tile_offset(p, first + s), s) };
         }
         commit_group();
         s += 1;
+    }
+    // Where the next tile to issue lives, looked up one step ahead: a dense head's page-list
+    // read then overlaps a tile's compute instead of stalling the copy issue.
+    let mut next_offset = 0;
+    if DECODE_STAGES - 1 < count {
+        // SAFETY: `first + STAGES - 1 < end`.
+        next_offset = unsafe { src.tile_offset(p, first + DECODE_STAGES - 1) };
     }
 
     let row_in_step = warp_in_block() * RowGeometry::<D>::ROWS_PER_WARP + lane() / lanes_per_row;
@@ -199,11 +207,15 @@ unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
         unsafe { sync_threads() };
         let next = i + DECODE_STAGES - 1;
         if next < count {
-            // SAFETY: `first + next < end`; its stage was last read in step `i - 1`, which every
-            // thread finished before the barrier above.
-            unsafe { load_tile::<D>(p, &src, first + next, next % DECODE_STAGES) };
+            // SAFETY: `first + next < end`, `next_offset` is its offset; its stage was last read
+            // in step `i - 1`, which every thread finished before the barrier above.
+            unsafe { load_tile::<D>(&src, first + next, next_offset, next % DECODE_STAGES) };
         }
         commit_group();
+        if next + 1 < count {
+            // SAFETY: `first + next + 1 < end`.
+            next_offset = unsafe { src.tile_offset(p, first + next + 1) };
+        }
 
         let stage = i % DECODE_STAGES;
         let k_tile = dynamic_smem::<u16>((stage * 2 * RowGeometry::<D>::TILE_BYTES) as usize);

@@ -117,12 +117,13 @@ impl RowSource {
         }
     }
 
-    /// Element offset of the first row of tile `t` in the K (and V) buffer.
+    /// Element offset of the first row of tile `t` in the K (and V) buffer. For dense heads
+    /// this reads the page list (global memory): the kernel asks for it a tile ahead.
     ///
     /// # Safety
     /// `t < self.tiles()`.
     #[inline(always)]
-    unsafe fn tile_offset(&self, p: &DecodeParams, t: u32) -> usize {
+    pub unsafe fn tile_offset(&self, p: &DecodeParams, t: u32) -> usize {
         let row = t * DECODE_TILE_ROWS;
         if self.pages.is_null() {
             p.streaming.kv_row(self.slot, self.head, row)
@@ -135,16 +136,13 @@ impl RowSource {
         }
     }
 
-    /// Pointers to the first K and V rows of tile `t`.
+    /// Pointers to the first K and V rows of the tile at element offset `offset`.
     ///
     /// # Safety
-    /// `t < self.tiles()`.
+    /// `offset` is a [`tile_offset`](Self::tile_offset) of this source.
     #[inline(always)]
-    pub unsafe fn tile(&self, p: &DecodeParams, t: u32) -> (*const u16, *const u16) {
+    pub unsafe fn tile_at(&self, offset: usize) -> (*const u16, *const u16) {
         // SAFETY: forwarded; offsets stay inside the buffers by the layouts.
-        unsafe {
-            let off = self.tile_offset(p, t);
-            (self.k.add(off), self.v.add(off))
-        }
+        unsafe { (self.k.add(offset), self.v.add(offset)) }
     }
 }
