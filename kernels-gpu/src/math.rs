@@ -59,7 +59,7 @@ macro_rules! unroll8 {
     };
     (@each $i:ident, $n:expr, $body:block, $($k:literal)*) => {
         $(
-            #[allow(clippy::reversed_empty_ranges, unused_comparisons)]
+            #[allow(clippy::reversed_empty_ranges, unused_comparisons, unconditional_panic)]
             if $k < $n {
                 let $i: usize = $k;
                 $body

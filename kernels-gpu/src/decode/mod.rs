@@ -28,6 +28,8 @@ use online_softmax::SoftmaxState;
 use rows::{CacheBuffers, RowSource};
 
 const WARPS: u32 = DECODE_THREADS / WARP_SIZE;
+/// The most rows of a tile one row group reads (D 128: 2).
+const MAX_ROWS_PER_THREAD: usize = 2;
 
 /// How a head dimension `D` maps onto lanes: each lane owns 8 consecutive elements of a row.
 struct RowGeometry<const D: usize>;
@@ -39,6 +41,8 @@ impl<const D: usize> RowGeometry<D> {
     const ROWS_PER_WARP: u32 = WARP_SIZE / Self::LANES_PER_ROW;
     /// Rows the block reads at once.
     const ROWS_PER_STEP: u32 = Self::ROWS_PER_WARP * WARPS;
+    /// Rows of a tile one row group reads (1 at D 64, 2 at D 128).
+    const ROWS_PER_THREAD: u32 = DECODE_TILE_ROWS / Self::ROWS_PER_STEP;
     /// Bytes of one K (or V) tile in shared memory.
     const TILE_BYTES: u32 = DECODE_TILE_ROWS * D as u32 * 2;
     /// 16-byte chunks of one tile.
@@ -221,14 +225,15 @@ unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
         let k_tile = dynamic_smem::<u16>((stage * 2 * RowGeometry::<D>::TILE_BYTES) as usize);
         let v_tile = dynamic_smem::<u16>(((stage * 2 + 1) * RowGeometry::<D>::TILE_BYTES) as usize);
         let rows = src.tile_rows(first + i);
-        let mut step_row = 0;
-        while step_row < DECODE_TILE_ROWS {
-            let row = step_row + row_in_step;
-            let elem = row as usize * D + col as usize * 8;
+        // A row group reads `ROWS_PER_THREAD` rows of the tile: their scores first, then one
+        // rescale per query head for all of them, then the values.
+        let mut scores = [[f32::NEG_INFINITY; MAX_ROWS_PER_THREAD]; G];
+        unroll8!(r in 0..RowGeometry::<D>::ROWS_PER_THREAD as usize => {
+            let row = r as u32 * RowGeometry::<D>::ROWS_PER_STEP + row_in_step;
             // SAFETY: `row < DECODE_TILE_ROWS`: inside the stage. Rows past `rows` hold stale
             // data; their scores are computed (the shuffles need every lane) but never used.
-            let k = unsafe { *(k_tile.add(elem) as *const Vec16) }.to_f32::<E>();
-            let mut scores = [0.0f32; G];
+            let k = unsafe { *(k_tile.add(row as usize * D + col as usize * 8) as *const Vec16) }
+                .to_f32::<E>();
             unroll8!(g in 0..G => {
                 let mut dot = 0.0f32;
                 let mut d = 0;
@@ -237,17 +242,30 @@ unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
                     d += 1;
                 }
                 // SAFETY: every lane of the warp reaches this reduction.
-                scores[g] = unsafe { row_group_sum(dot, lanes_per_row) };
+                let score = unsafe { row_group_sum(dot, lanes_per_row) };
+                if row < rows {
+                    scores[g][r] = score;
+                }
             });
+        });
+        unroll8!(g in 0..G => {
+            let mut m = f32::NEG_INFINITY;
+            unroll8!(r in 0..RowGeometry::<D>::ROWS_PER_THREAD as usize => {
+                m = m.max(scores[g][r]);
+            });
+            state[g].raise_max(m);
+        });
+        unroll8!(r in 0..RowGeometry::<D>::ROWS_PER_THREAD as usize => {
+            let row = r as u32 * RowGeometry::<D>::ROWS_PER_STEP + row_in_step;
             if row < rows {
                 // SAFETY: as for `k`.
-                let v = unsafe { *(v_tile.add(elem) as *const Vec16) }.to_f32::<E>();
+                let v = unsafe { *(v_tile.add(row as usize * D + col as usize * 8) as *const Vec16) }
+                    .to_f32::<E>();
                 unroll8!(g in 0..G => {
-                    state[g].push(scores[g], &v);
+                    state[g].add(scores[g][r], &v);
                 });
             }
-            step_row += RowGeometry::<D>::ROWS_PER_STEP;
-        }
+        });
         i += 1;
     }
 

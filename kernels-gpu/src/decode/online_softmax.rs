@@ -36,19 +36,35 @@ impl SoftmaxState {
         acc: [0.0; 8],
     };
 
-    /// Adds one row with score `s` (log2 units) and value slice `v`.
+    /// Raises the running maximum to at least `m` (log2 units), rescaling `l` and `acc`: the
+    /// first half of adding rows whose largest score is `m`.
     #[inline(always)]
-    pub fn push(&mut self, s: f32, v: &[f32; 8]) {
-        let m_new = self.m.max(s);
+    pub fn raise_max(&mut self, m: f32) {
+        let m_new = self.m.max(m);
+        if m_new == self.m {
+            return;
+        }
         let corr = rescale(self.m, m_new);
-        let p = exp2(s - m_new);
-        self.l = self.l * corr + p;
+        self.l *= corr;
         let mut i = 0;
         while i < 8 {
-            self.acc[i] = self.acc[i] * corr + p * v[i];
+            self.acc[i] *= corr;
             i += 1;
         }
         self.m = m_new;
+    }
+
+    /// Adds a row with score `s` (log2 units, at most the running maximum: call
+    /// [`raise_max`](Self::raise_max) first) and value slice `v`.
+    #[inline(always)]
+    pub fn add(&mut self, s: f32, v: &[f32; 8]) {
+        let p = exp2(s - self.m);
+        self.l += p;
+        let mut i = 0;
+        while i < 8 {
+            self.acc[i] += p * v[i];
+            i += 1;
+        }
     }
 
     /// Merges another state (over disjoint rows) into this one.
