@@ -14,6 +14,9 @@
 //! statistics the selector reads, amortized over the reuse interval), so criterion's GB/s is the
 //! achieved bandwidth. Without a GPU the benchmarks are skipped (and say so).
 
+mod common;
+
+use common::timed;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -135,19 +138,6 @@ impl Layer {
         }
         (batch * (bytes + 2 * 32 * d * 2)) as u64
     }
-}
-
-/// Times `iters` runs of `f` with CUDA events.
-fn timed(gpu: &GpuContext, iters: u64, mut f: impl FnMut()) -> Duration {
-    let stream = gpu.stream();
-    let flags = Some(lserve::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let start = stream.record_event(flags).expect("event");
-    for _ in 0..iters {
-        f();
-    }
-    let end = stream.record_event(flags).expect("event");
-    let ms = start.elapsed_ms(&end).expect("elapsed");
-    Duration::from_secs_f64(ms as f64 * 1e-3)
 }
 
 fn copy(c: &mut Criterion, gpu: &GpuContext) {

@@ -11,6 +11,9 @@
 //! reads as FLOP/s; compare with `benches/torch_sdpa.py prefill` from the same device run.
 //! Timed with CUDA events (`iter_custom`). Without a GPU the benchmarks are skipped.
 
+mod common;
+
+use common::timed;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -23,17 +26,6 @@ use lserve::head_pattern::HeadKind;
 const HQ: usize = 32;
 const HKV: usize = 8;
 const D: usize = 128;
-
-fn timed(gpu: &GpuContext, iters: u64, mut f: impl FnMut()) -> Duration {
-    let stream = gpu.stream();
-    let flags = Some(lserve::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let start = stream.record_event(flags).expect("event");
-    for _ in 0..iters {
-        f();
-    }
-    let end = stream.record_event(flags).expect("event");
-    Duration::from_secs_f64(start.elapsed_ms(&end).expect("elapsed") as f64 * 1e-3)
-}
 
 struct Tensors {
     q: CudaSlice<bf16>,

@@ -9,6 +9,9 @@
 //! Ignored without a GPU (reported as ignored, never passed); `--ignored` runs them, and there a
 //! missing GPU is a failure.
 
+mod common;
+
+use common::gpu;
 use half::{bf16, f16};
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
@@ -24,14 +27,6 @@ use lserve::reference::ReuseState;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-fn gpu() -> GpuContext {
-    GpuContext::new(0).unwrap_or_else(|e| {
-        panic!(
-            "GPU test run without a usable CUDA GPU ({e}): these tests must run on a GPU machine"
-        )
-    })
-}
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -129,7 +124,22 @@ fn worst_row_error<E: Element>(got: &[E], want: &[f64], d: usize) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+/// A case's cache after its prompts, on the host: the state both drivers start from.
+struct Prompted<E> {
+    rng: StdRng,
+    config: SparsityConfig,
+    pattern: HeadPattern,
+    mgr: KvCacheManager,
+    host: HostKvCache<E>,
+    tables: IndexTables,
+    reuse: ReuseState,
+    seqs: Vec<SeqId>,
+}
+
+/// Builds the case's one-layer model and cache and writes its prompts (random keys and values,
+/// statistics pooled). Prompts grow in interleaved random chunks, so the physical pages of the
+/// sequences interleave.
+fn prompted<E: DeviceElement>(case: &Case) -> Prompted<E> {
     let mut rng = StdRng::seed_from_u64(case.seed);
     let geometry =
         ModelGeometry::new(1, case.kv_heads * case.group, case.kv_heads, case.head_dim).unwrap();
@@ -167,11 +177,9 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
     let mut mgr =
         KvCacheManager::new(geometry, pattern.clone(), config, capacity, batch, max_len).unwrap();
     let mut host = HostKvCache::<E>::for_manager(&mgr).unwrap();
-    let mut tables = IndexTables::for_manager(&mgr).unwrap();
-    let mut reuse = ReuseState::new(case.reuse).unwrap();
-    let (hq, hkv, d) = (geometry.q_heads(), geometry.kv_heads(), geometry.head_dim());
-
-    // Prompts grow in interleaved random chunks, so physical pages of sequences interleave.
+    let tables = IndexTables::for_manager(&mgr).unwrap();
+    let reuse = ReuseState::new(case.reuse).unwrap();
+    let row = geometry.kv_heads() * geometry.head_dim();
     let seqs: Vec<SeqId> = (0..batch).map(|_| mgr.add_sequence().unwrap()).collect();
     let mut left = case.prompts.clone();
     while left.iter().any(|&n| n > 0) {
@@ -183,13 +191,37 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
         left[b] -= n;
         let range = mgr.reserve(seqs[b], n).unwrap();
         let view = mgr.view(seqs[b]).unwrap();
-        let k = random_vec::<E>(&mut rng, n * hkv * d);
-        let v = random_vec::<E>(&mut rng, n * hkv * d);
+        let k = random_vec::<E>(&mut rng, n * row);
+        let v = random_vec::<E>(&mut rng, n * row);
         write_tokens(&mut host, 0, &view, range.start, &k, &v).unwrap();
     }
+    Prompted {
+        rng,
+        config,
+        pattern,
+        mgr,
+        host,
+        tables,
+        reuse,
+        seqs,
+    }
+}
+
+fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+    let Prompted {
+        mut rng,
+        mut mgr,
+        mut host,
+        mut tables,
+        mut reuse,
+        seqs,
+        ..
+    } = prompted::<E>(case);
+    let g = *mgr.geometry();
+    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), seqs.len());
 
     let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
-    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, geometry.group(), d).unwrap();
+    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d).unwrap();
     for step in 0..case.steps {
         for &s in &seqs {
             mgr.reserve(s, 1).unwrap();
@@ -312,54 +344,18 @@ fn run_steps<E: DeviceElement>(
     use lserve::gpu::DecodeStep;
     use lserve::reference::decode_step::{decode_attention_tables, select_from_cache};
 
-    let mut rng = StdRng::seed_from_u64(case.seed);
-    let geometry =
-        ModelGeometry::new(1, case.kv_heads * case.group, case.kv_heads, case.head_dim).unwrap();
-    let kinds = vec![case
-        .streaming
-        .iter()
-        .map(|&s| {
-            if s {
-                HeadKind::Streaming
-            } else {
-                HeadKind::Dense
-            }
-        })
-        .collect()];
-    let pattern = HeadPattern::from_kinds(geometry, kinds).unwrap();
-    let config = SparsityConfig {
-        sink_tokens: case.sink,
-        local_tokens: case.local,
-        page_tokens: case.page_tokens,
-        logical_page_tokens: case.page_tokens / case.logical_per_page,
-        token_budget: case.top_k * case.page_tokens,
-        reuse_interval: case.reuse,
-        dynamic_min_len: case.dynamic_min_len,
-        gqa_aggregation: if rng.gen() {
-            GqaAggregation::Max
-        } else {
-            GqaAggregation::Mean
-        },
-        always_include_first_page: rng.gen(),
-        softmax_scale: None,
-    };
-    let max_len = case.prompts.iter().max().unwrap() + case.steps;
-    let batch = case.prompts.len();
-    let capacity = batch * max_len.div_ceil(case.page_tokens) + 3;
-    let mut mgr =
-        KvCacheManager::new(geometry, pattern.clone(), config, capacity, batch, max_len).unwrap();
-    let mut host = HostKvCache::<E>::for_manager(&mgr).unwrap();
-    let mut tables = IndexTables::for_manager(&mgr).unwrap();
-    let mut reuse = ReuseState::new(case.reuse).unwrap();
-    let (hq, hkv, d) = (geometry.q_heads(), geometry.kv_heads(), geometry.head_dim());
-    let seqs: Vec<SeqId> = (0..batch).map(|_| mgr.add_sequence().unwrap()).collect();
-    for (b, &n) in case.prompts.iter().enumerate() {
-        let range = mgr.reserve(seqs[b], n).unwrap();
-        let view = mgr.view(seqs[b]).unwrap();
-        let k = random_vec::<E>(&mut rng, n * hkv * d);
-        let v = random_vec::<E>(&mut rng, n * hkv * d);
-        write_tokens(&mut host, 0, &view, range.start, &k, &v).unwrap();
-    }
+    let Prompted {
+        mut rng,
+        config,
+        pattern,
+        mut mgr,
+        mut host,
+        mut tables,
+        mut reuse,
+        seqs,
+    } = prompted::<E>(case);
+    let g = *mgr.geometry();
+    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), seqs.len());
     let mut cache = DeviceKvCache::upload(gpu, &mgr, &host, &tables).unwrap();
     let mut step_ws = DecodeStep::new(gpu, &cache, batch).unwrap();
     let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();

@@ -14,6 +14,9 @@
 //! The GPU tests are `#[ignore]`d (reported as ignored without a GPU, never as passed); the plan
 //! tests at the bottom run everywhere.
 
+mod common;
+
+use common::gpu;
 use half::{bf16, f16};
 use lserve::config::SparsityConfig;
 use lserve::dtype::Element;
@@ -36,14 +39,6 @@ use rand::{Rng, SeedableRng};
 /// NaN in both bf16 and f16.
 const POISON: u16 = 0x7fff;
 const LAYERS: usize = 2;
-
-fn gpu() -> GpuContext {
-    GpuContext::new(0).unwrap_or_else(|e| {
-        panic!(
-            "GPU test run without a usable CUDA GPU ({e}): these tests must run on a GPU machine"
-        )
-    })
-}
 
 /// Bit access to the element types (the suite does not depend on `bytemuck`).
 trait Bits: DeviceElement {

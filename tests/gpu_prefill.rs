@@ -10,6 +10,9 @@
 //! GPU tests are ignored without a GPU (reported as ignored, never passed); `--ignored` runs
 //! them, and there a missing GPU is a failure. Argument validation is checked without a GPU.
 
+mod common;
+
+use common::gpu;
 use half::{bf16, f16};
 use lserve::block_iter::BlockMask;
 use lserve::dtype::Element;
@@ -20,14 +23,6 @@ use lserve::LserveError;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-fn gpu() -> GpuContext {
-    GpuContext::new(0).unwrap_or_else(|e| {
-        panic!(
-            "GPU test run without a usable CUDA GPU ({e}): these tests must run on a GPU machine"
-        )
-    })
-}
 
 #[derive(Debug, Clone)]
 struct Case {

@@ -6,20 +6,14 @@
 //! GPU machine, or through the GPU bundle (`cargo xtask gpu-bundle`). There, a missing GPU is a
 //! failure. Inputs are random; the seed is printed (set `LSERVE_TEST_SEED` to replay one).
 
+mod common;
+
+use common::gpu;
 use half::{bf16, f16};
 use lserve::dtype::DType;
 use lserve::gpu::primitives_testing as pt;
-use lserve::gpu::GpuContext;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-fn gpu() -> GpuContext {
-    GpuContext::new(0).unwrap_or_else(|e| {
-        panic!(
-            "GPU test run without a usable CUDA GPU ({e}): these tests must run on a GPU machine"
-        )
-    })
-}
 
 fn rng(test: &str) -> StdRng {
     let seed = std::env::var("LSERVE_TEST_SEED")

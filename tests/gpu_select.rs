@@ -19,6 +19,9 @@
 //! Ignored without a GPU (reported as ignored, never passed); `--ignored` runs them, and there a
 //! missing GPU is a failure.
 
+mod common;
+
+use common::gpu;
 use std::collections::BTreeMap;
 
 use half::{bf16, f16};
@@ -45,14 +48,6 @@ const INDEX_POISON: u32 = 0xDEAD_BEEF;
 const SCORE_POISON_BITS: u32 = 0x7FC0_DEAD; // a NaN
 /// Relative tolerance of raw scores and of near-ties.
 const TOL: f64 = 1e-4;
-
-fn gpu() -> GpuContext {
-    GpuContext::new(0).unwrap_or_else(|e| {
-        panic!(
-            "GPU test run without a usable CUDA GPU ({e}): these tests must run on a GPU machine"
-        )
-    })
-}
 
 #[derive(Debug, Clone)]
 struct Case {

@@ -116,3 +116,20 @@ pub unsafe fn quad_max_f32(mut x: f32) -> f32 {
     }
     x
 }
+
+/// Sum of `x` over each aligned group of `lanes` consecutive lanes (a power of two, at most 32;
+/// a compile-time constant after inlining, so the loop unrolls), returned to every lane of the
+/// group: the reduction of a row that `lanes` lanes read together.
+///
+/// # Safety
+/// All 32 lanes call it with the same `lanes`.
+#[inline(always)]
+pub unsafe fn group_sum_f32(mut x: f32, lanes: u32) -> f32 {
+    let mut offset = 1;
+    while offset < lanes {
+        // SAFETY: forwarded: the whole warp participates.
+        x += unsafe { shfl_xor_f32(x, offset) };
+        offset <<= 1;
+    }
+    x
+}

@@ -23,7 +23,7 @@ use crate::smem::{dynamic_smem, shared_addr};
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block, WARP_SIZE};
 use crate::unroll8;
-use crate::warp::shfl_xor_f32;
+use crate::warp::{group_sum_f32, shfl_xor_f32};
 use online_softmax::SoftmaxState;
 use rows::{CacheBuffers, RowSource};
 
@@ -79,22 +79,6 @@ unsafe fn load_tile<const D: usize>(src: &RowSource, t: u32, offset: usize, stag
         }
         c += DECODE_THREADS;
     }
-}
-
-/// Sum of `x` over the lanes of a row group (`lanes` consecutive lanes, a power of two; a
-/// compile-time constant after inlining, so the loop unrolls).
-///
-/// # Safety
-/// All 32 lanes call it.
-#[inline(always)]
-unsafe fn row_group_sum(mut x: f32, lanes: u32) -> f32 {
-    let mut offset = 1;
-    while offset < lanes {
-        // SAFETY: forwarded: the whole warp participates.
-        x += unsafe { shfl_xor_f32(x, offset) };
-        offset <<= 1;
-    }
-    x
 }
 
 /// Merges the row groups' states of a warp (row groups of `lanes` lanes) into every lane.
@@ -242,7 +226,7 @@ unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
                     d += 1;
                 }
                 // SAFETY: every lane of the warp reaches this reduction.
-                let score = unsafe { row_group_sum(dot, lanes_per_row) };
+                let score = unsafe { group_sum_f32(dot, lanes_per_row) };
                 if row < rows {
                     scores[g][r] = score;
                 }

@@ -23,7 +23,7 @@ use crate::convert::Half16;
 use crate::math::Vec16;
 use crate::thread::{block_idx_x, block_idx_y, grid_dim_x, lane, thread_in_block, WARP_SIZE};
 use crate::unroll8;
-use crate::warp::shfl_xor_f32;
+use crate::warp::group_sum_f32;
 
 /// How head dimension `D` and group size `G` map onto lanes and loads.
 pub struct Rows<const D: usize, const G: usize>;
@@ -73,21 +73,6 @@ fn fma(a: f32, b: f32, c: f32) -> f32 {
              in(reg32) c, options(pure, nomem, nostack));
     }
     d
-}
-
-/// Sum of `x` over the `lanes` consecutive lanes of a row group (a power of two).
-///
-/// # Safety
-/// All 32 lanes call it.
-#[inline(always)]
-unsafe fn row_group_sum(mut x: f32, lanes: u32) -> f32 {
-    let mut offset = 1;
-    while offset < lanes {
-        // SAFETY: forwarded: the whole warp participates.
-        x += unsafe { shfl_xor_f32(x, offset) };
-        offset <<= 1;
-    }
-    x
 }
 
 /// The KV head whose dense index is `dense_head` (the head map lists each KV head's index).
@@ -161,7 +146,7 @@ unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
             i += 1;
         }
         // SAFETY: forwarded: every lane reaches this reduction.
-        let s = unsafe { row_group_sum(s, Rows::<D, G>::LANES) };
+        let s = unsafe { group_sum_f32(s, Rows::<D, G>::LANES) };
         total = if mean { total + s } else { total.max(s) };
     });
     if mean {
