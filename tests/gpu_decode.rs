@@ -491,3 +491,33 @@ proptest! {
         }
     }
 }
+
+/// The `dynamic_min_len` profiler measures every requested length and recommends one of them:
+/// at 64K tokens selection (4096-token budget) reads ~16x fewer bytes than dense attention, so
+/// there it must win.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn profiler_measures_every_length_and_finds_the_crossover() {
+    use lserve::gpu::profile_dynamic_min_len;
+    let gpu = gpu();
+    let geometry = ModelGeometry::new(1, 32, 8, 128).unwrap();
+    let contexts = [65536, 1024, 4096, 16384];
+    let profile =
+        profile_dynamic_min_len::<bf16>(&gpu, geometry, &SparsityConfig::default(), 1, &contexts)
+            .unwrap();
+    let measured: Vec<usize> = profile.points.iter().map(|p| p.context).collect();
+    assert_eq!(measured, [1024, 4096, 16384, 65536]);
+    for p in &profile.points {
+        assert!(p.dense_us.is_finite() && p.dense_us > 0.0, "{p:?}");
+        assert!(p.selected_us.is_finite() && p.selected_us > 0.0, "{p:?}");
+    }
+    let last = profile.points.last().unwrap();
+    assert!(
+        last.selected_us < last.dense_us,
+        "selection should win at 64K: {last:?}"
+    );
+    assert!(profile
+        .dynamic_min_len
+        .is_none_or(|m| m < 65536 && contexts.contains(&m)));
+    eprintln!("{profile:#?}");
+}

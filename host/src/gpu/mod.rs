@@ -9,6 +9,7 @@ mod launch;
 mod prefill;
 #[doc(hidden)]
 pub mod primitives_testing;
+mod profile;
 mod select;
 mod step;
 
@@ -20,6 +21,7 @@ pub use kv_write::{
     KvWritePlan,
 };
 pub use prefill::{prefill_attention, prefill_into_cache, PrefillArgs, PrefillPlan};
+pub use profile::{profile_dynamic_min_len, CrossoverProfile, ProfilePoint};
 pub use select::{
     advance_decode_steps, download_selection, poison_index_tables, reset_selection_state,
     score_pages, select_pages, select_top_k, upload_key_stats, SelectWorkspace, SelectionState,
