@@ -245,13 +245,7 @@ impl<E: Element> HostKvCache<E> {
         let g = pattern.geometry();
         let dense = (0..g.layers())
             .map(|layer| {
-                DenseLayerCache::new(PagedLayout {
-                    capacity: capacity_pages as u32,
-                    heads: pattern.dense_heads(layer) as u32,
-                    page_tokens: config.page_tokens as u32,
-                    logical_tokens: config.logical_page_tokens as u32,
-                    head_dim: g.head_dim() as u32,
-                })
+                DenseLayerCache::new(super::paged_layout(pattern, config, capacity_pages, layer))
             })
             .collect();
         let streaming = (0..g.layers())

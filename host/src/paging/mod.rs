@@ -47,3 +47,26 @@ pub use host_cache::{DenseLayerCache, HostKvCache, StreamingLayerCache};
 pub use page_pool::{PageId, PagePool, PAD_PAGE};
 pub use sequences::{DeviceBlockTables, KvCacheManager, SeqId, SequenceView};
 pub use streaming_store::StreamingStore;
+
+use lserve_abi::PagedLayout;
+
+use crate::config::SparsityConfig;
+use crate::head_pattern::HeadPattern;
+
+/// Layer `layer`'s dense pool layout for a pool of `capacity` pages: the one place the host's
+/// cache ([`HostKvCache`]) and the manager ([`KvCacheManager::paged_layout`], which the device
+/// cache follows) derive it.
+fn paged_layout(
+    pattern: &HeadPattern,
+    config: &SparsityConfig,
+    capacity: usize,
+    layer: usize,
+) -> PagedLayout {
+    PagedLayout {
+        capacity: capacity as u32,
+        heads: pattern.dense_heads(layer) as u32,
+        page_tokens: config.page_tokens as u32,
+        logical_tokens: config.logical_page_tokens as u32,
+        head_dim: pattern.geometry().head_dim() as u32,
+    }
+}

@@ -322,13 +322,7 @@ impl KvCacheManager {
     /// # Panics
     /// If `layer` is out of range (like the [`HeadPattern`] queries).
     pub fn paged_layout(&self, layer: usize) -> PagedLayout {
-        PagedLayout {
-            capacity: self.pool.capacity() as u32,
-            heads: self.pattern.dense_heads(layer) as u32,
-            page_tokens: self.config.page_tokens as u32,
-            logical_tokens: self.config.logical_page_tokens as u32,
-            head_dim: self.geometry.head_dim() as u32,
-        }
+        super::paged_layout(&self.pattern, &self.config, self.pool.capacity(), layer)
     }
 
     /// Layer `layer`'s streaming store layout (all slots, the layer's streaming heads).
