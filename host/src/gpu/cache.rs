@@ -375,6 +375,29 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         Ok(())
     }
 
+    /// Checks that `batch` fits this cache: not empty, every slot below the cache's slot count,
+    /// every length within what the block tables reach (a batch set from another manager would
+    /// otherwise make the kernels read out of bounds).
+    pub(crate) fn check_batch(&self, batch: &DecodeBatch) -> Result<()> {
+        if batch.is_empty() {
+            return Err(LserveError::Empty("batch"));
+        }
+        let reach = self.max_pages as usize * self.config.page_tokens;
+        for (&slot, &len) in batch.host_slots.iter().zip(&batch.host_lens) {
+            if slot >= self.slots || len == 0 || len as usize > reach {
+                return Err(LserveError::InvalidArgument {
+                    what: "batch",
+                    reason: format!(
+                        "slot {slot} / length {len} do not fit this cache ({} slots, at most \
+                         {reach} tokens): was the batch set from another manager?",
+                        self.slots
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Layers.
     pub fn layers(&self) -> usize {
         self.layers.len()
@@ -450,6 +473,8 @@ pub struct DecodeBatch {
     pub(crate) len: usize,
     /// The lengths, as last set (the host's view; launch sizing reads it).
     pub(crate) host_lens: Vec<u32>,
+    /// The slots, as last set (checked against a cache before each launch).
+    pub(crate) host_slots: Vec<u32>,
 }
 
 impl DecodeBatch {
@@ -463,6 +488,7 @@ impl DecodeBatch {
             seq_len: gpu.stream().alloc_zeros(max_batch)?,
             len: 0,
             host_lens: Vec::with_capacity(max_batch),
+            host_slots: Vec::with_capacity(max_batch),
         })
     }
 
@@ -504,6 +530,7 @@ impl DecodeBatch {
         stream.memcpy_htod(&lens, &mut self.seq_len.slice_mut(..seqs.len()))?;
         self.len = seqs.len();
         self.host_lens = lens;
+        self.host_slots = slots;
         Ok(())
     }
 

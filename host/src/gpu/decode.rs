@@ -101,10 +101,8 @@ pub fn decode_attention<E: DeviceElement>(
         geometry.head_dim(),
         geometry.group(),
     );
+    cache.check_batch(batch)?;
     let b = batch.len();
-    if b == 0 {
-        return Err(LserveError::Empty("batch"));
-    }
     for (what, buf) in [("q", q.len()), ("out", out.len())] {
         if buf < b * hq * d {
             return Err(LserveError::ShapeMismatch {

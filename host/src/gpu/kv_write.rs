@@ -141,25 +141,12 @@ pub fn append_kv<E: DeviceElement>(
 ) -> Result<()> {
     let g = *cache.pattern().geometry();
     let (hkv, d) = (g.kv_heads(), g.head_dim());
+    cache.check_batch(batch)?;
     let b = batch.len();
-    if b == 0 {
-        return Err(LserveError::Empty("batch"));
-    }
     check_len("k", b * hkv * d, k.len())?;
     check_len("v", b * hkv * d, v.len())?;
     let max_pages = cache.max_pages;
     let (l, tables) = cache.layer_mut_and_tables(layer)?;
-    let max_len = max_pages as usize * l.paged.page_tokens as usize;
-    if let Some(&len) = batch
-        .host_lens
-        .iter()
-        .find(|&&len| len == 0 || len as usize > max_len)
-    {
-        return Err(invalid(
-            "batch",
-            format!("length {len} is not in 1..={max_len} (the block tables' reach)"),
-        ));
-    }
     let params = ByValue(AppendParams {
         batch: b as u32,
         cache: cache_layout(l, hkv, max_pages),

@@ -197,10 +197,8 @@ fn check_launch<E: DeviceElement>(
     batch: &DecodeBatch,
     ws: &SelectWorkspace,
 ) -> Result<usize> {
+    cache.check_batch(batch)?;
     let b = batch.len();
-    if b == 0 {
-        return Err(LserveError::Empty("batch"));
-    }
     let dense = layer.paged.heads as usize;
     if b > ws.max_batch || dense > ws.dense_heads || ws.max_pages != cache.max_pages as usize {
         return Err(LserveError::InvalidArgument {
@@ -353,10 +351,8 @@ pub fn advance_decode_steps<E: DeviceElement>(
     cache: &mut DeviceKvCache<E>,
     batch: &DecodeBatch,
 ) -> Result<()> {
+    cache.check_batch(batch)?;
     let b = batch.len();
-    if b == 0 {
-        return Err(LserveError::Empty("batch"));
-    }
     let f = gpu.function("advance_decode_steps")?;
     let cfg = LaunchConfig {
         grid_dim: ((b as u32).div_ceil(STEP_THREADS), 1, 1),
