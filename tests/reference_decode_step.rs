@@ -453,3 +453,58 @@ fn comparison_detects_wrong_reuse_and_wrong_streaming() {
     assert!(run_case(&fixed_case(1), Tweak::NoReuse).is_ok()); // C = 1 selects every step anyway
     assert!(run_case(&fixed_case(4), Tweak::StreamingAsCausal).is_err());
 }
+
+/// A step whose index tables are too small for an entry fails before writing anything: the
+/// cache, the tables and the reuse state are as they were.
+#[test]
+fn a_failing_step_changes_nothing() {
+    let g = ModelGeometry::new(1, 4, 2, D).unwrap();
+    let pattern =
+        HeadPattern::from_kinds(g, vec![vec![HeadKind::Dense, HeadKind::Streaming]]).unwrap();
+    let config = SparsityConfig {
+        sink_tokens: 4,
+        local_tokens: 8,
+        page_tokens: 16,
+        logical_page_tokens: 4,
+        token_budget: 32,
+        dynamic_min_len: 1000, // dense decode: an entry needs every page
+        ..Default::default()
+    };
+    let mut mgr = KvCacheManager::new(g, pattern.clone(), config, 8, 1, 100).unwrap();
+    let mut cache = HostKvCache::<bf16>::for_manager(&mgr).unwrap();
+    let seq = mgr.add_sequence().unwrap();
+    let mut rng = StdRng::seed_from_u64(3);
+    let range = mgr.reserve(seq, 40).unwrap();
+    let view = mgr.view(seq).unwrap();
+    let (k, v) = (
+        random_row::<bf16>(&mut rng, 40 * 2 * D),
+        random_row::<bf16>(&mut rng, 40 * 2 * D),
+    );
+    write_tokens(&mut cache, 0, &view, range.start, &k, &v).unwrap();
+    mgr.reserve(seq, 1).unwrap();
+    // Three pages are needed; room for two.
+    let mut tables = IndexTables::new(&pattern, 1, 2, 8).unwrap();
+    let mut reuse = ReuseState::new(1).unwrap();
+    let (cache_before, tables_before) = (cache.clone(), tables.clone());
+    let q = random_row::<bf16>(&mut rng, 4 * D);
+    let (k, v) = (
+        random_row::<bf16>(&mut rng, 2 * D),
+        random_row::<bf16>(&mut rng, 2 * D),
+    );
+    let err = decode_step(
+        &mgr,
+        &mut cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[seq],
+        &q,
+        &k,
+        &v,
+    );
+    assert!(err.is_err(), "the step should not fit the tables");
+    assert!(
+        cache == cache_before && tables == tables_before,
+        "a failed step wrote something"
+    );
+}

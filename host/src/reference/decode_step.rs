@@ -455,8 +455,22 @@ pub fn decode_step<E: Element>(
     let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
     check_len("k", seqs.len() * hkv * d, k.len())?;
     check_len("v", seqs.len() * hkv * d, v.len())?;
-    tables.layer(layer)?;
     let config = *mgr.config();
+    // Every check before the first write: a step that fails changes nothing.
+    let capacity = tables.layer(layer)?.entry_capacity();
+    for view in &views {
+        let pages = view.block_table.len();
+        let needed = match config.uses_page_selection(view.len) {
+            true => pages.min(config.pages_per_selection() + 3),
+            false => pages,
+        };
+        if needed > capacity {
+            return Err(LserveError::InvalidArgument {
+                what: "tables",
+                reason: format!("an entry may need {needed} pages, the tables hold {capacity}"),
+            });
+        }
+    }
     let pattern = mgr.pattern();
     let group = g.group();
     let mut visits = Vec::with_capacity(seqs.len());
