@@ -205,3 +205,39 @@ pub fn decode_attention<E: DeviceElement>(
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_fill_the_gpu_from_the_dense_pairs_but_keep_splits_long() {
+        // 132 SMs, 4 dense pairs (batch 1, half of 8 KV heads dense), 256K rows: a full wave.
+        assert_eq!(choose_splits(132, 4, 262_144, MAX_SPLITS), 132);
+        // Fewer pairs would want more splits than allowed.
+        assert_eq!(choose_splits(132, 1, 262_144, MAX_SPLITS), MAX_SPLITS);
+        // A short sequence: at least 8 tiles (128 rows) per split.
+        assert_eq!(choose_splits(132, 4, 4160, MAX_SPLITS), 33);
+        // Many pairs: one split each at least.
+        assert_eq!(choose_splits(132, 10_000, 262_144, MAX_SPLITS), 1);
+        assert_eq!(choose_splits(132, 4, 1, MAX_SPLITS), 1);
+    }
+
+    #[test]
+    fn unsupported_shapes_are_typed_errors() {
+        assert!(
+            kernel_name(DType::BF16, 128, 4).is_ok_and(|n| n == "decode_attention_bf16_d128_g4")
+        );
+        assert!(matches!(
+            kernel_name(DType::F16, 256, 4),
+            Err(LserveError::InvalidArgument {
+                what: "head_dim",
+                ..
+            })
+        ));
+        assert!(matches!(
+            kernel_name(DType::F16, 64, 3),
+            Err(LserveError::InvalidArgument { what: "group", .. })
+        ));
+    }
+}
