@@ -1,6 +1,11 @@
 //! A whole decode step on the device: per layer append, select when due, attend; then advance
 //! the step counters. No allocation, no host synchronization: a step can be captured in a CUDA
 //! graph and replayed (the batch description is rewritten in place before each replay).
+//!
+//! A captured step keeps the launch shapes of its capture: the batch size, and the number of
+//! splits per (sequence, KV head), which was sized for the lengths at capture time. Lengths may
+//! grow between replays (the kernels read them, and every split takes a share of the rows
+//! found on the device); a different batch size needs another capture.
 
 use cudarc::driver::CudaSlice;
 
