@@ -174,7 +174,8 @@ pub fn decode_attention<E: DeviceElement>(
     // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with
     // `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay inside the
     // workspace; the cache's buffers have the layouts in `params` (built from them), `batch`
-    // holds live slots and lengths the manager validated, and tables hold page ids < capacity.
+    // holds slots and lengths checked against this cache (`check_batch`), and the tables hold
+    // page ids below the pool's capacity (the manager and the selection kernels write only those).
     unsafe { launch.launch(cfg) }?;
 
     let combine = ByValue(CombineParams {
