@@ -15,10 +15,10 @@ use crate::head_pattern::{HeadKind, HeadPattern};
 #[derive(Clone, Debug, PartialEq)]
 pub struct DenseLayerCache<E> {
     layout: PagedLayout,
-    k: Vec<E>,
-    v: Vec<E>,
-    kmin: Vec<E>,
-    kmax: Vec<E>,
+    /// `K` and `V`.
+    kv: RowPair<E>,
+    /// `kmin` and `kmax`.
+    stats: RowPair<E>,
 }
 
 /// One layer's streaming store: `k`, `v` `[slots][Hs][sink + local][D]`, addressed with
@@ -27,23 +27,49 @@ pub struct DenseLayerCache<E> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct StreamingLayerCache<E> {
     layout: StreamingLayout,
-    k: Vec<E>,
-    v: Vec<E>,
+    /// `K` and `V`.
+    kv: RowPair<E>,
 }
 
-fn row_range(offset: usize, head_dim: u32) -> std::ops::Range<usize> {
-    offset..offset + head_dim as usize
+/// Two buffers of the same shape addressed together (`K` and `V`, or `kmin` and `kmax`): the
+/// rows of `head_dim` elements at one offset in both.
+#[derive(Clone, Debug, PartialEq)]
+struct RowPair<E> {
+    first: Vec<E>,
+    second: Vec<E>,
+    head_dim: usize,
+}
+
+impl<E: Element> RowPair<E> {
+    /// Two zeroed buffers of `elements` each.
+    fn zeroed(elements: usize, head_dim: u32) -> Self {
+        let zero = E::from_f32(0.0);
+        Self {
+            first: vec![zero; elements],
+            second: vec![zero; elements],
+            head_dim: head_dim as usize,
+        }
+    }
+
+    /// The two rows at element offset `offset`.
+    fn rows(&self, offset: usize) -> (&[E], &[E]) {
+        let r = offset..offset + self.head_dim;
+        (&self.first[r.clone()], &self.second[r])
+    }
+
+    /// The two rows at element offset `offset`, mutably.
+    fn rows_mut(&mut self, offset: usize) -> (&mut [E], &mut [E]) {
+        let r = offset..offset + self.head_dim;
+        (&mut self.first[r.clone()], &mut self.second[r])
+    }
 }
 
 impl<E: Element> DenseLayerCache<E> {
     fn new(layout: PagedLayout) -> Self {
-        let zero = E::from_f32(0.0);
         Self {
             layout,
-            k: vec![zero; layout.kv_elements()],
-            v: vec![zero; layout.kv_elements()],
-            kmin: vec![zero; layout.stats_elements()],
-            kmax: vec![zero; layout.stats_elements()],
+            kv: RowPair::zeroed(layout.kv_elements(), layout.head_dim),
+            stats: RowPair::zeroed(layout.stats_elements(), layout.head_dim),
         }
     }
 
@@ -85,13 +111,13 @@ impl<E: Element> DenseLayerCache<E> {
     /// Key row (`D` elements) of `token` (within the page) of dense head `head` in `page`.
     pub fn key(&self, page: u32, head: usize, token: usize) -> Result<&[E]> {
         let o = self.check_kv(page, head, token)?;
-        Ok(&self.k[row_range(o, self.layout.head_dim)])
+        Ok(self.kv.rows(o).0)
     }
 
     /// Value row, as [`key`](Self::key).
     pub fn value(&self, page: u32, head: usize, token: usize) -> Result<&[E]> {
         let o = self.check_kv(page, head, token)?;
-        Ok(&self.v[row_range(o, self.layout.head_dim)])
+        Ok(self.kv.rows(o).1)
     }
 
     /// Mutable key and value rows of `token` of `head` in `page`.
@@ -101,15 +127,14 @@ impl<E: Element> DenseLayerCache<E> {
         head: usize,
         token: usize,
     ) -> Result<(&mut [E], &mut [E])> {
-        let r = row_range(self.check_kv(page, head, token)?, self.layout.head_dim);
-        Ok((&mut self.k[r.clone()], &mut self.v[r]))
+        let o = self.check_kv(page, head, token)?;
+        Ok(self.kv.rows_mut(o))
     }
 
     /// `kmin` and `kmax` rows (`D` elements each) of logical page `logical` (within the
     /// physical page) of `head` in `page`.
     pub fn stats(&self, page: u32, head: usize, logical: usize) -> Result<(&[E], &[E])> {
-        let r = row_range(self.check_stats(page, head, logical)?, self.layout.head_dim);
-        Ok((&self.kmin[r.clone()], &self.kmax[r]))
+        Ok(self.stats.rows(self.check_stats(page, head, logical)?))
     }
 
     /// Mutable `kmin` and `kmax` rows, as [`stats`](Self::stats). Maintaining them is the
@@ -120,43 +145,46 @@ impl<E: Element> DenseLayerCache<E> {
         head: usize,
         logical: usize,
     ) -> Result<(&mut [E], &mut [E])> {
-        let r = row_range(self.check_stats(page, head, logical)?, self.layout.head_dim);
-        Ok((&mut self.kmin[r.clone()], &mut self.kmax[r]))
+        let o = self.check_stats(page, head, logical)?;
+        Ok(self.stats.rows_mut(o))
     }
 
     /// The whole `K` buffer (for upload).
     pub fn k(&self) -> &[E] {
-        &self.k
+        &self.kv.first
     }
 
     /// The whole `V` buffer.
     pub fn v(&self) -> &[E] {
-        &self.v
+        &self.kv.second
     }
 
     /// The whole `kmin` buffer.
     pub fn kmin(&self) -> &[E] {
-        &self.kmin
+        &self.stats.first
     }
 
     /// The whole `kmax` buffer.
     pub fn kmax(&self) -> &[E] {
-        &self.kmax
+        &self.stats.second
     }
 
     /// All four buffers mutably: `(k, v, kmin, kmax)` (e.g. to download device results into).
     pub fn buffers_mut(&mut self) -> (&mut [E], &mut [E], &mut [E], &mut [E]) {
-        (&mut self.k, &mut self.v, &mut self.kmin, &mut self.kmax)
+        (
+            &mut self.kv.first,
+            &mut self.kv.second,
+            &mut self.stats.first,
+            &mut self.stats.second,
+        )
     }
 }
 
 impl<E: Element> StreamingLayerCache<E> {
     fn new(layout: StreamingLayout) -> Self {
-        let zero = E::from_f32(0.0);
         Self {
             layout,
-            k: vec![zero; layout.kv_elements()],
-            v: vec![zero; layout.kv_elements()],
+            kv: RowPair::zeroed(layout.kv_elements(), layout.head_dim),
         }
     }
 
@@ -177,13 +205,13 @@ impl<E: Element> StreamingLayerCache<E> {
     /// head `head` in `slot`.
     pub fn key(&self, slot: u32, head: usize, row: usize) -> Result<&[E]> {
         let o = self.check(slot, head, row)?;
-        Ok(&self.k[row_range(o, self.layout.head_dim)])
+        Ok(self.kv.rows(o).0)
     }
 
     /// Value row, as [`key`](Self::key).
     pub fn value(&self, slot: u32, head: usize, row: usize) -> Result<&[E]> {
         let o = self.check(slot, head, row)?;
-        Ok(&self.v[row_range(o, self.layout.head_dim)])
+        Ok(self.kv.rows(o).1)
     }
 
     /// Mutable key and value rows, as [`key`](Self::key).
@@ -193,23 +221,23 @@ impl<E: Element> StreamingLayerCache<E> {
         head: usize,
         row: usize,
     ) -> Result<(&mut [E], &mut [E])> {
-        let r = row_range(self.check(slot, head, row)?, self.layout.head_dim);
-        Ok((&mut self.k[r.clone()], &mut self.v[r]))
+        let o = self.check(slot, head, row)?;
+        Ok(self.kv.rows_mut(o))
     }
 
     /// The whole `K` buffer (for upload).
     pub fn k(&self) -> &[E] {
-        &self.k
+        &self.kv.first
     }
 
     /// The whole `V` buffer.
     pub fn v(&self) -> &[E] {
-        &self.v
+        &self.kv.second
     }
 
     /// Both buffers mutably: `(k, v)`.
     pub fn buffers_mut(&mut self) -> (&mut [E], &mut [E]) {
-        (&mut self.k, &mut self.v)
+        (&mut self.kv.first, &mut self.kv.second)
     }
 }
 
