@@ -1,6 +1,7 @@
 //! Device context: one CUDA context and stream plus the kernel module loaded from the embedded PTX.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
@@ -29,6 +30,8 @@ pub struct GpuContext {
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
     sm_count: u32,
+    /// Kernels looked up so far: a decode step launches the same few every layer.
+    functions: Mutex<HashMap<String, CudaFunction>>,
 }
 
 impl GpuContext {
@@ -57,6 +60,7 @@ impl GpuContext {
             stream,
             module,
             sm_count,
+            functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -82,7 +86,14 @@ impl GpuContext {
 
     /// A kernel of the embedded module by its symbol name.
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
-        Ok(self.module.load_function(name)?)
+        // A poisoned lock only means another thread panicked mid-insert: the map is still valid.
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self.module.load_function(name)?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
     }
 }
 
