@@ -14,29 +14,49 @@ pub const DECODE_THREADS: u32 = 128;
 /// Rows (tokens) per tile: the unit of loading, of splitting and of the page size (pages are a
 /// whole number of tiles).
 pub const DECODE_TILE_ROWS: u32 = 16;
-/// Tiles in flight per block (`cp.async` stages).
-pub const DECODE_STAGES: u32 = 4;
+/// `cp.async` stages per warp: each warp streams its own tiles (two in flight while it computes
+/// on a third).
+pub const DECODE_STAGES: u32 = 3;
+/// Elements of padding after each K/V row in shared memory, so the eight 16-byte rows of an
+/// `ldmatrix` 8x8 load fall in distinct bank groups.
+pub const DECODE_ROW_PAD: u32 = 8;
+/// Blocks of the decode attention kernel that fit on one SM (shared memory bound at D 128); the
+/// host sizes splits to fill the GPU with this many per SM.
+pub const DECODE_BLOCKS_PER_SM: u32 = 2;
 /// Threads per block of the combine kernel.
 pub const COMBINE_THREADS: u32 = 128;
 /// The most splits per (sequence, KV head) pair (the combine kernel keeps one weight per split
 /// in shared memory).
 pub const MAX_SPLITS: u32 = 256;
 
-/// Shared memory of the combine kernel, in bytes: a weight per split and a word per warp for
-/// block reductions.
+/// Shared memory of the combine kernel, in bytes: a weight per split, a word per warp for block
+/// reductions, and four partial sums per thread (the slices' sums).
 pub const fn combine_smem_bytes() -> u32 {
-    (MAX_SPLITS + COMBINE_THREADS / 32) * 4
+    (MAX_SPLITS + COMBINE_THREADS / 32 + 4 * COMBINE_THREADS) * 4
 }
 
 /// `head_map` entry flag: the KV head is streaming (low bits: its index among the layer's
 /// streaming heads); without it the low bits are its index among the layer's dense heads.
 pub const HEAD_STREAMING: u32 = 1 << 31;
 
-/// Shared memory of the decode attention kernel for head dimension `head_dim`, in bytes: K and V
-/// tiles for every stage, plus the cross-warp merge area.
+/// Shared memory of the decode attention kernel for head dimension `head_dim`, in bytes: per warp,
+/// [`DECODE_STAGES`] K and V tiles of [`DECODE_TILE_ROWS`] padded rows (the cross-warp merge
+/// area reuses it at the end).
 pub const fn decode_smem_bytes(head_dim: u32) -> u32 {
-    DECODE_STAGES * 2 * DECODE_TILE_ROWS * head_dim * 2
+    let warps = DECODE_THREADS / 32;
+    let row_bytes = (head_dim + DECODE_ROW_PAD) * 2;
+    warps * DECODE_STAGES * 2 * DECODE_TILE_ROWS * row_bytes
 }
+
+/// Bytes of the cross-warp merge area at the end of a decode block: per warp and query head of
+/// the group, the running maximum, the denominator and `head_dim` accumulators (f32). It fits in
+/// [`decode_smem_bytes`] for every supported shape (`group <= 8`, `head_dim` 64 or 128).
+pub const fn decode_merge_bytes(head_dim: u32, group: u32) -> u32 {
+    (DECODE_THREADS / 32) * group * (head_dim + 2) * 4
+}
+
+const _: () = assert!(decode_merge_bytes(64, 8) <= decode_smem_bytes(64));
+const _: () = assert!(decode_merge_bytes(128, 8) <= decode_smem_bytes(128));
 
 /// Scalars of one decode attention launch (by value).
 #[repr(C)]

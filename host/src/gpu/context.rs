@@ -14,6 +14,9 @@ pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lserve_kernels.ptx
 /// The `-C target-cpu` the embedded PTX was built for (`sm_90` unless `LSERVE_CUDA_ARCH` said otherwise).
 pub const PTX_ARCH: &str = env!("LSERVE_CUDA_ARCH");
 
+/// Dynamic shared memory a kernel may use without opting in.
+const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
+
 /// A CUDA device with lserve's kernels loaded.
 ///
 /// Everything lserve enqueues goes to one stream ([`stream`](Self::stream)), in order; cudarc's
@@ -92,6 +95,25 @@ impl GpuContext {
             return Ok(f.clone());
         }
         let f = self.module.load_function(name)?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// The kernel `name`, allowed `smem_bytes` of dynamic shared memory (above the default 48 KB
+    /// a kernel must opt in; the driver keeps the setting per function, so it is set once, when
+    /// the function is first looked up).
+    pub(crate) fn function_with_smem(&self, name: &str, smem_bytes: u32) -> Result<CudaFunction> {
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self.module.load_function(name)?;
+        if smem_bytes > DEFAULT_SMEM_LIMIT {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes as i32,
+            )?;
+        }
         functions.insert(name.to_string(), f.clone());
         Ok(f)
     }

@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lserve_abi::decode::{
     combine_smem_bytes, decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS,
-    DECODE_THREADS, DECODE_TILE_ROWS,
+    DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
@@ -51,14 +51,18 @@ impl DecodeWorkspace {
     }
 }
 
-/// How many splits a launch uses: enough blocks of the `heavy_pairs` long pairs (the dense
-/// heads; streaming heads have a few hundred rows) to fill the GPU four times over (a full wave
-/// at 4 resident blocks per SM), but no split shorter than eight tiles of the longest pair.
+/// How many splits a launch uses: one wave of blocks of the `heavy_pairs` long pairs (the dense
+/// heads; streaming heads have a few hundred rows) at [`DECODE_BLOCKS_PER_SM`] resident blocks per
+/// SM — rounded down, so a launch is never a full wave plus a small tail — but no split shorter
+/// than [`MIN_SPLIT_TILES`] tiles of the longest pair.
 fn choose_splits(sm_count: u32, heavy_pairs: u32, max_rows: u32, max_splits: u32) -> u32 {
-    let fill = (4 * sm_count).div_ceil(heavy_pairs.max(1));
-    let by_length = max_rows.div_ceil(8 * DECODE_TILE_ROWS).max(1);
+    let fill = (DECODE_BLOCKS_PER_SM * sm_count) / heavy_pairs.max(1);
+    let by_length = max_rows.div_ceil(MIN_SPLIT_TILES * DECODE_TILE_ROWS).max(1);
     fill.min(by_length).clamp(1, max_splits)
 }
+
+/// The shortest split worth its partial state: two tiles per warp.
+const MIN_SPLIT_TILES: u32 = 8;
 
 fn kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
     if !matches!(head_dim, 64 | 128) {
@@ -146,8 +150,8 @@ pub fn decode_attention<E: DeviceElement>(
         streaming: l.streaming,
     });
     let name = kernel_name(E::DTYPE, d, group)?;
-    let f = gpu.function(&name)?;
     let smem = decode_smem_bytes(d as u32);
+    let f = gpu.function_with_smem(&name, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (splits, pairs as u32, 1),
         block_dim: (DECODE_THREADS, 1, 1),
@@ -213,8 +217,12 @@ mod tests {
 
     #[test]
     fn splits_fill_the_gpu_from_the_dense_pairs_but_keep_splits_long() {
-        // 132 SMs, 4 dense pairs (batch 1, half of 8 KV heads dense), 256K rows: a full wave.
-        assert_eq!(choose_splits(132, 4, 262_144, MAX_SPLITS), 132);
+        // 132 SMs at 2 blocks each, 4 dense pairs (batch 1, half of 8 KV heads dense), 256K
+        // rows: one full wave.
+        assert_eq!(choose_splits(132, 4, 262_144, MAX_SPLITS), 66);
+        // 128 dense pairs (batch 16): two splits make one wave (264 slots, 256 blocks), where
+        // rounding up would make a wave and a half.
+        assert_eq!(choose_splits(132, 128, 262_144, MAX_SPLITS), 2);
         // Fewer pairs would want more splits than allowed.
         assert_eq!(choose_splits(132, 1, 262_144, MAX_SPLITS), MAX_SPLITS);
         // A short sequence: at least 8 tiles (128 rows) per split.

@@ -3,13 +3,16 @@
 //! Grid `batch * q_heads`, `COMBINE_THREADS` threads. For split states `(m_s, l_s, acc_s)` (log2
 //! units): `M = max m_s`, `w_s = 2^(m_s - M)`, `out = Σ w_s acc_s / Σ w_s l_s`. The splits are
 //! spread over the threads for `M` and the weights (block reductions), so no thread walks them
-//! one dependent load at a time; then thread `d` (strided) sums its output dimension over the
-//! splits, four loads in flight at once.
+//! one dependent load at a time. For the sums the block is cut into *slices* of `D / 4` threads,
+//! each thread owning 4 consecutive dimensions (one 16-byte load per split): slice `k` sums splits
+//! `k, k + slices, ...` with four loads in flight, and the slices meet in shared memory. A
+//! thread thus waits for `splits / (4 · slices)` rounds of loads (64 splits at D 128: 4), not
+//! `splits / 4`.
 
 use lserve_abi::decode::{CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
 use crate::convert::{Bf16, Half16, F16};
-use crate::math::exp2;
+use crate::math::{exp2, fma};
 use crate::smem::dynamic_smem;
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, lane, thread_in_block, warp_in_block, WARP_SIZE};
@@ -103,27 +106,68 @@ unsafe fn combine<E: Half16>(
     // SAFETY: as above; its barriers also publish the weights.
     let den = unsafe { block_reduce(den, scratch, warp_sum_f32, |a, b| a + b) };
 
+    // The sums, per slice.
+    let lanes = p.head_dim / 4;
+    let slices = COMBINE_THREADS / lanes;
+    let (slice, dims) = (tid / lanes, 4 * (tid % lanes) as usize);
     let d_stride = p.head_dim as usize;
-    let mut d = tid;
-    while d < p.head_dim {
-        let acc = |s: u32| -> f32 {
-            // SAFETY: `s < splits`, `d < head_dim`; the weight was written before the barrier.
-            unsafe { *weights.add(s as usize) * *part_acc.add(state(s) * d_stride + d as usize) }
-        };
-        let mut num = 0.0f32;
-        let mut s = 0;
-        while s + 4 <= p.splits {
-            let (a0, a1, a2, a3) = (acc(s), acc(s + 1), acc(s + 2), acc(s + 3));
-            num += (a0 + a1) + (a2 + a3);
-            s += 4;
+    let load = |s: u32| -> ([f32; 4], f32) {
+        // SAFETY: `s < splits`, `dims + 4 <= head_dim`; the row start is 16-byte aligned (the
+        // buffer is, and `head_dim` is a multiple of 4); the weight was written before the last
+        // barrier of `block_reduce`.
+        unsafe {
+            let v = *(part_acc.add(state(s) * d_stride + dims) as *const [f32; 4]);
+            (v, *weights.add(s as usize))
         }
-        while s < p.splits {
-            num += acc(s);
-            s += 1;
+    };
+    let mut num = [0.0f32; 4];
+    let mut s = slice;
+    while s + 3 * slices < p.splits {
+        let parts = [
+            load(s),
+            load(s + slices),
+            load(s + 2 * slices),
+            load(s + 3 * slices),
+        ];
+        let mut k = 0;
+        while k < 4 {
+            let (v, w) = parts[k];
+            let mut i = 0;
+            while i < 4 {
+                num[i] = fma(w, v[i], num[i]);
+                i += 1;
+            }
+            k += 1;
+        }
+        s += 4 * slices;
+    }
+    while s < p.splits {
+        let (v, w) = load(s);
+        let mut i = 0;
+        while i < 4 {
+            num[i] = fma(w, v[i], num[i]);
+            i += 1;
+        }
+        s += slices;
+    }
+    // The slices meet: slice `k`'s sums at `sums[k][dims..]`, then thread `d` adds its column.
+    let sums = dynamic_smem::<f32>((MAX_SPLITS + WARPS) as usize * 4);
+    // SAFETY: `slice * head_dim + dims + 4 <= COMBINE_THREADS * 4` floats, the area after the
+    // scratch words (`combine_smem_bytes`).
+    unsafe { *(sums.add(slice as usize * d_stride + dims) as *mut [f32; 4]) = num };
+    // SAFETY: every thread reaches it.
+    unsafe { sync_threads() };
+    let d = tid as usize;
+    if d < d_stride {
+        let mut total = 0.0f32;
+        let mut k = 0;
+        while k < slices as usize {
+            // SAFETY: written above by slice `k`, before the barrier.
+            total += unsafe { *sums.add(k * d_stride + d) };
+            k += 1;
         }
         // SAFETY: `out` is `[batch][q_heads][head_dim]`.
-        unsafe { *out.add(row as usize * d_stride + d as usize) = E::from_f32(num / den) };
-        d += COMBINE_THREADS;
+        unsafe { *out.add(row as usize * d_stride + d) = E::from_f32(total / den) };
     }
 }
 

@@ -1,111 +1,163 @@
-//! Paged sparse decode attention (flash-decoding over index tables).
+//! Paged sparse decode attention (flash-decoding over index tables, on the tensor cores).
 //!
-//! Grid `(splits, batch * kv_heads)`, 128 threads. Block `(s, y)` serves KV head `y % kv_heads`
-//! of sequence `y / kv_heads` — all `G` query heads of the group, so every K/V row is loaded once —
-//! over split `s` of that pair's tiles ([`rows::RowSource`]). Tiles of 16 rows stream through a
-//! 4-stage `cp.async` ring in shared memory. In a tile, each row is read by a *row group* of
-//! `D / 8` lanes (8 elements, 16 bytes per lane); the row's score for each query head is a
-//! row-group shuffle reduction, and each row group keeps its own online softmax state
-//! ([`online_softmax::SoftmaxState`]). At the end the row groups merge (shuffles, then shared
-//! memory across warps) and the block writes one partial state per query head; [`combine`]
-//! merges the splits into the output.
+//! Grid `(splits, batch * kv_heads)`, 128 threads (4 warps). Block `(s, y)` serves KV head
+//! `y % kv_heads` of sequence `y / kv_heads` — all `G` query heads of the group, so every K/V row
+//! is loaded once — over split `s` of that pair's tiles of 16 rows ([`rows::RowSource`]). Inside
+//! the block, warp `w` takes every fourth tile of the split (`w, w + 4, ...`) and streams them
+//! through its own [`DECODE_STAGES`]-stage `cp.async` ring (no block barrier in the loop). Per
+//! tile it computes `S = Q Kᵀ` and `O += P V` with `mma.sync` m16n8k16, the group's query heads
+//! being the rows of the products ([`tiles`]), with an online softmax per head in registers
+//! ([`online_softmax`]). At the end the warps' states merge through shared memory and the block
+//! writes one partial state per query head; [`combine`] merges the splits into the output.
 
 pub mod combine;
 pub mod online_softmax;
 pub mod rows;
+pub mod tiles;
 
-use lserve_abi::decode::{DecodeParams, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS};
+use lserve_abi::decode::{DecodeParams, DECODE_STAGES};
 
-use crate::convert::{Bf16, Half16, F16};
-use crate::cp_async::{commit_group, cp_async_16, wait_all, wait_group};
-use crate::math::Vec16;
-use crate::smem::{dynamic_smem, shared_addr};
-use crate::sync::sync_threads;
-use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block, WARP_SIZE};
-use crate::unroll8;
-use crate::warp::{group_sum_f32, shfl_xor_f32};
-use online_softmax::SoftmaxState;
+use crate::convert::{Bf16, F16};
+use crate::cp_async::{commit_group, wait_all, wait_group};
+use crate::math::fma;
+use crate::mma::{mma_m16n8k16, FragC, MmaElement};
+use crate::smem::dynamic_smem;
+use crate::sync::{sync_threads, sync_warp};
+use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block};
+use crate::warp::quad_sum_f32;
+use online_softmax::{merge_weight, HeadSoftmax};
 use rows::{CacheBuffers, RowSource};
+use tiles::{
+    load_k_fragments, load_q_fragments, load_tile_async, load_v_fragments, p_fragment, Tile,
+    MAX_O_TILES, WARPS,
+};
 
-const WARPS: u32 = DECODE_THREADS / WARP_SIZE;
-/// The most rows of a tile one row group reads (D 128: 2).
-const MAX_ROWS_PER_THREAD: usize = 2;
-
-/// How a head dimension `D` maps onto lanes: each lane owns 8 consecutive elements of a row.
-struct RowGeometry<const D: usize>;
-
-impl<const D: usize> RowGeometry<D> {
-    /// Lanes reading one row (a row group).
-    const LANES_PER_ROW: u32 = (D / 8) as u32;
-    /// Rows a warp reads at once.
-    const ROWS_PER_WARP: u32 = WARP_SIZE / Self::LANES_PER_ROW;
-    /// Rows the block reads at once.
-    const ROWS_PER_STEP: u32 = Self::ROWS_PER_WARP * WARPS;
-    /// Rows of a tile one row group reads (1 at D 64, 2 at D 128).
-    const ROWS_PER_THREAD: u32 = DECODE_TILE_ROWS / Self::ROWS_PER_STEP;
-    /// Bytes of one K (or V) tile in shared memory.
-    const TILE_BYTES: u32 = DECODE_TILE_ROWS * D as u32 * 2;
-    /// 16-byte chunks of one tile.
-    const TILE_CHUNKS: u32 = Self::TILE_BYTES / 16;
+/// One warp's pass over its tiles: the softmax state of its lane's query head and the
+/// unnormalized output accumulators (rows `lane / 4`, see [`tiles`]).
+struct WarpState {
+    softmax: HeadSoftmax,
+    o: [FragC; MAX_O_TILES],
 }
 
-/// Issues the `cp.async` copies of tile `t`, at element offset `offset`, into stage `stage`
-/// (rows past the tile's end are not copied: they are never read).
+/// Runs warp `warp`'s share of the block's tiles `first..first + count`: tiles
+/// `first + warp + WARPS * j`, each through a stage of the warp's ring.
 ///
 /// # Safety
-/// `t < src.tiles()`, `offset == src.tile_offset(p, t)`; the shared memory holds
-/// `DECODE_STAGES` K and V tiles.
+/// All 32 lanes of the warp call it; `first + count <= src.tiles()`; the warp's stages are free.
 #[inline(always)]
-unsafe fn load_tile<const D: usize>(src: &RowSource, t: u32, offset: usize, stage: u32) {
-    let rows = src.tile_rows(t);
-    // SAFETY: forwarded.
-    let (k, v) = unsafe { src.tile_at(offset) };
-    let k_stage = shared_addr(dynamic_smem::<u8>(
-        (stage * 2 * RowGeometry::<D>::TILE_BYTES) as usize,
-    ));
-    let v_stage = k_stage + RowGeometry::<D>::TILE_BYTES;
-    let chunks_per_row = (D / 8) as u32;
-    let mut c = thread_in_block();
-    while c < RowGeometry::<D>::TILE_CHUNKS {
-        let row = c / chunks_per_row;
-        if row < rows {
-            let elem = (c * 8) as usize; // rows are contiguous inside a tile
-                                         // SAFETY: `row < rows` keeps the source inside the tile's existing rows; the stage
-                                         // has room for the whole tile.
-            unsafe {
-                cp_async_16(k_stage + c * 16, k.add(elem) as *const u8);
-                cp_async_16(v_stage + c * 16, v.add(elem) as *const u8);
-            }
+unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
+    p: &DecodeParams,
+    src: &RowSource,
+    q_group: *const u16,
+    first: u32,
+    count: u32,
+    warp: u32,
+) -> WarpState {
+    let lane = lane();
+    let mut state = WarpState {
+        softmax: HeadSoftmax::EMPTY,
+        o: [FragC::default(); MAX_O_TILES],
+    };
+    let mine = if count > warp {
+        (count - warp).div_ceil(WARPS)
+    } else {
+        0
+    };
+    if mine == 0 {
+        return state;
+    }
+    let tile = |j: u32| first + warp + j * WARPS;
+    // SAFETY: `q_group` holds the group's `G x D` query elements (the caller's layout).
+    let q = unsafe { load_q_fragments::<E, D, G>(q_group, lane) };
+    // Issues tile `j` (at element offset `offset`) into its stage.
+    let issue = |j: u32, offset: usize| {
+        // SAFETY: `tile(j) < first + count <= tiles`, `offset` is its offset; the stage is free
+        // (see the loop).
+        unsafe {
+            let (k, v) = src.tile_at(offset);
+            load_tile_async::<D>(
+                Tile::<D>::k_tile(warp, j % DECODE_STAGES),
+                k,
+                v,
+                src.tile_rows(tile(j)),
+                lane,
+            );
         }
-        c += DECODE_THREADS;
-    }
-}
+    };
 
-/// Merges the row groups' states of a warp (row groups of `lanes` lanes) into every lane.
-///
-/// # Safety
-/// All 32 lanes call it.
-#[inline(always)]
-unsafe fn merge_row_groups<const G: usize>(state: &mut [SoftmaxState; G], lanes: u32) {
-    let mut offset = lanes;
-    while offset < WARP_SIZE {
-        unroll8!(g in 0..G => {
-            let s = &mut state[g];
-            // SAFETY (all shuffles): the whole warp participates.
-            let mut other = SoftmaxState {
-                m: unsafe { shfl_xor_f32(s.m, offset) },
-                l: unsafe { shfl_xor_f32(s.l, offset) },
-                acc: [0.0; 8],
-            };
-            let mut i = 0;
-            while i < 8 {
-                other.acc[i] = unsafe { shfl_xor_f32(s.acc[i], offset) };
-                i += 1;
-            }
-            s.merge(&other);
-        });
-        offset <<= 1;
+    // Prologue: the first STAGES - 1 tiles in flight.
+    let mut j = 0;
+    while j < DECODE_STAGES - 1 {
+        if j < mine {
+            // SAFETY: `tile(j)` is one of this warp's tiles.
+            issue(j, unsafe { src.tile_offset(p, tile(j)) });
+        }
+        commit_group();
+        j += 1;
     }
+    // Where the next tile to issue lives, looked up one step ahead: a dense head's page-list
+    // read then overlaps a tile's compute instead of stalling the copy issue.
+    let mut next_offset = 0;
+    if DECODE_STAGES - 1 < mine {
+        // SAFETY: as above.
+        next_offset = unsafe { src.tile_offset(p, tile(DECODE_STAGES - 1)) };
+    }
+
+    let mut j = 0;
+    while j < mine {
+        wait_group::<{ DECODE_STAGES - 2 }>();
+        // SAFETY: the whole warp is here (`mine` is warp-uniform). After it, tile `j`'s copies by
+        // every lane are visible, and every lane has finished reading the stage of tile `j - 1`,
+        // which the next copy overwrites.
+        unsafe { sync_warp() };
+        let next = j + DECODE_STAGES - 1;
+        if next < mine {
+            issue(next, next_offset);
+        }
+        commit_group();
+        if next + 1 < mine {
+            // SAFETY: `tile(next + 1)` is one of this warp's tiles.
+            next_offset = unsafe { src.tile_offset(p, tile(next + 1)) };
+        }
+
+        let k_tile = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
+        let v_tile = k_tile + Tile::<D>::BYTES;
+        // S = Q Kᵀ for the tile's 16 keys.
+        let mut s = [FragC::default(); 2];
+        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+            // SAFETY: the tile arrived (wait + warp barrier above); the whole warp is here.
+            unsafe {
+                let [b0, b1] = load_k_fragments::<E, D>(k_tile, kk as u32, lane);
+                s[0] = mma_m16n8k16(&q[kk], &b0, &s[0]);
+                s[1] = mma_m16n8k16(&q[kk], &b1, &s[1]);
+            }
+        });
+        // SAFETY: every lane is here; the tile has at least one row.
+        let correction = unsafe {
+            state
+                .softmax
+                .add_tile(&mut s, src.tile_rows(tile(j)), lane, p.scale_log2)
+        };
+        // O = correction · O + P V.
+        let pf = p_fragment::<E>(&s);
+        crate::unroll8!(pair in 0..Tile::<D>::O_TILES / 2 => {
+            let o = &mut state.o;
+            let mut c = 0;
+            while c < 2 {
+                o[2 * pair].regs[c] *= correction;
+                o[2 * pair + 1].regs[c] *= correction;
+                c += 1;
+            }
+            // SAFETY: as for K.
+            unsafe {
+                let [b0, b1] = load_v_fragments::<E, D>(v_tile, pair as u32, lane);
+                o[2 * pair] = mma_m16n8k16(&pf, &b0, &o[2 * pair]);
+                o[2 * pair + 1] = mma_m16n8k16(&pf, &b1, &o[2 * pair + 1]);
+            }
+        });
+        j += 1;
+    }
+    state
 }
 
 /// The kernel body, generic over element type `E`, head dimension `D` and group size `G`.
@@ -116,7 +168,7 @@ unsafe fn merge_row_groups<const G: usize>(state: &mut [SoftmaxState; G], lanes:
 /// host-side launcher documents.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
+unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize>(
     p: &DecodeParams,
     q: *const u16,
     bufs: &CacheBuffers,
@@ -126,7 +178,6 @@ unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
     part_acc: *mut f32,
     part_ml: *mut f32,
 ) {
-    let lanes_per_row = RowGeometry::<D>::LANES_PER_ROW;
     let split = block_idx_x();
     let pair = block_idx_y();
     let (b, kv_head) = (pair / p.kv_heads, pair % p.kv_heads);
@@ -152,174 +203,76 @@ unsafe fn decode_attention<E: Half16, const D: usize, const G: usize>(
     };
     let count = end.saturating_sub(first);
 
-    // The query heads of the group, this lane's 8 dimensions, pre-scaled into log2 units.
-    let col = lane() % lanes_per_row;
-    let mut qf = [[0.0f32; 8]; G];
-    unroll8!(g in 0..G => {
-        let q_head = (b * p.kv_heads + kv_head) * G as u32 + g as u32;
-        // SAFETY: `q` is `[batch][q_heads][D]`, 16-byte aligned rows.
-        let raw = unsafe { *(q.add(q_head as usize * D + col as usize * 8) as *const Vec16) };
-        let x = raw.to_f32::<E>();
-        let mut i = 0;
-        while i < 8 {
-            qf[g][i] = x[i] * p.scale_log2;
-            i += 1;
-        }
-    });
+    let warp = warp_in_block();
+    // SAFETY: `q` is `[batch][q_heads][D]` and pair `(b, kv_head)`'s query heads are the `G`
+    // consecutive rows from `pair * G`; `first + count <= tiles`; the stages are unused so far.
+    let state = unsafe {
+        attend_tiles::<E, D, G>(p, &src, q.add(pair as usize * G * D), first, count, warp)
+    };
 
-    let mut state = [SoftmaxState::EMPTY; G];
-
-    // Prologue: the first STAGES - 1 tiles in flight.
-    let mut s = 0;
-    while s < DECODE_STAGES - 1 {
-        if s < count {
-            // SAFETY: `first + s < end <= tiles`.
-            unsafe { load_tile::<D>(&src, first + s, src.tile_offset(p, first + s), s) };
-        }
-        commit_group();
-        s += 1;
-    }
-    // Where the next tile to issue lives, looked up one step ahead: a dense head's page-list
-    // read then overlaps a tile's compute instead of stalling the copy issue.
-    let mut next_offset = 0;
-    if DECODE_STAGES - 1 < count {
-        // SAFETY: `first + STAGES - 1 < end`.
-        next_offset = unsafe { src.tile_offset(p, first + DECODE_STAGES - 1) };
-    }
-
-    let row_in_step = warp_in_block() * RowGeometry::<D>::ROWS_PER_WARP + lane() / lanes_per_row;
-    let mut i = 0;
-    while i < count {
-        wait_group::<{ DECODE_STAGES - 2 }>();
-        // SAFETY: uniform control flow: `count` is block-uniform.
-        unsafe { sync_threads() };
-        let next = i + DECODE_STAGES - 1;
-        if next < count {
-            // SAFETY: `first + next < end`, `next_offset` is its offset; its stage was last read
-            // in step `i - 1`, which every thread finished before the barrier above.
-            unsafe { load_tile::<D>(&src, first + next, next_offset, next % DECODE_STAGES) };
-        }
-        commit_group();
-        if next + 1 < count {
-            // SAFETY: `first + next + 1 < end`.
-            next_offset = unsafe { src.tile_offset(p, first + next + 1) };
-        }
-
-        let stage = i % DECODE_STAGES;
-        let k_tile = dynamic_smem::<u16>((stage * 2 * RowGeometry::<D>::TILE_BYTES) as usize);
-        let v_tile = dynamic_smem::<u16>(((stage * 2 + 1) * RowGeometry::<D>::TILE_BYTES) as usize);
-        let rows = src.tile_rows(first + i);
-        // A row group reads `ROWS_PER_THREAD` rows of the tile: their scores first, then one
-        // rescale per query head for all of them, then the values.
-        let mut scores = [[f32::NEG_INFINITY; MAX_ROWS_PER_THREAD]; G];
-        unroll8!(r in 0..RowGeometry::<D>::ROWS_PER_THREAD as usize => {
-            let row = r as u32 * RowGeometry::<D>::ROWS_PER_STEP + row_in_step;
-            // SAFETY: `row < DECODE_TILE_ROWS`: inside the stage. Rows past `rows` hold stale
-            // data; their scores are computed (the shuffles need every lane) but never used.
-            let k = unsafe { *(k_tile.add(row as usize * D + col as usize * 8) as *const Vec16) }
-                .to_f32::<E>();
-            unroll8!(g in 0..G => {
-                let mut dot = 0.0f32;
-                let mut d = 0;
-                while d < 8 {
-                    dot += qf[g][d] * k[d];
-                    d += 1;
-                }
-                // SAFETY: every lane of the warp reaches this reduction.
-                let score = unsafe { group_sum_f32(dot, lanes_per_row) };
-                if row < rows {
-                    scores[g][r] = score;
-                }
-            });
-        });
-        unroll8!(g in 0..G => {
-            let mut m = f32::NEG_INFINITY;
-            unroll8!(r in 0..RowGeometry::<D>::ROWS_PER_THREAD as usize => {
-                m = m.max(scores[g][r]);
-            });
-            state[g].raise_max(m);
-        });
-        unroll8!(r in 0..RowGeometry::<D>::ROWS_PER_THREAD as usize => {
-            let row = r as u32 * RowGeometry::<D>::ROWS_PER_STEP + row_in_step;
-            if row < rows {
-                // SAFETY: as for `k`.
-                let v = unsafe { *(v_tile.add(row as usize * D + col as usize * 8) as *const Vec16) }
-                    .to_f32::<E>();
-                unroll8!(g in 0..G => {
-                    state[g].add(scores[g][r], &v);
-                });
-            }
-        });
-        i += 1;
-    }
-
-    // Merge: row groups inside each warp, then warps through shared memory (the tile ring is
-    // free once every copy has landed and every thread is past its last read).
-    // SAFETY: all lanes of every warp are here (the loop bounds are block-uniform).
-    unsafe { merge_row_groups(&mut state, lanes_per_row) };
+    // Merge the warps through shared memory (the stage area, free once every copy has landed
+    // and every warp is past its last read): per warp and head, `m`, `l` and `D` accumulators.
     wait_all();
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
-    let warp = warp_in_block();
-    let merge_area = dynamic_smem::<f32>(0);
-    // Per warp: G × (m, l, acc[D]).
-    let per_warp = G * (2 + D);
-    if lane() < lanes_per_row {
-        unroll8!(g in 0..G => {
-            let base = warp as usize * per_warp + g * (2 + D);
-            // SAFETY: inside the ring (decode_smem_bytes(D) ≥ WARPS × G × (2 + D) × 4 for G ≤ 8).
-            unsafe {
-                if col == 0 {
-                    *merge_area.add(base) = state[g].m;
-                    *merge_area.add(base + 1) = state[g].l;
-                }
-                let mut d = 0;
-                while d < 8 {
-                    *merge_area.add(base + 2 + col as usize * 8 + d) = state[g].acc[d];
-                    d += 1;
-                }
+    let lane = lane();
+    let area = dynamic_smem::<f32>(0);
+    let slot_of = |w: u32, g: u32| ((w * G as u32 + g) * (D as u32 + 2)) as usize;
+    // SAFETY: every lane of the warp is here (quad shuffle).
+    let l = unsafe { quad_sum_f32(state.softmax.l) };
+    let (g, quad) = (lane / 4, lane % 4);
+    if g < G as u32 {
+        let at = slot_of(warp, g);
+        // SAFETY: inside the merge area (`decode_merge_bytes(D, G) <= decode_smem_bytes(D)`).
+        unsafe {
+            if quad == 0 {
+                *area.add(at) = state.softmax.m;
+                *area.add(at + 1) = l;
             }
-        });
+            let mut n = 0;
+            while n < Tile::<D>::O_TILES {
+                let d = (8 * n as u32 + 2 * quad) as usize;
+                *area.add(at + 2 + d) = state.o[n].regs[0];
+                *area.add(at + 2 + d + 1) = state.o[n].regs[1];
+                n += 1;
+            }
+        }
     }
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
-    if warp == 0 && lane() < lanes_per_row {
-        unroll8!(g in 0..G => {
-            let mut total = SoftmaxState::EMPTY;
-            let mut w = 0;
-            while w < WARPS as usize {
-                let base = w * per_warp + g * (2 + D);
-                // SAFETY: written above, after the barrier.
-                let other = unsafe {
-                    let mut acc = [0.0f32; 8];
-                    let mut d = 0;
-                    while d < 8 {
-                        acc[d] = *merge_area.add(base + 2 + col as usize * 8 + d);
-                        d += 1;
-                    }
-                    SoftmaxState {
-                        m: *merge_area.add(base),
-                        l: *merge_area.add(base + 1),
-                        acc,
-                    }
-                };
-                total.merge(&other);
-                w += 1;
-            }
-            let out = ((pair * p.splits + split) as usize) * G + g;
-            // SAFETY: `part_acc` is `[pairs][splits][G][D]`, `part_ml` `[pairs][splits][G][2]`.
+    // Thread `t` merges (head, dim) pairs `t, t + 128, ...` over the warps.
+    let mut i = thread_in_block();
+    while i < (G * D) as u32 {
+        let (g, d) = (i / D as u32, (i % D as u32) as usize);
+        // SAFETY (reads): written above, before the barrier.
+        let m_of = |w: u32| unsafe { *area.add(slot_of(w, g)) };
+        let mut m_all = f32::NEG_INFINITY;
+        let mut w = 0;
+        while w < WARPS {
+            m_all = m_all.max(m_of(w));
+            w += 1;
+        }
+        let (mut num, mut den) = (0.0f32, 0.0f32);
+        let mut w = 0;
+        while w < WARPS {
+            let weight = merge_weight(m_of(w), m_all);
+            // SAFETY: as above.
             unsafe {
-                let mut d = 0;
-                while d < 8 {
-                    *part_acc.add(out * D + col as usize * 8 + d) = total.acc[d];
-                    d += 1;
-                }
-                if col == 0 {
-                    *part_ml.add(out * 2) = total.m;
-                    *part_ml.add(out * 2 + 1) = total.l;
-                }
+                num = fma(weight, *area.add(slot_of(w, g) + 2 + d), num);
+                den = fma(weight, *area.add(slot_of(w, g) + 1), den);
             }
-        });
+            w += 1;
+        }
+        let out = ((pair * p.splits + split) as usize) * G + g as usize;
+        // SAFETY: `part_acc` is `[pairs][splits][G][D]`, `part_ml` `[pairs][splits][G][2]`.
+        unsafe {
+            *part_acc.add(out * D + d) = num;
+            if d == 0 {
+                *part_ml.add(out * 2) = m_all;
+                *part_ml.add(out * 2 + 1) = den;
+            }
+        }
+        i += crate::thread::block_dim_x();
     }
 }
 

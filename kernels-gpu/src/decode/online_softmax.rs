@@ -1,87 +1,94 @@
-//! Online softmax state in base 2, one per (row group, query head of the KV group).
+//! Online softmax in base 2 over the `S` accumulators of the decode kernel.
 //!
-//! A state summarises the rows it has seen: `m` the largest score (in log2 units, the softmax
-//! scale folded in), `l = Σ 2^(s - m)` and `acc = Σ 2^(s - m) · v` over this thread's eight
-//! output dimensions. States merge associatively, which is what makes both the row-group split
-//! inside a block and the flash-decoding split across blocks exact.
+//! Lane `l` of a warp holds, for query head `l / 4` of the group (row `l / 4` of the `mma`
+//! products), the scores of keys `2 (l % 4) + {0, 1}` and `8 + 2 (l % 4) + {0, 1}` of each tile:
+//! a head's 16 scores are spread over the 4 lanes of a quad. The state is the running maximum `m`
+//! (log2 units, softmax scale folded in, the same in the 4 lanes) and this lane's part of the
+//! denominator `l = Σ 2^(s - m)` (the quad sums its parts at the end). States over disjoint keys
+//! merge associatively ([`merge_weight`]), which makes both the warp split inside a block and the
+//! flash-decoding split across blocks exact.
 
-use crate::math::exp2;
+use crate::math::{exp2, fma};
+use crate::mma::FragC;
+use crate::warp::quad_max_f32;
 
-/// One row group's softmax state for one query head, over this thread's 8 dimensions.
+/// One lane's softmax state for its query head.
 #[derive(Clone, Copy)]
-pub struct SoftmaxState {
-    /// Running maximum score (`-inf` before the first row).
+pub struct HeadSoftmax {
+    /// Running maximum score (log2 units; `-inf` before the first key).
     pub m: f32,
-    /// Running denominator relative to `m`.
+    /// This lane's part of the running denominator, relative to `m`.
     pub l: f32,
-    /// Running numerator relative to `m`, this thread's 8 dimensions.
-    pub acc: [f32; 8],
 }
 
-/// `2^(m_old - m_new)`, with `0` for a state that saw no row yet (avoids `-inf - -inf`).
-#[inline(always)]
-fn rescale(m_old: f32, m_new: f32) -> f32 {
-    if m_old == f32::NEG_INFINITY {
-        0.0
-    } else {
-        exp2(m_old - m_new)
-    }
-}
-
-impl SoftmaxState {
-    /// The state of no rows.
+impl HeadSoftmax {
+    /// The state of no keys.
     pub const EMPTY: Self = Self {
         m: f32::NEG_INFINITY,
         l: 0.0,
-        acc: [0.0; 8],
     };
 
-    /// Raises the running maximum to at least `m` (log2 units), rescaling `l` and `acc`: the
-    /// first half of adding rows whose largest score is `m`.
+    /// Adds one tile: turns its raw scores `s` into probabilities `2^(scale·s - m_new)` in place,
+    /// keys `valid..16` masked to zero, and returns the factor `2^(m_old - m_new)` by which the
+    /// output accumulators must be scaled first.
+    ///
+    /// # Safety
+    /// All 32 lanes call it (quad shuffles); `1 <= valid <= 16`.
     #[inline(always)]
-    pub fn raise_max(&mut self, m: f32) {
-        let m_new = self.m.max(m);
-        if m_new == self.m {
-            return;
+    pub unsafe fn add_tile(
+        &mut self,
+        s: &mut [FragC; 2],
+        valid: u32,
+        lane: u32,
+        scale: f32,
+    ) -> f32 {
+        let first_key = 2 * (lane % 4);
+        let mut tile_max = f32::NEG_INFINITY;
+        let mut n = 0;
+        while n < 2 {
+            let mut c = 0;
+            while c < 2 {
+                let key = 8 * n as u32 + first_key + c as u32;
+                let x = if key < valid {
+                    s[n].regs[c] * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+                s[n].regs[c] = x;
+                tile_max = tile_max.max(x);
+                c += 1;
+            }
+            n += 1;
         }
-        let corr = rescale(self.m, m_new);
-        self.l *= corr;
-        let mut i = 0;
-        while i < 8 {
-            self.acc[i] *= corr;
-            i += 1;
+        // SAFETY: forwarded: every lane is here.
+        let m_new = self.m.max(unsafe { quad_max_f32(tile_max) });
+        // Finite: key 0 of every tile is valid. `2^(-inf) = 0` covers the first tile.
+        let correction = exp2(self.m - m_new);
+        let mut sum = 0.0;
+        let mut n = 0;
+        while n < 2 {
+            let mut c = 0;
+            while c < 2 {
+                let p = exp2(s[n].regs[c] - m_new);
+                s[n].regs[c] = p;
+                sum += p;
+                c += 1;
+            }
+            n += 1;
         }
+        self.l = fma(self.l, correction, sum);
         self.m = m_new;
+        correction
     }
+}
 
-    /// Adds a row with score `s` (log2 units, at most the running maximum: call
-    /// [`raise_max`](Self::raise_max) first) and value slice `v`.
-    #[inline(always)]
-    pub fn add(&mut self, s: f32, v: &[f32; 8]) {
-        let p = exp2(s - self.m);
-        self.l += p;
-        let mut i = 0;
-        while i < 8 {
-            self.acc[i] += p * v[i];
-            i += 1;
-        }
-    }
-
-    /// Merges another state (over disjoint rows) into this one.
-    #[inline(always)]
-    pub fn merge(&mut self, other: &Self) {
-        let m_new = self.m.max(other.m);
-        if m_new == f32::NEG_INFINITY {
-            return;
-        }
-        let a = rescale(self.m, m_new);
-        let b = rescale(other.m, m_new);
-        self.l = self.l * a + other.l * b;
-        let mut i = 0;
-        while i < 8 {
-            self.acc[i] = self.acc[i] * a + other.acc[i] * b;
-            i += 1;
-        }
-        self.m = m_new;
+/// The weight of a partial state with maximum `m` in a merge whose overall maximum is `m_all`:
+/// `2^(m - m_all)`, and `0` for a state that saw no key (avoids `-inf - -inf`).
+#[inline(always)]
+pub fn merge_weight(m: f32, m_all: f32) -> f32 {
+    if m == f32::NEG_INFINITY {
+        0.0
+    } else {
+        exp2(m - m_all)
     }
 }

@@ -13,14 +13,12 @@
 //! launch stays correct as sequences grow); it issues the loads of up to [`Rows::IN_FLIGHT`]
 //! logical pages before using any.
 
-use core::arch::asm;
-
 use lserve_abi::select::{
     score_offset, selection_due, SelectParams, AGGREGATE_MEAN, SCORE_THREADS,
 };
 
 use crate::convert::Half16;
-use crate::math::Vec16;
+use crate::math::{fma, Vec16};
 use crate::thread::{block_idx_x, block_idx_y, grid_dim_x, lane, thread_in_block, WARP_SIZE};
 use crate::unroll8;
 use crate::warp::group_sum_f32;
@@ -61,18 +59,6 @@ pub struct ScoreBuffers {
     pub held_lens: *const u32,
     /// `[B][Hd][max_pages]` physical-page scores (written for due pairs only).
     pub scores: *mut f32,
-}
-
-/// `a * b + c` with one rounding (`fma.rn.f32`; rustc never contracts a multiply and an add).
-#[inline(always)]
-fn fma(a: f32, b: f32, c: f32) -> f32 {
-    let d: f32;
-    // SAFETY: register-only instruction.
-    unsafe {
-        asm!("fma.rn.f32 {0}, {1}, {2}, {3};", out(reg32) d, in(reg32) a, in(reg32) b,
-             in(reg32) c, options(pure, nomem, nostack));
-    }
-    d
 }
 
 /// The KV head whose dense index is `dense_head` (the head map lists each KV head's index).

@@ -1,0 +1,183 @@
+//! Tile shapes of the decode kernel and the moves between global memory, shared memory and
+//! `mma` fragments.
+//!
+//! A tile is [`DECODE_TILE_ROWS`] (16) consecutive K/V rows of one page. Each warp streams its
+//! own tiles through [`DECODE_STAGES`] stages of shared memory (K tile, then V tile), rows
+//! `D + DECODE_ROW_PAD` elements apart so the eight 16-byte rows of an `ldmatrix` 8x8 load fall in
+//! distinct bank groups.
+//!
+//! The products, per warp and tile, with the `G` query heads of the KV group as the `M` rows of
+//! the `m16n8k16` products (rows `G..16` are zero and never written out):
+//! - `S = Q Kᵀ`: 2 accumulators (keys 0..8, 8..16); `Q` is `D/16` A fragments loaded once from
+//!   global memory; `Kᵀ`'s B fragments come from the row-major K tile with plain `ldmatrix`;
+//! - `O += P V`: `D/8` accumulators of 8 dims; `P` reuses `S`'s registers as one A fragment;
+//!   `V`'s B fragments come from the row-major V tile with `ldmatrix.trans`.
+
+use lserve_abi::decode::{DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS};
+
+use crate::cp_async::cp_async_16;
+use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans};
+use crate::mma::{FragA, FragB, FragC, MmaElement};
+use crate::smem::{dynamic_smem, shared_addr};
+use crate::thread::WARP_SIZE;
+
+/// Warps per block.
+pub const WARPS: u32 = DECODE_THREADS / WARP_SIZE;
+/// Most `Q` fragments (`D = 128`: 8 steps of 16 dims).
+pub const MAX_Q_STEPS: usize = 8;
+/// Most `O` accumulators (`D = 128`: 16 groups of 8 dims).
+pub const MAX_O_TILES: usize = 16;
+
+/// The tile geometry for head dimension `D` (64 or 128).
+pub struct Tile<const D: usize>;
+
+impl<const D: usize> Tile<D> {
+    /// Bytes between consecutive rows in shared memory.
+    pub const ROW_BYTES: u32 = (D as u32 + DECODE_ROW_PAD) * 2;
+    /// Bytes of one K (or V) tile in shared memory.
+    pub const BYTES: u32 = DECODE_TILE_ROWS * Self::ROW_BYTES;
+    /// Bytes of one warp's stage (a K and a V tile).
+    const STAGE_BYTES: u32 = 2 * Self::BYTES;
+    /// 16-byte chunks per row.
+    const CHUNKS_PER_ROW: u32 = D as u32 / 8;
+    /// Chunks each lane copies per K (or V) tile.
+    const CHUNKS_PER_LANE: u32 = DECODE_TILE_ROWS * Self::CHUNKS_PER_ROW / WARP_SIZE;
+    /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
+    pub const D_STEPS: usize = D / 16;
+    /// Accumulators of 8 dims in `O`.
+    pub const O_TILES: usize = D / 8;
+
+    /// Shared-window address of warp `warp`'s K tile in `stage` (its V tile follows).
+    #[inline(always)]
+    pub fn k_tile(warp: u32, stage: u32) -> u32 {
+        shared_addr(dynamic_smem::<u8>(0)) + (warp * DECODE_STAGES + stage) * Self::STAGE_BYTES
+    }
+}
+
+// The layout above is what `decode_smem_bytes` sizes.
+const _: () = assert!(
+    lserve_abi::decode::decode_smem_bytes(128) == WARPS * DECODE_STAGES * Tile::<128>::STAGE_BYTES
+);
+const _: () = assert!(
+    lserve_abi::decode::decode_smem_bytes(64) == WARPS * DECODE_STAGES * Tile::<64>::STAGE_BYTES
+);
+
+/// Starts this lane's share of the asynchronous copy of one tile's K and V rows into the stage at
+/// `k_dst`: row `r` comes from row `min(r, valid_rows - 1)` of the source (rows past the end repeat
+/// the last existing row, so every value `P V` multiplies is finite; their scores are masked).
+///
+/// # Safety
+/// All 32 lanes of the warp call it; `k_dst` is a stage of this layout not being read; `1 <=
+/// valid_rows <= 16` rows of `D` elements are readable at `k_src` and `v_src` (rows contiguous,
+/// 16-byte aligned).
+#[inline(always)]
+pub unsafe fn load_tile_async<const D: usize>(
+    k_dst: u32,
+    k_src: *const u16,
+    v_src: *const u16,
+    valid_rows: u32,
+    lane: u32,
+) {
+    let mut i = 0;
+    while i < Tile::<D>::CHUNKS_PER_LANE {
+        let c = lane + i * WARP_SIZE;
+        let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
+        let src = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
+        let dst = k_dst + row * Tile::<D>::ROW_BYTES + chunk * 16;
+        // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is inside the
+        // stage (`row < 16`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
+        unsafe {
+            cp_async_16(dst, k_src.add(src) as *const u8);
+            cp_async_16(dst + Tile::<D>::BYTES, v_src.add(src) as *const u8);
+        }
+        i += 1;
+    }
+}
+
+/// The `D/16` A fragments of the group's query heads: row `g < G` is query head `g` of the
+/// group (`q_group` points to its `G x D` elements), rows `G..16` are zero.
+///
+/// # Safety
+/// `q_group` points to `G * D` readable elements, 4-byte aligned.
+#[inline(always)]
+pub unsafe fn load_q_fragments<E: MmaElement, const D: usize, const G: usize>(
+    q_group: *const u16,
+    lane: u32,
+) -> [FragA<E>; MAX_Q_STEPS] {
+    let mut q = [FragA::from_regs([0; 4]); MAX_Q_STEPS];
+    let (row, col) = (lane / 4, 2 * (lane % 4));
+    if row < G as u32 {
+        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+            let at = |c: u32| {
+                // SAFETY: `row < G`, `c + 2 <= D`: inside the group's elements; `c` even.
+                unsafe { *(q_group.add(row as usize * D + c as usize) as *const u32) }
+            };
+            // A's registers 1 and 3 are rows `row + 8` (always past `G <= 8`): zero.
+            q[kk] = FragA::from_regs([at(16 * kk as u32 + col), 0, at(16 * kk as u32 + 8 + col), 0]);
+        });
+    }
+    q
+}
+
+/// The B fragments of `Kᵀ` for the tile's 16 keys (two accumulators of 8) and dims
+/// `16 * kk .. + 16`, with one `ldmatrix.x4` from the row-major K tile.
+///
+/// Matrices: (keys 0..8, dims +0..8), (keys 0..8, dims +8..16), (keys 8..16, dims +0..8),
+/// (keys 8..16, dims +8..16); lane `l` addresses row `l % 8` of matrix `l / 8`.
+///
+/// # Safety
+/// The whole warp calls it after the tile arrived and a warp barrier.
+#[inline(always)]
+pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
+    k_tile: u32,
+    kk: u32,
+    lane: u32,
+) -> [FragB<E>; 2] {
+    let (matrix, row) = (lane / 8, lane % 8);
+    let key = row + 8 * (matrix / 2);
+    let dim = 16 * kk + 8 * (matrix % 2);
+    // SAFETY: key < 16, dim + 8 <= D: inside the tile; forwarded barrier.
+    let r = unsafe { ldmatrix_x4(k_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
+}
+
+/// The B fragments of `V` for the tile's 16 keys and dims `16 * pair .. + 16` (two accumulators
+/// of 8 dims), with one `ldmatrix.x4.trans` from the row-major V tile.
+///
+/// Matrices: (keys 0..8, dims +0..8), (keys 8..16, dims +0..8), (keys 0..8, dims +8..16),
+/// (keys 8..16, dims +8..16); the transpose gives each lane two consecutive keys of one dim.
+///
+/// # Safety
+/// As [`load_k_fragments`].
+#[inline(always)]
+pub unsafe fn load_v_fragments<E: MmaElement, const D: usize>(
+    v_tile: u32,
+    pair: u32,
+    lane: u32,
+) -> [FragB<E>; 2] {
+    let (matrix, row) = (lane / 8, lane % 8);
+    let key = row + 8 * (matrix % 2);
+    let dim = 16 * pair + 8 * (matrix / 2);
+    // SAFETY: key < 16, dim + 8 <= D: inside the tile; forwarded barrier.
+    let r = unsafe { ldmatrix_x4_trans(v_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
+}
+
+/// The A fragment of `P` from the two `S` accumulators of a tile (FlashAttention-2's register
+/// reuse): accumulator 0 holds keys `0..8` of row `lane / 4` in `regs[0..2]`, accumulator 1 keys
+/// `8..16`; rows `+8` (`regs[2..4]`) are past the group and stay zero.
+#[inline(always)]
+pub fn p_fragment<E: MmaElement>(s: &[FragC; 2]) -> FragA<E> {
+    FragA::from_regs([
+        E::pack2(s[0].regs[0], s[0].regs[1]),
+        0,
+        E::pack2(s[1].regs[0], s[1].regs[1]),
+        0,
+    ])
+}
