@@ -7,16 +7,31 @@
 //!   due + attention + step advance, averaged over steps (so selection counts 1 in 4);
 //! - `step/lserve`: both sparsities;
 //! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern);
+//! - `kv/append`: the decode append alone (`append_kv`: one token's K/V per sequence of the
+//!   batch written into the cache, with the incremental `kmin`/`kmax` update), every head dense
+//!   (each KV head updates its statistics), the token at position `context - 1` (inside a
+//!   logical page, as 15 of 16 steps are: the update reads and writes the statistics);
+//! - `kv/pool`: key-statistics pooling over the whole context (`pool_key_stats` of `0..context`,
+//!   every head dense), batch 1 only;
 //! - `copy`: a device-to-device copy, the bandwidth ceiling, in the same run.
 //!
 //! Each is captured once in a CUDA graph (as an engine runs a decode step) and timed with CUDA
-//! events around `iters` back-to-back replays (criterion's `iter_custom`). Throughput is the bytes that must move (K and V of the rows visited, the key
-//! statistics the selector reads, amortized over the reuse interval), so criterion's GB/s is the
-//! achieved bandwidth. Without a GPU the benchmarks are skipped (and say so).
+//! events around `iters` back-to-back replays (criterion's `iter_custom`). Throughput is the
+//! bytes that must move (K and V of the rows visited, the key statistics the selector reads,
+//! amortized over the reuse interval; for `kv/append` the K/V activations read, the cache rows
+//! written and the statistics read and written; for `kv/pool` the dense heads' K rows read and
+//! the statistics written), so criterion's GB/s is the achieved bandwidth. Without a GPU the
+//! benchmarks are skipped (and say so).
+//!
+//! Case ids are `group/name/bB/context` (e.g. `kv/append/b16/65536`) and
+//! `copy/device_to_device_1GiB`. Set `LSERVE_BENCH_ONLY` to a substring of the ids to build
+//! (or several, comma-separated): only matching cases allocate and fill their cache, e.g.
+//! `LSERVE_BENCH_ONLY=kv/ ./decode --bench` (criterion's own filter argument still applies to
+//! what is timed, but every case's cache would be built without this).
 
 mod common;
 
-use common::timed;
+use common::{announce_filter, selected, timed};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -26,16 +41,22 @@ use lserve::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode}
 use lserve::cudarc::driver::CudaSlice;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
-    advance_decode_steps, decode_attention, fill_random, pool_key_stats, select_pages, DecodeBatch,
-    DecodeWorkspace, DeviceKvCache, GpuContext, KvWritePlan, SelectWorkspace,
+    advance_decode_steps, append_kv, decode_attention, fill_random, pool_key_stats, select_pages,
+    DecodeBatch, DecodeWorkspace, DeviceKvCache, DeviceKvWritePlan, GpuContext, KvWritePlan,
+    SelectWorkspace,
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::KvCacheManager;
 
 const CONTEXTS: [usize; 5] = [4096, 16384, 65536, 131072, 262144];
 const BATCHES: [usize; 2] = [1, 16];
+const HKV: usize = 8;
+const HQ: usize = 32;
+const D: usize = 128;
+/// Bytes of one bf16 row of `D` channels.
+const ROW_BYTES: usize = D * 2;
 
-/// One configured layer: cache, batch, workspaces, query.
+/// One configured layer: cache, batch, workspaces, query, the step's new K/V.
 struct Layer {
     cache: DeviceKvCache<bf16>,
     batch: DecodeBatch,
@@ -43,26 +64,32 @@ struct Layer {
     selection: SelectWorkspace,
     q: CudaSlice<bf16>,
     out: CudaSlice<bf16>,
+    /// The step token's K and V, `[B][Hkv][D]` (what `append_kv` writes).
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    /// Every sequence's `0..len`: the plan that pooled the statistics.
+    plan: DeviceKvWritePlan,
     config: SparsityConfig,
     pattern: HeadPattern,
     len: usize,
 }
 
+/// A layer of `batch` sequences of `len` tokens each, cache filled with random K/V and the
+/// statistics pooled from it.
 fn layer(
     gpu: &GpuContext,
     batch: usize,
-    context: usize,
+    len: usize,
     streaming: bool,
     selection: bool,
     reuse: usize,
 ) -> lserve::Result<Layer> {
-    let g = ModelGeometry::new(1, 32, 8, 128)?;
+    let g = ModelGeometry::new(1, HQ, HKV, D)?;
     let pattern = if streaming {
         HeadPattern::interleaved(g, 0.5)?
     } else {
         HeadPattern::all_dense(g)
     };
-    let len = context + 1; // the step's token is in the cache
     let config = SparsityConfig {
         dynamic_min_len: if selection {
             SparsityConfig::default().dynamic_min_len
@@ -88,12 +115,17 @@ fn layer(
     pool_key_stats(gpu, &mut cache, 0, &plan)?;
     let mut b = DecodeBatch::new(gpu, batch)?;
     b.set(gpu, &mgr, &seqs)?;
-    let mut q = gpu.stream().alloc_zeros::<bf16>(batch * 32 * 128)?;
+    let stream = gpu.stream();
+    let mut q = stream.alloc_zeros::<bf16>(batch * HQ * D)?;
     fill_random(gpu, &mut q, 99)?;
-    let out = gpu.stream().alloc_zeros::<bf16>(batch * 32 * 128)?;
-    let attention = DecodeWorkspace::new(gpu, batch, 8, 4, 128)?;
+    let out = stream.alloc_zeros::<bf16>(batch * HQ * D)?;
+    let mut k = stream.alloc_zeros::<bf16>(batch * HKV * D)?;
+    let mut v = stream.alloc_zeros::<bf16>(batch * HKV * D)?;
+    fill_random(gpu, &mut k, 5)?;
+    fill_random(gpu, &mut v, 6)?;
+    let attention = DecodeWorkspace::new(gpu, batch, HKV, HQ / HKV, D)?;
     let selection = SelectWorkspace::new(gpu, &cache, batch)?;
-    gpu.stream().synchronize()?;
+    stream.synchronize()?;
     Ok(Layer {
         cache,
         batch: b,
@@ -101,6 +133,9 @@ fn layer(
         selection,
         q,
         out,
+        k,
+        v,
+        plan,
         config,
         pattern,
         len,
@@ -111,11 +146,11 @@ impl Layer {
     /// Bytes one decode step must move: K+V rows visited, plus (selection on) the key
     /// statistics of the dense heads once per reuse interval, plus q and out.
     fn step_bytes(&self, with_selection: bool, with_attention: bool) -> u64 {
-        let (d, n_p) = (128usize, self.config.page_tokens);
-        let row = 2 * d * 2;
+        let n_p = self.config.page_tokens;
+        let row = 2 * ROW_BYTES;
         let batch = self.batch.len();
         let mut bytes = 0usize;
-        for h in 0..8 {
+        for h in 0..HKV {
             let kind = self.pattern.kind(0, h);
             let selecting = kind == HeadKind::Dense && self.config.uses_page_selection(self.len);
             if with_attention {
@@ -132,15 +167,76 @@ impl Layer {
                 bytes += rows * row;
             }
             if with_selection && selecting {
-                bytes += self.len.div_ceil(self.config.logical_page_tokens) * 2 * d * 2
+                bytes += self.len.div_ceil(self.config.logical_page_tokens) * 2 * ROW_BYTES
                     / self.config.reuse_interval;
             }
         }
-        (batch * (bytes + 2 * 32 * d * 2)) as u64
+        (batch * (bytes + 2 * HQ * ROW_BYTES)) as u64
+    }
+
+    /// Bytes one `append_kv` must move: per sequence and KV head, the token's K and V read from
+    /// the activations and written into the cache, and for a dense head its logical page's
+    /// `kmin`/`kmax` written (and read first unless the token starts the logical page).
+    fn append_bytes(&self) -> u64 {
+        let pos = self.len - 1;
+        let starts_logical = pos.is_multiple_of(self.config.logical_page_tokens);
+        let mut per_seq = 0usize;
+        for h in 0..HKV {
+            per_seq += 2 * (2 * ROW_BYTES); // K+V: read, then written
+            if self.pattern.kind(0, h) == HeadKind::Dense {
+                let stats = 2 * ROW_BYTES; // kmin + kmax of one head
+                per_seq += if starts_logical { stats } else { 2 * stats };
+            }
+        }
+        (self.batch.len() * per_seq) as u64
+    }
+
+    /// Bytes pooling `0..len` of every sequence must move: the dense heads' K rows read, their
+    /// logical pages' `kmin`/`kmax` written.
+    fn pool_bytes(&self) -> u64 {
+        let dense = (0..HKV)
+            .filter(|&h| self.pattern.kind(0, h) == HeadKind::Dense)
+            .count();
+        let pages = self.len.div_ceil(self.config.logical_page_tokens);
+        (self.batch.len() * dense * (self.len * ROW_BYTES + pages * 2 * ROW_BYTES)) as u64
     }
 }
 
+/// Captures what `launches` enqueues on the context's stream in a CUDA graph (as an engine runs
+/// a decode step) and times back-to-back replays of it between two events, as `group/id`.
+fn bench_captured(
+    c: &mut Criterion,
+    gpu: &GpuContext,
+    group_name: &str,
+    id: BenchmarkId,
+    bytes: u64,
+    launches: impl FnOnce(),
+) {
+    let stream = gpu.stream().clone();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("capture");
+    launches();
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .expect("capture")
+        .expect("a non-empty graph");
+    let mut group = c.benchmark_group(group_name);
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(800));
+    group.throughput(Throughput::Bytes(bytes));
+    group.bench_function(id, |b| {
+        b.iter_custom(|iters| timed(gpu, iters, || graph.launch().expect("replay")))
+    });
+    group.finish();
+}
+
 fn copy(c: &mut Criterion, gpu: &GpuContext) {
+    if !selected("copy/device_to_device_1GiB") {
+        return;
+    }
     let n = 1usize << 30;
     let src = gpu.stream().alloc_zeros::<u8>(n).expect("alloc");
     let mut dst = gpu.stream().alloc_zeros::<u8>(n).expect("alloc");
@@ -165,10 +261,12 @@ fn decode(c: &mut Criterion) {
         }
     };
     println!("device: {}", gpu.device_name().unwrap_or_default());
+    announce_filter();
     copy(c, &gpu);
     for &batch in &BATCHES {
         for &context in &CONTEXTS {
             let id = |name: &str| BenchmarkId::new(name, format!("b{batch}/{context}"));
+            let case = |group: &str, name: &str| format!("{group}/{name}/b{batch}/{context}");
             // (group, name, streaming heads, page selection, reuse, run selection, run attention)
             let variants = [
                 ("attention", "dense", false, false, 4, false, true),
@@ -180,26 +278,20 @@ fn decode(c: &mut Criterion) {
             ];
             for (group_name, name, streaming, selection, reuse, run_select, run_attend) in variants
             {
-                let mut l = match layer(&gpu, batch, context, streaming, selection, reuse) {
+                if !selected(&case(group_name, name)) {
+                    continue;
+                }
+                // The step's token is in the cache: `context + 1` tokens.
+                let mut l = match layer(&gpu, batch, context + 1, streaming, selection, reuse) {
                     Ok(l) => l,
                     Err(e) => {
                         println!("{group_name}/{name} b{batch}/{context}: skipped ({e})");
                         continue;
                     }
                 };
-                let mut group = c.benchmark_group(group_name);
-                group
-                    .sample_size(10)
-                    .warm_up_time(Duration::from_millis(300))
-                    .measurement_time(Duration::from_millis(800));
-                group.throughput(Throughput::Bytes(l.step_bytes(run_select, run_attend)));
-                // One decode step (or selector run) captured in a CUDA graph, as an engine runs
-                // it; the graph is replayed back to back between two events.
-                let stream = gpu.stream().clone();
-                stream
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .expect("capture");
-                {
+                let bytes = l.step_bytes(run_select, run_attend);
+                // One decode step (or selector run), as an engine runs it.
+                bench_captured(c, &gpu, group_name, id(name), bytes, || {
                     let Layer {
                         cache,
                         batch,
@@ -218,15 +310,47 @@ fn decode(c: &mut Criterion) {
                     if run_select {
                         advance_decode_steps(&gpu, cache, batch).expect("advance");
                     }
-                }
-                let graph = stream
-                    .end_capture(CUgraphInstantiate_flags(0))
-                    .expect("capture")
-                    .expect("a non-empty graph");
-                group.bench_function(id(name), |b| {
-                    b.iter_custom(|iters| timed(&gpu, iters, || graph.launch().expect("replay")))
                 });
-                group.finish();
+            }
+
+            // The append alone. Its replay is valid as is: `append_kv` changes no length or
+            // counter (the sequence lengths are the batch's, written by `DecodeBatch::set`
+            // outside the graph, as an engine does between steps), it only writes position
+            // `len - 1` and that logical page's `kmin`/`kmax`. Replaying it with the same K/V
+            // rewrites the same rows with the same values and folds the same key into the
+            // statistics again (min/max are idempotent), so every replay moves exactly the
+            // bytes of one engine append and leaves the cache as one append would. The cache
+            // holds `context` tokens after the append (position `context - 1`: the last token
+            // of a logical page, so the update reads and writes the statistics, as 15 of 16
+            // steps do with logical pages of 16).
+            if selected(&case("kv", "append")) {
+                match layer(&gpu, batch, context, false, true, 4) {
+                    Ok(mut l) => {
+                        let bytes = l.append_bytes();
+                        bench_captured(c, &gpu, "kv", id("append"), bytes, || {
+                            let Layer {
+                                cache, batch, k, v, ..
+                            } = &mut l;
+                            append_kv(&gpu, cache, 0, batch, k, v).expect("append");
+                        });
+                    }
+                    Err(e) => println!("kv/append b{batch}/{context}: skipped ({e})"),
+                }
+            }
+
+            // Statistics pooling over the whole context (prefill's pooling of a prompt, or a
+            // rebuild): it recomputes `kmin`/`kmax` from the K rows, so replays are state-free.
+            if batch == 1 && selected(&case("kv", "pool")) {
+                match layer(&gpu, batch, context, false, true, 4) {
+                    Ok(mut l) => {
+                        let bytes = l.pool_bytes();
+                        bench_captured(c, &gpu, "kv", id("pool"), bytes, || {
+                            let Layer { cache, plan, .. } = &mut l;
+                            pool_key_stats(&gpu, cache, 0, plan).expect("pool");
+                        });
+                    }
+                    Err(e) => println!("kv/pool b{batch}/{context}: skipped ({e})"),
+                }
             }
         }
     }
