@@ -4,8 +4,13 @@
 //! - `attention/dense`: our paged decode with every head dense (the dense baseline);
 //! - `attention/static`: 50% streaming heads, the rest dense;
 //! - `step/dynamic`: every head dense with page selection (budget 4096, reuse 4): selection when
-//!   due + attention + step advance, averaged over steps (so selection counts 1 in 4);
-//! - `step/lserve`: both sparsities;
+//!   due + attention, per layer, averaged over steps (so selection counts 1 in 4). The graph
+//!   holds a whole step of [`step_layers`] layers (8 at batch 1, 4 at batch 16), each with its
+//!   own cache, and the step advance once at the end, as an engine runs it; the time reported is
+//!   the graph's divided by the layers. (One layer replayed alone would keep its few MB of
+//!   selected pages in the 50 MB L2 from one replay to the next, and would count the once-per-step
+//!   advance once per layer.)
+//! - `step/lserve`: both sparsities, timed the same way;
 //! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern);
 //! - `kv/append`: the decode append alone (`append_kv`: one token's K/V per sequence of the
 //!   batch written into the cache, with the incremental `kmin`/`kmax` update), every head dense
@@ -74,17 +79,28 @@ struct Layer {
     len: usize,
 }
 
-/// A layer of `batch` sequences of `len` tokens each, cache filled with random K/V and the
-/// statistics pooled from it.
+/// Layers in the graph of a `step/*` case: enough that the selected pages of all of them
+/// (about 9 MB per layer at batch 1) exceed the L2, few enough that batch 16's caches fit.
+fn step_layers(batch: usize) -> usize {
+    if batch == 1 {
+        8
+    } else {
+        4
+    }
+}
+
+/// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
+/// the statistics pooled from it.
 fn layer(
     gpu: &GpuContext,
+    layers: usize,
     batch: usize,
     len: usize,
     streaming: bool,
     selection: bool,
     reuse: usize,
 ) -> lserve::Result<Layer> {
-    let g = ModelGeometry::new(1, HQ, HKV, D)?;
+    let g = ModelGeometry::new(layers, HQ, HKV, D)?;
     let pattern = if streaming {
         HeadPattern::interleaved(g, 0.5)?
     } else {
@@ -112,7 +128,9 @@ fn layer(
     cache.fill_random(gpu, 17)?;
     let ranges: Vec<_> = seqs.iter().map(|&s| (s, 0..len)).collect();
     let plan = KvWritePlan::new(&mgr, &ranges)?.upload(gpu)?;
-    pool_key_stats(gpu, &mut cache, 0, &plan)?;
+    for layer in 0..layers {
+        pool_key_stats(gpu, &mut cache, layer, &plan)?;
+    }
     let mut b = DecodeBatch::new(gpu, batch)?;
     b.set(gpu, &mgr, &seqs)?;
     let stream = gpu.stream();
@@ -203,13 +221,15 @@ impl Layer {
 }
 
 /// Captures what `launches` enqueues on the context's stream in a CUDA graph (as an engine runs
-/// a decode step) and times back-to-back replays of it between two events, as `group/id`.
+/// a decode step) and times back-to-back replays of it between two events, as `group/id`; the
+/// graph holds `layers` layers' worth of work and the time reported is per layer.
 fn bench_captured(
     c: &mut Criterion,
     gpu: &GpuContext,
     group_name: &str,
     id: BenchmarkId,
     bytes: u64,
+    layers: usize,
     launches: impl FnOnce(),
 ) {
     let stream = gpu.stream().clone();
@@ -228,7 +248,7 @@ fn bench_captured(
         .measurement_time(Duration::from_millis(800));
     group.throughput(Throughput::Bytes(bytes));
     group.bench_function(id, |b| {
-        b.iter_custom(|iters| timed(gpu, iters, || graph.launch().expect("replay")))
+        b.iter_custom(|iters| timed(gpu, iters, || graph.launch().expect("replay")) / layers as u32)
     });
     group.finish();
 }
@@ -281,8 +301,22 @@ fn decode(c: &mut Criterion) {
                 if !selected(&case(group_name, name)) {
                     continue;
                 }
+                let layers = if group_name == "step" {
+                    step_layers(batch)
+                } else {
+                    1
+                };
                 // The step's token is in the cache: `context + 1` tokens.
-                let mut l = match layer(&gpu, batch, context + 1, streaming, selection, reuse) {
+                let made = layer(
+                    &gpu,
+                    layers,
+                    batch,
+                    context + 1,
+                    streaming,
+                    selection,
+                    reuse,
+                );
+                let mut l = match made {
                     Ok(l) => l,
                     Err(e) => {
                         println!("{group_name}/{name} b{batch}/{context}: skipped ({e})");
@@ -291,7 +325,7 @@ fn decode(c: &mut Criterion) {
                 };
                 let bytes = l.step_bytes(run_select, run_attend);
                 // One decode step (or selector run), as an engine runs it.
-                bench_captured(c, &gpu, group_name, id(name), bytes, || {
+                bench_captured(c, &gpu, group_name, id(name), bytes, layers, || {
                     let Layer {
                         cache,
                         batch,
@@ -301,11 +335,14 @@ fn decode(c: &mut Criterion) {
                         out,
                         ..
                     } = &mut l;
-                    if run_select {
-                        select_pages(&gpu, cache, 0, batch, q, selection).expect("select");
-                    }
-                    if run_attend {
-                        decode_attention(&gpu, cache, 0, batch, q, out, attention).expect("attend");
+                    for layer in 0..layers {
+                        if run_select {
+                            select_pages(&gpu, cache, layer, batch, q, selection).expect("select");
+                        }
+                        if run_attend {
+                            decode_attention(&gpu, cache, layer, batch, q, out, attention)
+                                .expect("attend");
+                        }
                     }
                     if run_select {
                         advance_decode_steps(&gpu, cache, batch).expect("advance");
@@ -324,10 +361,10 @@ fn decode(c: &mut Criterion) {
             // of a logical page, so the update reads and writes the statistics, as 15 of 16
             // steps do with logical pages of 16).
             if selected(&case("kv", "append")) {
-                match layer(&gpu, batch, context, false, true, 4) {
+                match layer(&gpu, 1, batch, context, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.append_bytes();
-                        bench_captured(c, &gpu, "kv", id("append"), bytes, || {
+                        bench_captured(c, &gpu, "kv", id("append"), bytes, 1, || {
                             let Layer {
                                 cache, batch, k, v, ..
                             } = &mut l;
@@ -341,10 +378,10 @@ fn decode(c: &mut Criterion) {
             // Statistics pooling over the whole context (prefill's pooling of a prompt, or a
             // rebuild): it recomputes `kmin`/`kmax` from the K rows, so replays are state-free.
             if batch == 1 && selected(&case("kv", "pool")) {
-                match layer(&gpu, batch, context, false, true, 4) {
+                match layer(&gpu, 1, batch, context, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.pool_bytes();
-                        bench_captured(c, &gpu, "kv", id("pool"), bytes, || {
+                        bench_captured(c, &gpu, "kv", id("pool"), bytes, 1, || {
                             let Layer { cache, plan, .. } = &mut l;
                             pool_key_stats(&gpu, cache, 0, plan).expect("pool");
                         });

@@ -26,3 +26,45 @@ pub unsafe fn sync_warp() {
     // SAFETY: the caller guarantees all lanes arrive.
     unsafe { asm!("bar.warp.sync -1;", options(nostack)) };
 }
+
+/// Waits until the kernels this one was launched to overlap (programmatic dependent launch, the
+/// host's `OverlappedLaunch`) have completed and their memory writes are visible
+/// (`griddepcontrol.wait`, CUDA's `cudaGridDependencySynchronize()`). A no-op for a kernel
+/// launched normally. Every kernel the host launches overlapped calls it before its first
+/// memory access.
+///
+/// # Safety
+/// None beyond being device code on sm_90 or later; `unsafe` like the other barriers.
+#[inline(always)]
+pub unsafe fn grid_dependency_wait() {
+    // SAFETY: no operands. No `nomem`: memory accesses must not move above it.
+    unsafe { asm!("griddepcontrol.wait;", options(nostack)) };
+}
+
+/// Lets the kernel launched after this one (overlapped) start its blocks once every block of
+/// this kernel has executed this or exited (`griddepcontrol.launch_dependents`). Its blocks
+/// still wait for this kernel's completion before touching memory ([`grid_dependency_wait`]).
+///
+/// # Safety
+/// As [`grid_dependency_wait`].
+#[inline(always)]
+pub unsafe fn launch_dependents() {
+    // SAFETY: no operands; a scheduling hint with no memory effect.
+    unsafe { asm!("griddepcontrol.launch_dependents;", options(nostack)) };
+}
+
+/// The entry of a kernel launched overlapped with the previous one: waits for it
+/// ([`grid_dependency_wait`]), then lets the next kernel start launching
+/// ([`launch_dependents`]): a chain of step kernels thus overlaps each launch with the end of the
+/// kernel before, and no kernel's blocks start work before their inputs are complete.
+///
+/// # Safety
+/// As [`grid_dependency_wait`]; called first thing in the kernel.
+#[inline(always)]
+pub unsafe fn overlapped_entry() {
+    // SAFETY: forwarded.
+    unsafe {
+        grid_dependency_wait();
+        launch_dependents();
+    }
+}

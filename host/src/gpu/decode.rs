@@ -1,14 +1,14 @@
 //! Paged sparse decode attention on the device: one launch for every (sequence, KV head) pair of
 //! a layer, then a combine of the splits (`kernels-gpu/src/decode`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use lserve_abi::decode::{
     combine_smem_bytes, decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS,
     DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::launch::ByValue;
+use super::launch::{ByValue, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
@@ -125,15 +125,24 @@ pub fn decode_attention<E: DeviceElement>(
     }
     let l = cache.layer(layer)?;
     let cfg_min_len = cache.dynamic_min_len;
-    // The most rows any pair of the batch visits: a dense head's whole sequence below
-    // `dynamic_min_len`, at most a full index table above it.
-    let max_len = batch.host_lens.iter().copied().max().unwrap_or(1);
-    let max_rows = if max_len <= cfg_min_len {
-        max_len
-    } else {
-        max_len.min(cache.entry_capacity * l.paged.page_tokens)
-    }
-    .max(l.streaming.rows());
+    // The most rows any pair of the batch visits: a dense head's whole sequence up to
+    // `dynamic_min_len`, at most a selection's pages above it (the K selected, the first, and the
+    // newest at selection time and now: the index table's content, whatever its capacity).
+    let page_tokens = l.paged.page_tokens;
+    let selected_rows = (cache.config.pages_per_selection() as u32 + 3) * page_tokens;
+    let max_rows = batch
+        .host_lens
+        .iter()
+        .map(|&len| {
+            if len <= cfg_min_len {
+                len
+            } else {
+                len.min(selected_rows)
+            }
+        })
+        .max()
+        .unwrap_or(1)
+        .max(l.streaming.rows());
     let dense_heads = l.paged.heads as usize;
     let heavy_pairs = b * if dense_heads > 0 { dense_heads } else { hkv };
     let splits = choose_splits(gpu.sm_count(), heavy_pairs as u32, max_rows, ws.max_splits);
@@ -158,28 +167,29 @@ pub fn decode_attention<E: DeviceElement>(
         shared_mem_bytes: smem,
     };
     let stream = gpu.stream();
-    let mut launch = stream.launch_builder(&f);
+    let mut launch = OverlappedLaunch::new(stream, &f);
     launch
-        .arg(&params)
-        .arg(q)
-        .arg(&l.k_pool)
-        .arg(&l.v_pool)
-        .arg(&l.k_stream)
-        .arg(&l.v_stream)
-        .arg(&cache.block_tables)
-        .arg(&l.index_pages)
-        .arg(&l.index_lens)
-        .arg(&batch.seq_len)
-        .arg(&batch.seq_slot)
-        .arg(&l.head_map)
-        .arg(&mut ws.part_acc)
-        .arg(&mut ws.part_ml);
+        .value(&params)
+        .buf(q)
+        .buf(&l.k_pool)
+        .buf(&l.v_pool)
+        .buf(&l.k_stream)
+        .buf(&l.v_stream)
+        .buf(&cache.block_tables)
+        .buf(&l.index_pages)
+        .buf(&l.index_lens)
+        .buf(&batch.seq_len)
+        .buf(&batch.seq_slot)
+        .buf(&l.head_map)
+        .buf_mut(&mut ws.part_acc)
+        .buf_mut(&mut ws.part_ml);
     // SAFETY: the argument list matches the kernel's signature (kernels-gpu/src/decode/mod.rs):
     // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with
     // `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay inside the
     // workspace; the cache's buffers have the layouts in `params` (built from them), `batch`
     // holds slots and lengths checked against this cache (`check_batch`), and the tables hold
     // page ids below the pool's capacity (the manager and the selection kernels write only those).
+    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
     unsafe { launch.launch(cfg) }?;
 
     let combine = ByValue(CombineParams {
@@ -198,15 +208,16 @@ pub fn decode_attention<E: DeviceElement>(
         block_dim: (COMBINE_THREADS, 1, 1),
         shared_mem_bytes: combine_smem_bytes(),
     };
-    let mut launch = stream.launch_builder(&f);
+    let mut launch = OverlappedLaunch::new(stream, &f);
     launch
-        .arg(&combine)
-        .arg(&ws.part_acc)
-        .arg(&ws.part_ml)
-        .arg(out);
+        .value(&combine)
+        .buf(&ws.part_acc)
+        .buf(&ws.part_ml)
+        .buf_mut(out);
     // SAFETY: matches `decode_combine_*(CombineParams, *const f32, *const f32, *mut u16)`; the
     // partial states were written for this batch and split count just above, on this stream;
     // `out` holds at least `B * Hq * D` elements (checked).
+    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

@@ -49,7 +49,7 @@ use lserve_abi::kv_write::{
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{ByValue, LaunchParams};
+use super::launch::{ByValue, LaunchParams, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::paging::{KvCacheManager, SeqId};
@@ -157,26 +157,27 @@ pub fn append_kv<E: DeviceElement>(
         block_dim: (KV_WRITE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.stream().launch_builder(&f);
+    let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
     launch
-        .arg(&params)
-        .arg(k)
-        .arg(v)
-        .arg(&mut l.k_pool)
-        .arg(&mut l.v_pool)
-        .arg(&mut l.kmin)
-        .arg(&mut l.kmax)
-        .arg(&mut l.k_stream)
-        .arg(&mut l.v_stream)
-        .arg(tables)
-        .arg(&l.head_map)
-        .arg(&batch.seq_slot)
-        .arg(&batch.seq_len);
+        .value(&params)
+        .buf(k)
+        .buf(v)
+        .buf_mut(&mut l.k_pool)
+        .buf_mut(&mut l.v_pool)
+        .buf_mut(&mut l.kmin)
+        .buf_mut(&mut l.kmax)
+        .buf_mut(&mut l.k_stream)
+        .buf_mut(&mut l.v_stream)
+        .buf(tables)
+        .buf(&l.head_map)
+        .buf(&batch.seq_slot)
+        .buf(&batch.seq_len);
     // SAFETY: the arguments match `append_kv_*` (kernels-gpu/src/kv_write/mod.rs) in order and
     // type. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
     // elements (checked), the cache buffers have the layouts in `params` (taken from them), the
     // batch holds distinct live slots of lengths in `1..=max_pages * N_P` (checked; the manager
     // set them), and the block tables hold page ids below the capacity (the manager's).
+    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

@@ -1,6 +1,14 @@
-//! Passing `lserve-abi` parameter structs to kernels by value.
+//! Kernel launches: `lserve-abi` parameter structs passed by value, and launches that overlap
+//! the previous kernel's end ([`OverlappedLaunch`]).
 
-use cudarc::driver::DeviceRepr;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use cudarc::driver::{
+    sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+};
+
+use crate::Result;
 
 /// A launch-parameter struct from `lserve-abi`, passed to a kernel by value.
 ///
@@ -20,3 +28,114 @@ impl LaunchParams for lserve_abi::decode::CombineParams {}
 // SAFETY: `ByValue<T>` is `repr(transparent)` over a `#[repr(C)]` plain-data struct shared with
 // the kernel crate (see `LaunchParams`); its bytes are exactly what the kernel reads.
 unsafe impl<T: LaunchParams> DeviceRepr for ByValue<T> {}
+
+/// A kernel launch that may overlap the end of the previous kernel on the stream (Hopper's
+/// *programmatic dependent launch*): the launch carries
+/// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, so the driver may start its blocks
+/// once every block of the previous kernel has signalled (`griddepcontrol.launch_dependents`) or
+/// exited, instead of after that kernel's completion. The kernel's blocks then wait
+/// (`griddepcontrol.wait`, [`kernels-gpu` `sync::grid_dependency_wait`]) until the previous
+/// kernel has completed and its writes are visible before they touch memory; what overlaps is
+/// the launch itself (block scheduling, parameter loads), which is most of a small kernel's cost.
+/// The decode step's kernels are launched this way; the ordering is the stream's, as before.
+///
+/// The builder mirrors cudarc's `LaunchArgs`: arguments in kernel-signature order, then
+/// [`launch`](Self::launch).
+pub(crate) struct OverlappedLaunch<'a> {
+    stream: &'a CudaStream,
+    func: &'a CudaFunction,
+    args: Vec<Arg<'a>>,
+}
+
+/// One kernel argument: a device pointer (held here, so the parameter array can point at it) or
+/// a borrowed value.
+enum Arg<'a> {
+    Pointer(sys::CUdeviceptr),
+    Value(*const c_void, PhantomData<&'a ()>),
+}
+
+impl<'a> OverlappedLaunch<'a> {
+    /// A launch of `func` on `stream`.
+    pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction) -> Self {
+        Self {
+            stream,
+            func,
+            args: Vec::with_capacity(16),
+        }
+    }
+
+    /// Appends a buffer argument (the kernel reads or writes through it).
+    pub(crate) fn buf<T>(&mut self, slice: &'a CudaSlice<T>) -> &mut Self {
+        // Event tracking is off on lserve's context (`GpuContext::new`): the guard records
+        // nothing, and the stream orders every use of the buffer.
+        let (ptr, _guard) = slice.device_ptr(self.stream);
+        self.args.push(Arg::Pointer(ptr));
+        self
+    }
+
+    /// Appends a buffer argument the kernel writes through.
+    pub(crate) fn buf_mut<T>(&mut self, slice: &'a mut CudaSlice<T>) -> &mut Self {
+        let (ptr, _guard) = slice.device_ptr_mut(self.stream);
+        self.args.push(Arg::Pointer(ptr));
+        self
+    }
+
+    /// Appends a by-value argument (a parameter struct or a scalar).
+    pub(crate) fn value<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args
+            .push(Arg::Value(value as *const T as *const c_void, PhantomData));
+        self
+    }
+
+    /// Enqueues the launch.
+    ///
+    /// # Safety
+    /// As cudarc's `LaunchArgs::launch`: the arguments match the kernel's signature in order and
+    /// type, and the grid and the buffers satisfy the kernel's contract. The kernel waits for
+    /// the previous kernel on the stream (`grid_dependency_wait`) before its first memory access
+    /// that could depend on it.
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<()> {
+        // Pointers into `self.args` (not moved or resized from here to the call, which copies
+        // the parameters).
+        let mut params: Vec<*mut c_void> = self
+            .args
+            .iter()
+            .map(|a| match a {
+                Arg::Pointer(p) => p as *const sys::CUdeviceptr as *mut c_void,
+                Arg::Value(v, _) => *v as *mut c_void,
+            })
+            .collect();
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: `config` and `attr` live across the call; `params` holds one pointer per kernel
+        // parameter, each to memory alive for the call (the caller's values, this builder's
+        // pointers); the caller guarantees the signature and the kernel's contract.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()?
+        };
+        Ok(())
+    }
+}

@@ -44,14 +44,14 @@
 //! # Ok::<(), lserve::LserveError>(())
 //! ```
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use lserve_abi::select::{
     SelectParams, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS, SELECT_SMEM_BYTES, SELECT_THREADS,
     STEP_THREADS,
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{ByValue, LaunchParams};
+use super::launch::{ByValue, LaunchParams, OverlappedLaunch};
 use super::GpuContext;
 use crate::config::GqaAggregation;
 use crate::dtype::DType;
@@ -134,12 +134,15 @@ fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<Stri
 }
 
 /// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
-/// (`pages` physical pages; `row_groups` per block), but no more than about eight blocks per SM
-/// over all `pairs` — past that the row groups loop (the kernel's grid-stride loop covers any
-/// grid, so this only sizes the work, never decides what is scored).
+/// (`pages` physical pages; `row_groups` per block), but no more than two blocks per SM over all
+/// `pairs` (one wave: 2 blocks of the G 4 kernel fit an SM; rounded down, so a launch is never a
+/// wave and a small tail) — past that the row groups
+/// loop (the kernel's grid-stride loop covers any grid, so this only sizes the work, never
+/// decides what is scored). More blocks would only queue: on a step where no pair is due every
+/// block launches just to exit (kernels-gpu/src/select/NOTES.md has the measurements).
 fn score_blocks_per_pair(sm_count: u32, pairs: u32, pages: u32, row_groups: u32) -> u32 {
     let cover = pages.div_ceil(row_groups.max(1)).max(1);
-    let fill = (8 * sm_count.max(1)).div_ceil(pairs.max(1)).max(1);
+    let fill = ((2 * sm_count.max(1)) / pairs.max(1)).max(1);
     cover.min(fill)
 }
 
@@ -259,25 +262,26 @@ pub fn score_pages<E: DeviceElement>(
         shared_mem_bytes: 0,
     };
     let stream = gpu.stream();
-    let mut launch = stream.launch_builder(&f);
+    let mut launch = OverlappedLaunch::new(stream, &f);
     launch
-        .arg(&params)
-        .arg(q)
-        .arg(&l.kmin)
-        .arg(&l.kmax)
-        .arg(&cache.block_tables)
-        .arg(&batch.seq_len)
-        .arg(&batch.seq_slot)
-        .arg(&l.head_map)
-        .arg(&cache.decode_steps)
-        .arg(&l.held_lens)
-        .arg(&mut ws.scores);
+        .value(&params)
+        .buf(q)
+        .buf(&l.kmin)
+        .buf(&l.kmax)
+        .buf(&cache.block_tables)
+        .buf(&batch.seq_len)
+        .buf(&batch.seq_slot)
+        .buf(&l.head_map)
+        .buf(&cache.decode_steps)
+        .buf(&l.held_lens)
+        .buf_mut(&mut ws.scores);
     // SAFETY: the arguments match `score_pages_*` (kernels-gpu/src/select/mod.rs): the params by
     // value, then the buffers in order. Grid `(blocks, B * Hd)` with `SCORE_THREADS` threads as
     // the kernel requires; `q` holds `B * Hq * D` elements (checked); the statistics have the
     // layout in `params.paged` (built from this layer); the batch's slots and lengths are live
     // (validated by `DecodeBatch::set`) and their block tables hold pool page ids; the
     // workspace holds `B * Hd * max_pages` scores (checked).
+    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
@@ -308,24 +312,25 @@ pub fn select_top_k<E: DeviceElement>(
         shared_mem_bytes: SELECT_SMEM_BYTES,
     };
     let (l, block_tables, decode_steps) = cache.layer_mut_tables_steps(layer)?;
-    let mut launch = gpu.stream().launch_builder(&f);
+    let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
     launch
-        .arg(&params)
-        .arg(&ws.scores)
-        .arg(block_tables)
-        .arg(&batch.seq_len)
-        .arg(&batch.seq_slot)
-        .arg(decode_steps)
-        .arg(&mut l.held_pages)
-        .arg(&mut l.held_lens)
-        .arg(&mut l.index_pages)
-        .arg(&mut l.index_lens);
+        .value(&params)
+        .buf(&ws.scores)
+        .buf(block_tables)
+        .buf(&batch.seq_len)
+        .buf(&batch.seq_slot)
+        .buf(decode_steps)
+        .buf_mut(&mut l.held_pages)
+        .buf_mut(&mut l.held_lens)
+        .buf_mut(&mut l.index_pages)
+        .buf_mut(&mut l.index_lens);
     // SAFETY: the arguments match `select_pages` (kernels-gpu/src/select/mod.rs). Grid `B * Hd`,
     // `SELECT_THREADS` threads, `SELECT_SMEM_BYTES` of shared memory as the kernel requires; the
     // capacities were checked (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3,
     // max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair owns its
     // held state and index entry; the workspace rows were written by the scorer for the due
     // pairs of this batch (the only rows the selector reads).
+    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
@@ -360,14 +365,15 @@ pub fn advance_decode_steps<E: DeviceElement>(
         shared_mem_bytes: 0,
     };
     let n = b as u32;
-    let mut launch = gpu.stream().launch_builder(&f);
+    let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
     launch
-        .arg(&n)
-        .arg(&batch.seq_slot)
-        .arg(&mut cache.decode_steps);
+        .value(&n)
+        .buf(&batch.seq_slot)
+        .buf_mut(&mut cache.decode_steps);
     // SAFETY: matches `advance_decode_steps(u32, *const u32, *mut u32)`; the grid covers `b`
     // threads; the batch's slots are distinct live slots below the cache's slot count
     // (`DecodeBatch::set`), each with one counter.
+    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
@@ -498,11 +504,11 @@ mod tests {
     #[test]
     fn scorer_grid_covers_short_sequences_and_caps_long_batches() {
         // 132 SMs, D = 128 (16 row groups): 256K tokens at 64-token pages, one layer's 4 pairs.
-        assert_eq!(score_blocks_per_pair(132, 4, 4096, 16), 256);
+        assert_eq!(score_blocks_per_pair(132, 4, 4096, 16), 66);
         // Few pages: one block covers them.
         assert_eq!(score_blocks_per_pair(132, 4, 10, 16), 1);
-        // Many pairs: about 8 blocks per SM in all.
-        assert_eq!(score_blocks_per_pair(132, 64, 4096, 16), 17);
+        // Many pairs: at most 2 blocks per SM in all (batch 16: 4 x 64 = 256 blocks, one wave).
+        assert_eq!(score_blocks_per_pair(132, 64, 4096, 16), 4);
         // Never zero.
         assert_eq!(score_blocks_per_pair(0, 0, 0, 0), 1);
     }

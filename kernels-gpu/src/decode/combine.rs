@@ -5,20 +5,22 @@
 //! spread over the threads for `M` and the weights (block reductions), so no thread walks them
 //! one dependent load at a time. For the sums the block is cut into *slices* of `D / 4` threads,
 //! each thread owning 4 consecutive dimensions (one 16-byte load per split): slice `k` sums splits
-//! `k, k + slices, ...` with four loads in flight, and the slices meet in shared memory. A
-//! thread thus waits for `splits / (4 · slices)` rounds of loads (64 splits at D 128: 4), not
+//! `k, k + slices, ...` with eight loads in flight, and the slices meet in shared memory. A
+//! thread thus waits for `splits / (8 · slices)` rounds of loads (64 splits at D 128: 2), not
 //! `splits / 4`.
 
 use lserve_abi::decode::{CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
 use crate::convert::{Bf16, Half16, F16};
-use crate::math::{exp2, fma};
+use crate::math::{exp2, fma, Vec16};
 use crate::smem::dynamic_smem;
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, lane, thread_in_block, warp_in_block, WARP_SIZE};
 use crate::warp::{warp_max_f32, warp_sum_f32};
 
 const WARPS: u32 = COMBINE_THREADS / WARP_SIZE;
+/// Split states each thread loads at once when summing.
+const IN_FLIGHT: u32 = 8;
 
 /// Reduces `x` over the block with `warp_op` inside warps and `op` across them, through
 /// `scratch` (`WARPS` words of shared memory); every thread gets the result.
@@ -116,21 +118,21 @@ unsafe fn combine<E: Half16>(
         // buffer is, and `head_dim` is a multiple of 4); the weight was written before the last
         // barrier of `block_reduce`.
         unsafe {
-            let v = *(part_acc.add(state(s) * d_stride + dims) as *const [f32; 4]);
-            (v, *weights.add(s as usize))
+            let v = *(part_acc.add(state(s) * d_stride + dims) as *const Vec16);
+            (v.0.map(f32::from_bits), *weights.add(s as usize))
         }
     };
     let mut num = [0.0f32; 4];
     let mut s = slice;
-    while s + 3 * slices < p.splits {
-        let parts = [
-            load(s),
-            load(s + slices),
-            load(s + 2 * slices),
-            load(s + 3 * slices),
-        ];
+    while s + (IN_FLIGHT - 1) * slices < p.splits {
+        let mut parts = [([0.0f32; 4], 0.0f32); IN_FLIGHT as usize];
         let mut k = 0;
-        while k < 4 {
+        while k < IN_FLIGHT as usize {
+            parts[k] = load(s + k as u32 * slices);
+            k += 1;
+        }
+        let mut k = 0;
+        while k < IN_FLIGHT as usize {
             let (v, w) = parts[k];
             let mut i = 0;
             while i < 4 {
@@ -139,7 +141,7 @@ unsafe fn combine<E: Half16>(
             }
             k += 1;
         }
-        s += 4 * slices;
+        s += IN_FLIGHT * slices;
     }
     while s < p.splits {
         let (v, w) = load(s);
@@ -182,6 +184,8 @@ pub unsafe extern "gpu-kernel" fn decode_combine_bf16(
     part_ml: *const f32,
     out: *mut u16,
 ) {
+    // SAFETY: first thing in the kernel; the host launches it overlapped.
+    unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
     unsafe { combine::<Bf16>(&p, part_acc, part_ml, out) }
 }
@@ -197,6 +201,8 @@ pub unsafe extern "gpu-kernel" fn decode_combine_f16(
     part_ml: *const f32,
     out: *mut u16,
 ) {
+    // SAFETY: first thing in the kernel; the host launches it overlapped.
+    unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
     unsafe { combine::<F16>(&p, part_acc, part_ml, out) }
 }

@@ -301,6 +301,8 @@ macro_rules! decode_kernels {
             part_acc: *mut f32,
             part_ml: *mut f32,
         ) {
+            // SAFETY: first thing in the kernel; the host launches it overlapped.
+            unsafe { crate::sync::overlapped_entry() };
             let bufs = CacheBuffers { k_pool, v_pool, k_stream, v_stream, block_tables, index_tables, index_lens };
             // SAFETY: forwarded launch contract.
             unsafe {

@@ -53,6 +53,8 @@ macro_rules! kv_write_kernels {
             seq_slot: *const u32,
             seq_len: *const u32,
         ) {
+            // SAFETY: first thing in the kernel; the host launches it overlapped.
+            unsafe { crate::sync::overlapped_entry() };
             let bufs = CacheBuffers {
                 k_pool,
                 v_pool,

@@ -46,6 +46,8 @@ macro_rules! score_kernels {
             held_lens: *const u32,
             scores: *mut f32,
         ) {
+            // SAFETY: first thing in the kernel; the host launches it overlapped.
+            unsafe { crate::sync::overlapped_entry() };
             let bufs = ScoreBuffers {
                 q, kmin, kmax, block_tables, seq_len, seq_slot, head_map, decode_steps, held_lens,
                 scores,
@@ -93,6 +95,8 @@ pub unsafe extern "gpu-kernel" fn select_pages(
     index_pages: *mut u32,
     index_lens: *mut u32,
 ) {
+    // SAFETY: first thing in the kernel; the host launches it overlapped.
+    unsafe { crate::sync::overlapped_entry() };
     let bufs = SelectBuffers {
         scores,
         block_tables,
@@ -118,6 +122,8 @@ pub unsafe extern "gpu-kernel" fn advance_decode_steps(
     seq_slot: *const u32,
     decode_steps: *mut u32,
 ) {
+    // SAFETY: first thing in the kernel; the host launches it overlapped.
+    unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
     unsafe { steps::advance_decode_steps(batch, seq_slot, decode_steps) }
 }
