@@ -2,7 +2,8 @@
 //! tensors: a drop-in attention for engines that manage their own KV.
 //!
 //! Plan / run split (as FlashInfer): [`PrefillPlan::new`] validates a batch's shapes on the host
-//! and uploads its schedule — one work item per (sequence, query block), the per-KV-head kinds
+//! and uploads its schedule — one work item per (sequence, query tile of two query blocks), the
+//! per-KV-head kinds
 //! and the optional caller block masks — once; [`PrefillPlan::run`] launches on any `q`, `k`,
 //! `v`, `out` of that shape without allocating. [`prefill_attention`] does both.
 //!
@@ -15,7 +16,8 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
-    prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_Q, PREFILL_THREADS,
+    mask_words_per_row, prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_Q,
+    PREFILL_THREADS, TILE_Q_BLOCKS,
 };
 
 use super::cache::{DeviceElement, DeviceKvCache};
@@ -176,8 +178,8 @@ impl PrefillArgs<'_> {
         Ok(tokens)
     }
 
-    /// The work items (heaviest query blocks first: causal work grows with the block index) and
-    /// the concatenated mask words.
+    /// The work items, one per query tile ([`TILE_Q_BLOCKS`] query blocks; heaviest first:
+    /// causal work grows with the block index) and the concatenated mask words.
     fn schedule(&self) -> Result<(Vec<u32>, Vec<u32>)> {
         let mut items = Vec::new();
         let mut mask_words = Vec::new();
@@ -193,8 +195,10 @@ impl PrefillArgs<'_> {
                 }
                 None => (0, 0),
             };
-            let words_per_row = blocks.div_ceil(32);
-            for q_block in 0..blocks {
+            // The kernel finds the next query block's row `mask_words_per_row` words on.
+            let words_per_row = mask_words_per_row(len as u32) as usize;
+            debug_assert_eq!(words_per_row, blocks.div_ceil(32));
+            for q_block in (0..blocks).step_by(TILE_Q_BLOCKS as usize) {
                 items.push(PrefillWorkItem {
                     seq_start: start as u32,
                     seq_len: len as u32,
@@ -275,7 +279,7 @@ impl PrefillPlan {
         self.tokens
     }
 
-    /// Work items (grid `x`): query blocks over all sequences.
+    /// Work items (grid `x`): query tiles (pairs of query blocks) over all sequences.
     pub fn items(&self) -> usize {
         self.params.items as usize
     }
@@ -325,8 +329,9 @@ impl PrefillPlan {
         // inside `T` tokens, which the tensors hold exactly (checked above, `CudaSlice`s are
         // 256-byte aligned, rows of `D` elements are 16-byte multiples); `head_map` has
         // `kv_heads` entries and `group = q_heads / kv_heads`; with a mask, every row offset
-        // plus `q_block / 32 + 1` words lies inside the uploaded mask words (each sequence's
-        // mask was shape-checked). The grid is `(items, q_heads)`, the block and shared memory
+        // and of the tile's second query block (when it exists: `mask_words_per_row(len)` words
+        // on) plus that many words lies inside the uploaded mask words (each sequence's mask
+        // was shape-checked: `[q_heads][q_blocks][words_per_row]`). The grid is `(items, q_heads)`, the block and shared memory
         // are what the kernel is written for.
         unsafe { launch.launch(cfg) }?;
         Ok(())

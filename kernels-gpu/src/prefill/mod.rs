@@ -1,21 +1,24 @@
 //! Block-sparse prefill attention (FlashAttention-2 forward on `mma.sync` tensor cores), one
 //! launch for dense and streaming heads.
 //!
-//! Grid `(items, q_heads)`, [`PREFILL_THREADS`] threads (4 warps). Block `(x, h)` computes query
-//! block `items[x].q_block` of sequence `items[x]` for query head `h` (GQA: KV head `h / G`):
+//! Grid `(items, q_heads)`, [`PREFILL_THREADS`] threads (4 warps). Block `(x, h)` computes the
+//! query tile of `items[x]` — query blocks `q_block` and `q_block + 1` of its sequence,
+//! [`TILE_Q`] rows — for query head `h` (GQA: KV head `h / G`). Warps 0-1 own the first query
+//! block, warps 2-3 the second, 32 rows ([`tiles::ROW_TILES`] `mma` row tiles) each:
 //!
-//! 1. the 64 query rows go to shared memory, then each warp's 16 rows into `Q` fragments;
-//! 2. the KV blocks to visit come from [`block_iter::KvBlocks`] (the head's pattern — causal or
-//!    Λ — intersected with the optional caller block mask, the diagonal kept); K/V tiles stream
-//!    through a [`PREFILL_STAGES`]-stage `cp.async` ring, a second walk of the same iterator
-//!    running ahead to issue the loads;
-//! 3. per block: `S = Q Kᵀ` ([`scores`]), element masks where the block is partially visible
-//!    ([`mask`]), online softmax in registers ([`softmax`]), `O += P V` with `P` taken straight
-//!    from `S`'s registers ([`accumulate_pv`]);
+//! 1. the query rows go to shared memory (each warp re-reads its `Q` fragments per KV block);
+//! 2. the KV blocks to visit come from [`block_iter::TileBlocks`] (per query block the head's
+//!    pattern — causal or Λ — intersected with the optional caller block mask, the diagonal
+//!    kept; the tile visits the union); K/V tiles stream through a [`PREFILL_STAGES`]-stage
+//!    `cp.async` ring, a second walk of the same iterator running ahead to issue the loads;
+//! 3. per block, in the warps whose query block visits it: `S = Q Kᵀ` ([`scores`]), element
+//!    masks where the block is partially visible ([`mask`]), online softmax in registers
+//!    ([`softmax`]), `O += P V` with `P` taken straight from `S`'s registers
+//!    ([`accumulate_pv`]);
 //! 4. `O / l` is written as the output element type.
 //!
 //! The loop body is the same for every head and block: what differs is only which blocks the
-//! iterator yields and whether the block needs element masks.
+//! iterator yields, which warps skip one, and whether the block needs element masks.
 
 /// Like [`crate::unroll8!`], for constant bounds up to 16 (the `O` accumulators at `D = 128`):
 /// the body is repeated in the source, so register arrays it indexes stay in registers.
@@ -41,71 +44,110 @@ pub mod tiles;
 
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
-    PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, PREFILL_STAGES, PREFILL_THREADS,
+    mask_words_per_row, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, PREFILL_STAGES,
+    PREFILL_THREADS, TILE_Q, TILE_Q_BLOCKS,
 };
 
 use crate::convert::{Bf16, F16};
 use crate::cp_async::{commit_group, wait_all, wait_group};
-use crate::mma::{mma_m16n8k16, FragA, FragC, MmaElement};
+use crate::mma::{mma_m16n8k16, FragC, MmaElement};
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block};
-use block_iter::{KvBlocks, Window};
+use block_iter::{TileBlocks, TileMask, Window};
 use softmax::RowSoftmax;
 use tiles::{
-    load_k_fragments, load_q_fragments, load_tile_async, load_v_fragments, p_fragment, SmemLayout,
-    Tile, MAX_O_TILES, MAX_Q_STEPS, S_TILES,
+    load_k_fragments, load_q_fragment, load_tile_async, load_v_fragments, p_fragment, SmemLayout,
+    Tile, MAX_O_TILES, ROW_TILES, S_TILES, WARP_ROWS,
 };
 
-const _: () = assert!(BLOCK_Q == 16 * (PREFILL_THREADS / 32) && BLOCK_KV == tiles::TILE_ROWS);
+const _: () = assert!(
+    TILE_Q == WARP_ROWS * (PREFILL_THREADS / 32)
+        && TILE_Q_BLOCKS == 2
+        && BLOCK_Q == 2 * WARP_ROWS
+        && BLOCK_KV == tiles::TILE_ROWS
+        && PREFILL_STAGES == 2
+);
 
-/// `S = Q Kᵀ` for this warp's 16 rows and the 64 keys of the K tile at `k_tile`.
+/// `S` of a warp: per row tile, 8 accumulators of 8 keys.
+type Scores = [[FragC; S_TILES]; ROW_TILES];
+/// `O` of a warp: per row tile, `D / 8` accumulators of 8 dims.
+type Output = [[FragC; MAX_O_TILES]; ROW_TILES];
+
+/// `S = Q Kᵀ` for this warp's 32 rows (query-tile rows at shared address `q_rows`) and the 64
+/// keys of the K tile at `k_tile`. Each K fragment feeds both row tiles.
 ///
 /// # Safety
-/// The whole warp calls it after the barrier that follows the tile's arrival.
+/// The whole warp calls it after the barrier that follows the tiles' arrival.
 #[inline(always)]
-unsafe fn scores<E: MmaElement, const D: usize>(
-    q: &[FragA<E>; MAX_Q_STEPS],
-    k_tile: u32,
-    lane: u32,
-) -> [FragC; S_TILES] {
-    let mut s = [FragC::default(); S_TILES];
+unsafe fn scores<E: MmaElement, const D: usize>(q_rows: u32, k_tile: u32, lane: u32) -> Scores {
+    let mut s = [[FragC::default(); S_TILES]; ROW_TILES];
     crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+        // SAFETY: forwarded.
+        let q = unsafe {
+            [
+                load_q_fragment::<E, D>(q_rows, 0, kk as u32, lane),
+                load_q_fragment::<E, D>(q_rows, 1, kk as u32, lane),
+            ]
+        };
         crate::unroll8!(pair in 0..S_TILES / 2 => {
             // SAFETY: forwarded.
             let b = unsafe { load_k_fragments::<E, D>(k_tile, pair as u32, kk as u32, lane) };
-            // SAFETY: the whole warp executes the products.
-            unsafe {
-                s[2 * pair] = mma_m16n8k16(&q[kk], &b[0], &s[2 * pair]);
-                s[2 * pair + 1] = mma_m16n8k16(&q[kk], &b[1], &s[2 * pair + 1]);
-            }
+            crate::unroll8!(m in 0..ROW_TILES => {
+                // SAFETY: the whole warp executes the products.
+                unsafe {
+                    s[m][2 * pair] = mma_m16n8k16(&q[m], &b[0], &s[m][2 * pair]);
+                    s[m][2 * pair + 1] = mma_m16n8k16(&q[m], &b[1], &s[m][2 * pair + 1]);
+                }
+            });
         });
     });
     s
 }
 
-/// `O += P V` for this warp's rows, `P` the probabilities in `s`, V the tile at `v_tile`.
+/// `O += P V` for this warp's rows, `P` the probabilities in `s`, V the tile at `v_tile`. Each V
+/// fragment feeds both row tiles.
 ///
 /// # Safety
 /// As [`scores`].
 #[inline(always)]
 unsafe fn accumulate_pv<E: MmaElement, const D: usize>(
-    s: &[FragC; S_TILES],
+    s: &Scores,
     v_tile: u32,
-    o: &mut [FragC; MAX_O_TILES],
+    o: &mut Output,
     lane: u32,
 ) {
     crate::unroll8!(kk in 0..S_TILES / 2 => {
-        let p = p_fragment::<E>(&s[2 * kk], &s[2 * kk + 1]);
+        let p = [
+            p_fragment::<E>(&s[0][2 * kk], &s[0][2 * kk + 1]),
+            p_fragment::<E>(&s[1][2 * kk], &s[1][2 * kk + 1]),
+        ];
         crate::unroll8!(pair in 0..Tile::<D>::O_TILES / 2 => {
             // SAFETY: forwarded.
             let b = unsafe { load_v_fragments::<E, D>(v_tile, kk as u32, pair as u32, lane) };
-            // SAFETY: the whole warp executes the products.
-            unsafe {
-                o[2 * pair] = mma_m16n8k16(&p, &b[0], &o[2 * pair]);
-                o[2 * pair + 1] = mma_m16n8k16(&p, &b[1], &o[2 * pair + 1]);
-            }
+            crate::unroll8!(m in 0..ROW_TILES => {
+                // SAFETY: the whole warp executes the products.
+                unsafe {
+                    o[m][2 * pair] = mma_m16n8k16(&p[m], &b[0], &o[m][2 * pair]);
+                    o[m][2 * pair + 1] = mma_m16n8k16(&p[m], &b[1], &o[m][2 * pair + 1]);
+                }
+            });
         });
     });
+}
+
+/// `x`, computed where this is called: the compiler can neither hoist it nor what is derived
+/// from it out of the KV loop. Used for the K/V load addresses, which are cheap to recompute once
+/// per block but would otherwise stay live across the loop in registers it needs for the `S`
+/// and `O` accumulators (hoisted, they were spilled).
+#[inline(always)]
+fn opaque(x: usize) -> usize {
+    let y: u64;
+    // SAFETY: a register move; not `pure`, so it stays inside the loop.
+    unsafe {
+        core::arch::asm!("mov.b64 {0}, {1};", out(reg64) y, in(reg64) x as u64,
+                         options(nomem, nostack));
+    }
+    y as usize
 }
 
 /// The global tensors of a launch (`u16` = bf16 or f16 bits).
@@ -124,8 +166,8 @@ struct Tensors {
 /// `prefill_smem_bytes(D)` bytes of dynamic shared memory. `items` holds `p.items` work items of
 /// sequences inside `q [T][Hq][D]`, `k`, `v [T][Hkv][D]`, `out [T][Hq][D]` (16-byte aligned);
 /// `head_map` holds `Hkv` entries (bit [`HEAD_STREAMING`] = streaming); with `p.has_mask != 0`,
-/// `mask` holds every item's rows (`mask_row + h * mask_head_stride`, `q_block / 32 + 1` words
-/// at least).
+/// `mask` holds every item's rows (`mask_row + h * mask_head_stride`, then the next query
+/// block's row, each `mask_words_per_row(seq_len)` words).
 #[inline(always)]
 unsafe fn prefill_attention<E: MmaElement, const D: usize>(
     p: &PrefillParams,
@@ -152,44 +194,52 @@ unsafe fn prefill_attention<E: MmaElement, const D: usize>(
     } else {
         Window::CAUSAL
     };
-    let mask_row = if p.has_mask != 0 {
-        // SAFETY: inside the mask array by the host's plan.
-        unsafe { mask.add((item.mask_row + head * item.mask_head_stride) as usize) }
-    } else {
-        core::ptr::null()
-    };
     let (seq_start, seq_len) = (item.seq_start as usize, item.seq_len);
     let q_first = item.q_block * BLOCK_Q;
+    let has_second = q_first + BLOCK_Q < seq_len;
+    let tile_mask = TileMask {
+        words: if p.has_mask != 0 {
+            mask
+        } else {
+            core::ptr::null()
+        },
+        row: item.mask_row + head * item.mask_head_stride,
+        row_words: mask_words_per_row(seq_len),
+    };
     let (q_stride, kv_stride) = (p.q_heads as usize * D, p.kv_heads as usize * D);
 
-    // The query tile, first into shared memory (its own `cp.async` group).
-    let q_rows = (seq_len - q_first).min(BLOCK_Q);
+    // The query tile, into shared memory (its own `cp.async` group).
+    let q_rows = (seq_len - q_first).min(TILE_Q);
     // SAFETY: rows `q_first .. q_first + q_rows` of the sequence exist in `q`.
     unsafe {
         let src =
             t.q.add((seq_start + q_first as usize) * q_stride + head as usize * D);
-        load_tile_async::<D>(SmemLayout::<D>::q(), src, q_stride, q_rows, thread);
+        load_tile_async::<D, TILE_Q>(SmemLayout::<D>::q(), src, q_stride, q_rows, thread);
     }
     commit_group();
 
-    // Two walks over the same blocks: `loads` runs `PREFILL_STAGES - 1` ahead of `blocks`.
-    // SAFETY: the mask row holds `q_block / 32 + 1` words (host plan).
-    let mut blocks = unsafe { KvBlocks::new(window, item.q_block, mask_row) };
-    let mut loads = blocks;
+    // One walk over the blocks, one block ahead of the computation: with two stages, block
+    // `i + 1` loads while block `i` is computed.
+    // SAFETY: every mask row holds `mask_words_per_row(seq_len)` words, one per 32 KV blocks of
+    // the sequence, and both query blocks of the tile (when they exist) are below that count.
+    let mut walk = unsafe { TileBlocks::new(window, item.q_block, has_second, tile_mask) };
+    // Elements from `k` / `v` to this head's first row of the sequence.
+    let kv_offset = seq_start * kv_stride + kv_head as usize * D;
     let load_kv = |kv_block: u32, stage: u32| {
         let k_first = kv_block * BLOCK_KV;
         let rows = (seq_len - k_first).min(BLOCK_KV);
-        let offset = (seq_start + k_first as usize) * kv_stride + kv_head as usize * D;
-        // SAFETY: `kv_block <= q_block`, so its rows `0 .. rows` exist in `k` and `v`.
+        let offset = opaque(kv_offset) + k_first as usize * kv_stride;
+        // SAFETY: `kv_block <= q_block + 1`, a block of the sequence, so its rows `0 .. rows`
+        // exist in `k` and `v`.
         unsafe {
-            load_tile_async::<D>(
+            load_tile_async::<D, BLOCK_KV>(
                 SmemLayout::<D>::k(stage),
                 t.k.add(offset),
                 kv_stride,
                 rows,
                 thread,
             );
-            load_tile_async::<D>(
+            load_tile_async::<D, BLOCK_KV>(
                 SmemLayout::<D>::v(stage),
                 t.v.add(offset),
                 kv_stride,
@@ -198,72 +248,79 @@ unsafe fn prefill_attention<E: MmaElement, const D: usize>(
             );
         }
     };
-    let mut stage = 0;
-    while stage < PREFILL_STAGES - 1 {
-        if let Some(kv_block) = loads.next() {
-            load_kv(kv_block, stage);
-        }
-        commit_group();
-        stage += 1;
+    let mut current = walk.next();
+    if let Some(block) = current {
+        load_kv(block.kv_block, 0);
     }
+    commit_group();
+    let mut ahead = walk.next();
 
-    // The query tile has landed once at most `PREFILL_STAGES - 1` groups are pending.
-    wait_group::<{ PREFILL_STAGES - 1 }>();
-    // SAFETY: block-uniform control flow.
-    unsafe { sync_threads() };
-    // SAFETY: the whole warp, after the barrier.
-    let q = unsafe { load_q_fragments::<E, D>(warp, lane) };
+    // This warp's query block and rows.
+    let second = warp * WARP_ROWS >= BLOCK_Q;
+    let my_q_block = item.q_block + second as u32;
+    let q_first_warp = q_first + WARP_ROWS * warp;
+    let q_rows_smem = SmemLayout::<D>::q() + WARP_ROWS * warp * Tile::<D>::ROW_BYTES;
 
-    let mut o = [FragC::default(); MAX_O_TILES];
-    let mut softmax = RowSoftmax::new(p.scale_log2);
-    let q_first_warp = q_first + 16 * warp;
+    let mut o = [[FragC::default(); MAX_O_TILES]; ROW_TILES];
+    let mut softmax = [RowSoftmax::new(p.scale_log2), RowSoftmax::new(p.scale_log2)];
     let mut i = 0;
-    while let Some(kv_block) = blocks.next() {
-        // Block `i` has landed (for everyone after the barrier), and everyone is done reading
-        // the stage the next load overwrites (it held block `i - 1`).
-        wait_group::<{ PREFILL_STAGES - 2 }>();
+    while let Some(block) = current {
+        // Block `i` (and, the first time, the query tile) has landed (for everyone after the
+        // barrier), and everyone is done reading the stage the next load overwrites (it held
+        // block `i - 1`).
+        wait_group::<0>();
         // SAFETY: the iterator is block-uniform, so every thread runs the same iterations.
         unsafe { sync_threads() };
-        if let Some(next) = loads.next() {
-            load_kv(next, (i + PREFILL_STAGES - 1) % PREFILL_STAGES);
+        if let Some(next) = ahead {
+            load_kv(next.kv_block, (i + 1) % PREFILL_STAGES);
         }
         commit_group();
 
-        let stage = i % PREFILL_STAGES;
-        // SAFETY: the whole warp, after the barrier that follows the stage's arrival.
-        let mut s = unsafe { scores::<E, D>(&q, SmemLayout::<D>::k(stage), lane) };
-        if window.needs_mask(item.q_block, kv_block, seq_len) {
-            mask::apply(&mut s, window, q_first_warp, kv_block * BLOCK_KV, lane);
+        // Warp-uniform: the warps of a query block that does not visit this KV block skip it.
+        if block.visited_by(second) {
+            let stage = i % PREFILL_STAGES;
+            // SAFETY: the whole warp, after the barrier that follows the tiles' arrival.
+            let mut s = unsafe { scores::<E, D>(q_rows_smem, SmemLayout::<D>::k(stage), lane) };
+            if window.needs_mask(my_q_block, block.kv_block, seq_len) {
+                crate::unroll8!(m in 0..ROW_TILES => {
+                    let rows = q_first_warp + 16 * m as u32;
+                    mask::apply(&mut s[m], window, rows, block.kv_block * BLOCK_KV, lane);
+                });
+            }
+            crate::unroll8!(m in 0..ROW_TILES => {
+                // SAFETY: the whole warp.
+                unsafe { softmax[m].update(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
+            });
+            // SAFETY: the whole warp, after the barrier.
+            unsafe { accumulate_pv::<E, D>(&s, SmemLayout::<D>::v(stage), &mut o, lane) };
         }
-        // SAFETY: the whole warp.
-        unsafe {
-            softmax.update(&mut s, &mut o, Tile::<D>::O_TILES);
-            accumulate_pv::<E, D>(&s, SmemLayout::<D>::v(stage), &mut o, lane);
-        }
+        (current, ahead) = (ahead, walk.next());
         i += 1;
     }
     wait_all();
 
     // O / l, rows that exist only.
-    // SAFETY: the whole warp.
-    let inv = unsafe { softmax.inverse_denominators() };
     let (group, quad) = (lane / 4, lane % 4);
-    crate::unroll8!(half in 0..2 => {
-        let row = q_first_warp + group + 8 * half as u32;
-        if row < seq_len {
-            let base = (seq_start + row as usize) * q_stride + head as usize * D;
-            unroll16!(n in 0..Tile::<D>::O_TILES => {
-                let c = &o[n].regs[2 * half..2 * half + 2];
-                let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
-                // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.
-                unsafe {
-                    t.out
-                        .add(base + 8 * n + 2 * quad as usize)
-                        .cast::<u32>()
-                        .write(pair)
-                };
-            });
-        }
+    crate::unroll8!(m in 0..ROW_TILES => {
+        // SAFETY: the whole warp.
+        let inv = unsafe { softmax[m].inverse_denominators() };
+        crate::unroll8!(half in 0..2 => {
+            let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
+            if row < seq_len {
+                let base = (seq_start + row as usize) * q_stride + head as usize * D;
+                unroll16!(n in 0..Tile::<D>::O_TILES => {
+                    let c = &o[m][n].regs[2 * half..2 * half + 2];
+                    let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
+                    // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.
+                    unsafe {
+                        t.out
+                            .add(base + 8 * n + 2 * quad as usize)
+                            .cast::<u32>()
+                            .write(pair)
+                    };
+                });
+            }
+        });
     });
 }
 
