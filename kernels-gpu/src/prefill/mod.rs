@@ -137,8 +137,9 @@ unsafe fn accumulate_pv<E: MmaElement, const D: usize>(
 
 /// `x`, computed where this is called: the compiler can neither hoist it nor what is derived
 /// from it out of the KV loop. Used for the K/V load addresses, which are cheap to recompute once
-/// per block but would otherwise stay live across the loop in registers it needs for the `S`
-/// and `O` accumulators (hoisted, they were spilled).
+/// per block, so that LLVM does not keep them live across the loop beside the `S` and `O`
+/// accumulators. Measured effect on ptxas's spills at D 128: none (48 bytes with or without,
+/// see NOTES.md version 2); kept because the kernel measured on the GPU has it.
 #[inline(always)]
 fn opaque(x: usize) -> usize {
     let y: u64;
