@@ -10,11 +10,12 @@
 //! caller block mask (a bit per KV block) is intersected with them and the diagonal block `qb`
 //! is always kept ([`BlockSet`]).
 //!
-//! The kernel computes a *query tile* of two consecutive query blocks per launch block.
-//! [`TileBlocks`] walks the union of the two blocks' sets as a bitset, 32 blocks per word,
-//! yielding the set bits in ascending order together with which of the two query blocks visit
-//! each: blocks outside the union are never produced (the gap between the ranges is jumped over);
-//! the warps of a query block that does not visit a yielded block skip its arithmetic.
+//! A kernel computes a *query tile* of `N` consecutive query blocks per launch block (two for
+//! the unmasked kernel, one for the masked one). [`TileBlocks`] walks the union of the tile's
+//! sets as a bitset, 32 blocks per word, yielding the set bits in ascending order together with
+//! which query blocks visit each: blocks outside the union are never produced (the gap between
+//! the ranges is jumped over); the warps of a query block that does not visit a yielded block
+//! skip its arithmetic.
 
 use lserve_abi::prefill::{BLOCK_KV, BLOCK_Q};
 
@@ -134,139 +135,144 @@ impl BlockSet {
     }
 }
 
-/// One KV block of a query tile's walk: its index and whether each of the tile's two query
+/// One KV block of a query tile's walk: its index and whether each of the tile's `N` query
 /// blocks visits it.
 #[derive(Clone, Copy)]
-pub struct TileBlock {
+pub struct TileBlock<const N: usize> {
     /// The KV block (keys `kv_block * BLOCK_KV ..`).
     pub kv_block: u32,
-    /// Whether the tile's first / second query block visits it.
-    pub visits: [bool; 2],
+    /// Whether the tile's query block `i` visits it.
+    pub visits: [bool; N],
 }
 
-impl TileBlock {
-    /// Whether the tile's second query block (`second`) or its first visits the block.
+impl<const N: usize> TileBlock<N> {
+    /// Whether the tile's query block `i` (`< N`, not known at compile time) visits the block:
+    /// a select over the flags, not an indexed load (which would put them in local memory).
     #[inline(always)]
-    pub fn visited_by(&self, second: bool) -> bool {
-        if second {
-            self.visits[1]
-        } else {
-            self.visits[0]
-        }
+    pub fn visited_by(&self, i: usize) -> bool {
+        let mut visited = false;
+        crate::unroll8!(j in 0..N => {
+            visited |= j == i && self.visits[j];
+        });
+        visited
     }
 }
 
 /// The caller block mask rows of a query tile: the mask array (null: no mask), the first query
-/// block's row (a word offset) and the distance to the second's.
+/// block's row (a word offset) and the distance between consecutive query blocks' rows.
 #[derive(Clone, Copy)]
 pub struct TileMask {
     /// The mask array, or null.
     pub words: *const u32,
     /// Word offset of the first query block's row.
     pub row: u32,
-    /// Words per row: the second query block's row starts at `row + row_words`.
+    /// Words per row: query block `i` of the tile has its row at `row + i * row_words`.
     pub row_words: u32,
 }
 
-/// The KV blocks a (query head, query tile) visits: the union of its two query blocks' sets,
-/// ascending (see the module docs).
+/// The KV blocks a (query head, query tile of `N` query blocks) visits: the union of its query
+/// blocks' sets, ascending (see the module docs). With `N = 1` this is the plain walk over one
+/// query block's set (every yielded block is visited by it).
 #[derive(Clone, Copy)]
-pub struct TileBlocks {
-    sets: [BlockSet; 2],
+pub struct TileBlocks<const N: usize> {
+    sets: [BlockSet; N],
     mask: TileMask,
-    /// `u32::MAX` if the second query block exists, else 0 (its set is then empty).
-    second: u32,
+    /// Query blocks of the tile that exist (`1 ..= N`); the sets of the others are empty.
+    blocks: u32,
     /// The current word and, per query block, its not yet yielded bits.
     word: u32,
-    bits: [u32; 2],
+    bits: [u32; N],
 }
 
-impl TileBlocks {
-    /// The walk for the tile of query blocks `q_block` and `q_block + 1` (the second only if
-    /// `has_second`) of a head with pattern `window`, intersected with the caller mask rows
-    /// `mask` (the second row is not read without `has_second`).
+impl<const N: usize> TileBlocks<N> {
+    /// The walk for the tile of query blocks `q_block .. q_block + blocks` (`1 <= blocks <= N`;
+    /// query blocks past the sequence's end are left out) of a head with pattern `window`,
+    /// intersected with the caller mask rows `mask` (rows of blocks that do not exist are not
+    /// read).
     ///
     /// # Safety
-    /// With a mask, each of the tile's rows (the second only if it exists) holds `row_words`
-    /// readable words, and `row_words >= (q_block + 1) / 32 + 1` when the second block exists,
-    /// `q_block / 32 + 1` otherwise (the walk ends at the tile's last diagonal block).
+    /// With a mask, each row of an existing query block holds `row_words` readable words, and
+    /// `row_words >= (q_block + blocks - 1) / 32 + 1` (the walk ends at the tile's last diagonal
+    /// block).
     #[inline(always)]
-    pub unsafe fn new(window: Window, q_block: u32, has_second: bool, mask: TileMask) -> Self {
-        let second_block = if has_second { q_block + 1 } else { q_block };
+    pub unsafe fn new(window: Window, q_block: u32, blocks: u32, mask: TileMask) -> Self {
+        // A query block that does not exist gets the last existing one's set (then emptied by
+        // `blocks`), so the walk ends at the last existing diagonal.
         let mut walk = Self {
-            sets: [
-                BlockSet::new(window, q_block),
-                BlockSet::new(window, second_block),
-            ],
+            sets: core::array::from_fn(|i| {
+                BlockSet::new(window, q_block + (i as u32).min(blocks - 1))
+            }),
             mask,
-            second: if has_second { u32::MAX } else { 0 },
+            blocks,
             word: 0,
-            bits: [0; 2],
+            bits: [0; N],
         };
         // SAFETY: word 0 is in every row.
         unsafe { walk.load_word(0) };
         walk
     }
 
+    /// Whether query block `i` of the tile exists (block 0 always does).
+    #[inline(always)]
+    fn exists(&self, i: usize) -> bool {
+        i == 0 || (i as u32) < self.blocks
+    }
+
     /// Makes `word` the current word.
     ///
     /// # Safety
-    /// `word <= sets[1].q_block / 32` (every mask row holds it, see [`Self::new`]).
+    /// `word <= sets[N - 1].q_block / 32` (every mask row holds it, see [`Self::new`]).
     #[inline(always)]
     unsafe fn load_word(&mut self, word: u32) {
         self.word = word;
         let m = self.mask;
-        let rows = if m.words.is_null() {
-            [core::ptr::null(); 2]
-        } else {
-            // SAFETY: the rows lie inside the mask array; the second is read only when it
-            // exists (`second` masks its bits, and its row is the first one otherwise).
-            unsafe {
-                let first = m.words.add(m.row as usize);
-                let second = if self.second != 0 {
-                    first.add(m.row_words as usize)
-                } else {
-                    first
-                };
-                [first, second]
-            }
-        };
-        // SAFETY: forwarded.
-        self.bits = unsafe {
-            [
-                self.sets[0].candidates(word, rows[0]),
-                self.sets[1].candidates(word, rows[1]) & self.second,
-            ]
-        };
+        crate::unroll8!(i in 0..N => {
+            let row = if m.words.is_null() || !self.exists(i) {
+                core::ptr::null()
+            } else {
+                // SAFETY: the row of an existing query block lies inside the mask array.
+                unsafe { m.words.add((m.row + i as u32 * m.row_words) as usize) }
+            };
+            // SAFETY: forwarded (a null row is not read).
+            let bits = unsafe { self.sets[i].candidates(word, row) };
+            self.bits[i] = if self.exists(i) { bits } else { 0 };
+        });
     }
 }
 
-impl Iterator for TileBlocks {
-    type Item = TileBlock;
+impl<const N: usize> Iterator for TileBlocks<N> {
+    type Item = TileBlock<N>;
 
     #[inline(always)]
-    fn next(&mut self) -> Option<TileBlock> {
+    fn next(&mut self) -> Option<TileBlock<N>> {
         loop {
-            let union = self.bits[0] | self.bits[1];
+            let mut union = 0;
+            crate::unroll8!(i in 0..N => {
+                union |= self.bits[i];
+            });
             if union != 0 {
                 let bit = union.isolate_lowest_one();
-                let visits = [self.bits[0] & bit != 0, self.bits[1] & bit != 0];
-                self.bits = [self.bits[0] & !bit, self.bits[1] & !bit];
+                let mut visits = [false; N];
+                crate::unroll8!(i in 0..N => {
+                    // With one query block, every block of the walk is its own.
+                    visits[i] = N == 1 || self.bits[i] & bit != 0;
+                    self.bits[i] &= !bit;
+                });
                 return Some(TileBlock {
                     kv_block: 32 * self.word + bit.trailing_zeros(),
                     visits,
                 });
             }
-            // The second set's diagonal is the last block of the union.
-            let last_word = self.sets[1].q_block / 32;
+            // The last set's diagonal is the last block of the union.
+            let last_word = self.sets[N - 1].q_block / 32;
             if self.word >= last_word {
                 return None;
             }
-            // No word skipped by either set holds a block of it, so none of the union's.
-            let next = self.sets[0]
-                .next_word(self.word)
-                .min(self.sets[1].next_word(self.word))
-                .min(last_word);
+            // No word skipped by every set holds a block of any, so none of the union's.
+            let next = self
+                .sets
+                .iter()
+                .fold(last_word, |n, set| n.min(set.next_word(self.word)));
             // SAFETY: `next <= last_word`.
             unsafe { self.load_word(next) };
         }

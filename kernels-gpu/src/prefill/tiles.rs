@@ -1,22 +1,27 @@
 //! Tile shapes and the moves between global memory, shared memory and `mma` fragments.
 //!
-//! A K or V tile is 64 rows (keys) of `D` elements, the query tile [`TILE_Q`] = 128 rows. In
-//! shared memory rows are `D + PREFILL_ROW_PAD` elements apart, so the eight 16-byte rows of
-//! every `ldmatrix` 8x8 load land in distinct bank groups. Shared memory holds the query tile,
-//! then per stage a K and a V tile ([`SmemLayout`]).
+//! A K or V tile is 64 rows (keys) of `D` elements, the query tile 64 rows per query block of
+//! the kernel's tile (128 unmasked, 64 masked). In shared memory rows are `D + PREFILL_ROW_PAD`
+//! elements apart, so the eight 16-byte rows of every `ldmatrix` 8x8 load land in distinct bank
+//! groups. Shared memory holds per stage a K and a V tile, then the query tile
+//! ([`SmemLayout`]: the K/V addresses do not depend on the query tile's size).
 //!
-//! Per warp (32 query rows: [`ROW_TILES`] `mma` row tiles of 16), with `D/16` head-dimension
-//! steps:
-//! - `Q` is `D/16` A fragments per row tile (rows x dims), read from shared memory per KV block
-//!   (keeping them in registers would not leave room for twice the accumulators);
+//! Per warp (`ROW_TILES` `mma` row tiles of 16 query rows: 2 unmasked, 1 masked), with `D/16`
+//! head-dimension steps:
+//! - `Q` is `D/16` A fragments per row tile (rows x dims): with two row tiles they are read from
+//!   shared memory per KV block (keeping them in registers would not leave room for twice the
+//!   accumulators), with one they are loaded once and stay in registers;
 //! - `S = Q Kᵀ` is 8 accumulators per row tile (16 rows x 8 keys each); `Kᵀ`'s B fragments come
 //!   from the row-major K tile with plain `ldmatrix` (keys are B's `n`, dims its `k`);
 //! - `O` is `D/8` accumulators per row tile (16 rows x 8 dims each); `V`'s B fragments come from
 //!   the row-major V tile with `ldmatrix.trans` (keys are B's `k`, dims its `n`).
 //!
-//! Every K and V fragment feeds both row tiles: one `ldmatrix.x4` per four `mma`.
+//! Every K and V fragment feeds every row tile: one `ldmatrix.x4` per `2 * ROW_TILES` `mma`.
 
-use lserve_abi::prefill::{BLOCK_KV, PREFILL_ROW_PAD, PREFILL_STAGES, PREFILL_THREADS, TILE_Q};
+use lserve_abi::prefill::{
+    prefill_smem_bytes, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS, PREFILL_ROW_PAD, PREFILL_STAGES,
+    PREFILL_THREADS, TILE_Q_BLOCKS,
+};
 
 use crate::cp_async::cp_async_16_zfill;
 use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans, load_a_row_major};
@@ -25,10 +30,6 @@ use crate::smem::{dynamic_smem, shared_addr};
 
 /// Rows of a K/V tile (keys).
 pub const TILE_ROWS: u32 = BLOCK_KV;
-/// `mma` row tiles (16 query rows each) per warp.
-pub const ROW_TILES: usize = 2;
-/// Query rows per warp.
-pub const WARP_ROWS: u32 = 16 * ROW_TILES as u32;
 /// Accumulators of `S` per row tile: 64 keys in groups of 8.
 pub const S_TILES: usize = (BLOCK_KV / 8) as usize;
 /// Most accumulators of `O` per row tile (`D = 128`: 16 groups of 8 dims).
@@ -42,8 +43,6 @@ impl<const D: usize> Tile<D> {
     pub const ROW_BYTES: u32 = (D as u32 + PREFILL_ROW_PAD) * 2;
     /// Bytes of one K or V tile in shared memory.
     pub const BYTES: u32 = TILE_ROWS * Self::ROW_BYTES;
-    /// Bytes of the query tile in shared memory.
-    pub const Q_BYTES: u32 = TILE_Q * Self::ROW_BYTES;
     /// 16-byte chunks per row.
     const CHUNKS_PER_ROW: u32 = D as u32 / 8;
     /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
@@ -56,16 +55,10 @@ impl<const D: usize> Tile<D> {
 pub struct SmemLayout<const D: usize>;
 
 impl<const D: usize> SmemLayout<D> {
-    /// The query tile.
-    #[inline(always)]
-    pub fn q() -> u32 {
-        shared_addr(dynamic_smem::<u8>(0))
-    }
-
     /// The K tile of `stage`.
     #[inline(always)]
     pub fn k(stage: u32) -> u32 {
-        Self::q() + Tile::<D>::Q_BYTES + Tile::<D>::BYTES * 2 * stage
+        shared_addr(dynamic_smem::<u8>(0)) + Tile::<D>::BYTES * 2 * stage
     }
 
     /// The V tile of `stage`.
@@ -73,13 +66,21 @@ impl<const D: usize> SmemLayout<D> {
     pub fn v(stage: u32) -> u32 {
         Self::k(stage) + Tile::<D>::BYTES
     }
+
+    /// The query tile (after the last stage; as many rows as the kernel's tile has).
+    #[inline(always)]
+    pub fn q() -> u32 {
+        Self::k(PREFILL_STAGES)
+    }
 }
 
-// The layout above is what `prefill_smem_bytes` sizes.
-const _: () = assert!(
-    lserve_abi::prefill::prefill_smem_bytes(128)
-        == Tile::<128>::Q_BYTES + 2 * PREFILL_STAGES * Tile::<128>::BYTES
-);
+// The layout above is what `prefill_smem_bytes` sizes, for both kernels' query tiles.
+const _: () = {
+    let kv = 2 * PREFILL_STAGES * Tile::<128>::BYTES;
+    let q_block = BLOCK_Q * Tile::<128>::ROW_BYTES;
+    assert!(prefill_smem_bytes(128, TILE_Q_BLOCKS) == kv + TILE_Q_BLOCKS * q_block);
+    assert!(prefill_smem_bytes(128, MASKED_TILE_Q_BLOCKS) == kv + MASKED_TILE_Q_BLOCKS * q_block);
+};
 
 /// Starts the asynchronous copy of `ROWS` rows into the tile at `dst`: row `r < valid_rows`
 /// comes from `src + r * row_stride`, rows past the end are zero-filled (finite; the kernel masks
@@ -91,7 +92,7 @@ const _: () = assert!(
 ///
 /// # Safety
 /// All [`PREFILL_THREADS`] threads call it; `dst` is a tile of this layout of `ROWS` rows (64 or
-/// [`TILE_Q`]); `1 <= valid_rows`, and `valid_rows` rows of `D` elements at
+/// 128); `1 <= valid_rows`, and `valid_rows` rows of `D` elements at
 /// `src + r * row_stride` are readable, 16-byte aligned.
 #[inline(always)]
 pub unsafe fn load_tile_async<const D: usize, const ROWS: u32>(
@@ -152,7 +153,7 @@ pub unsafe fn load_q_fragment<E: MmaElement, const D: usize>(
     kk: u32,
     lane: u32,
 ) -> FragA<E> {
-    // SAFETY: a 16x16 block inside the query tile (`16 m + 16 <= WARP_ROWS`, `16 kk + 16 <= D`);
+    // SAFETY: a 16x16 block inside the query tile (row tile `m` of the warp's, `16 kk + 16 <= D`);
     // forwarded barrier.
     unsafe {
         load_a_row_major::<E>(
