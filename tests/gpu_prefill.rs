@@ -393,6 +393,43 @@ fn long_sequence_with_block_mask() {
     run_case::<bf16>(&gpu, &case).unwrap();
 }
 
+/// Both kernels at every (head dim, element type): without masks the 128-row kernel
+/// (`prefill_attention_*`, tiles of two query blocks), with masks the 64-row one
+/// (`prefill_masked_attention_*`, one query block per tile) — an all-ones mask (the masked
+/// kernel on the plain patterns) and a half-density one. Lengths give tiles that end inside a
+/// query block (300, 129), a one-token sequence, and an odd number of query blocks (129, 300:
+/// the unmasked kernel's last tile has one query block).
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn both_kernels_all_shapes() {
+    let gpu = gpu();
+    for head_dim in [64, 128] {
+        for f16_data in [false, true] {
+            for mask_density in [None, Some(1.0), Some(0.5)] {
+                let case = Case {
+                    head_dim,
+                    kv_heads: 2,
+                    group: 2,
+                    lens: vec![300, 1, 129, 64],
+                    streaming: vec![true, false],
+                    sink: 70,
+                    local: 100,
+                    mask_density,
+                    f16: f16_data,
+                    seed: 13,
+                };
+                eprintln!("D {head_dim}, f16 {f16_data}, mask {mask_density:?}");
+                let result = if f16_data {
+                    run_case::<f16>(&gpu, &case)
+                } else {
+                    run_case::<bf16>(&gpu, &case)
+                };
+                result.unwrap();
+            }
+        }
+    }
+}
+
 /// A plan is reusable: two runs on different data give each its own reference result.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
@@ -413,7 +450,15 @@ fn plan_runs_many_times() {
     let (cu, kinds) = (case.cu_seqlens(), case.kinds());
     let plan = PrefillPlan::new(&gpu, &args(&case, &cu, &kinds, None)).unwrap();
     assert_eq!(plan.tokens(), 270);
-    assert_eq!(plan.items(), 2 + 4);
+    assert_eq!(plan.items(), 1 + 2); // query tiles of 2 x 64 queries
+                                     // With masks, the masked kernel's work items are single query blocks.
+    let masks: Vec<BlockMask> = case
+        .lens
+        .iter()
+        .map(|&len| BlockMask::from_fn(case.q_heads(), len, |_, _, _| true).unwrap())
+        .collect();
+    let masked = PrefillPlan::new(&gpu, &args(&case, &cu, &kinds, Some(&masks))).unwrap();
+    assert_eq!(masked.items(), 2 + 4); // query blocks of 64 queries
     for seed in [1, 2] {
         let case = Case {
             seed,

@@ -2,7 +2,9 @@
 //! launch contract of the block-sparse prefill attention kernel.
 //!
 //! One launch serves a ragged batch for one layer: grid `(items, q_heads)`, [`PREFILL_THREADS`]
-//! threads. A *work item* is one (sequence, query block) pair, described by a
+//! threads. A *work item* is one (sequence, query tile) pair — a tile is [`TILE_Q_BLOCKS`]
+//! consecutive query blocks for the unmasked kernel, [`MASKED_TILE_Q_BLOCKS`] for the kernel of
+//! launches with caller block masks — described by a
 //! [`PrefillWorkItem`] in a small device array built on the host (the plan); grid `x` indexes it,
 //! grid `y` is the query head. The KV blocks the item visits follow from its head's kind (dense:
 //! causal; streaming: Λ, with [`PrefillParams::sink_tokens`] / [`PrefillParams::local_tokens`])
@@ -13,7 +15,19 @@ pub const BLOCK_Q: u32 = 64;
 /// Keys per prefill block (the granularity of the KV blocks a query block visits).
 pub const BLOCK_KV: u32 = 64;
 
-/// Threads per block of the prefill kernel: 4 warps, 16 query rows each.
+/// Query blocks per work item of the unmasked kernel (`prefill_attention_*`: dense and
+/// streaming heads, no caller mask). The block granularity above is what the iterator and
+/// block masks mean; this kernel computes two query blocks per launch block (32 rows per warp)
+/// so that every K/V fragment it loads feeds two `mma` row tiles.
+pub const TILE_Q_BLOCKS: u32 = 2;
+/// Query rows of a work item's tile (unmasked kernel).
+pub const TILE_Q: u32 = TILE_Q_BLOCKS * BLOCK_Q;
+/// Query blocks per work item of the masked kernel (`prefill_masked_attention_*`, launches with
+/// caller block masks): one query block (16 rows per warp), so a launch block visits exactly
+/// its query block's KV set and no warp idles on a block another query block needs.
+pub const MASKED_TILE_Q_BLOCKS: u32 = 1;
+
+/// Threads per block of the prefill kernels: 4 warps (32 or 16 query rows each).
 pub const PREFILL_THREADS: u32 = 128;
 /// K/V tiles in flight per block (`cp.async` stages).
 pub const PREFILL_STAGES: u32 = 2;
@@ -21,13 +35,21 @@ pub const PREFILL_STAGES: u32 = 2;
 /// make the eight row addresses of an `ldmatrix` 8x8 load fall in distinct bank groups.
 pub const PREFILL_ROW_PAD: u32 = 8;
 
-/// Shared memory of the prefill kernel for head dimension `head_dim`, in bytes: the query tile
-/// plus a K and a V tile per stage, rows padded by [`PREFILL_ROW_PAD`].
-pub const fn prefill_smem_bytes(head_dim: u32) -> u32 {
-    (BLOCK_Q + 2 * PREFILL_STAGES * BLOCK_KV) * (head_dim + PREFILL_ROW_PAD) * 2
+/// Shared memory of the prefill kernel for head dimension `head_dim` and `tile_q_blocks` query
+/// blocks per work item ([`TILE_Q_BLOCKS`] or [`MASKED_TILE_Q_BLOCKS`]), in bytes: a K and a V
+/// tile per stage plus the query tile (`tile_q_blocks * BLOCK_Q` rows), rows padded by
+/// [`PREFILL_ROW_PAD`].
+pub const fn prefill_smem_bytes(head_dim: u32, tile_q_blocks: u32) -> u32 {
+    (tile_q_blocks * BLOCK_Q + 2 * PREFILL_STAGES * BLOCK_KV) * (head_dim + PREFILL_ROW_PAD) * 2
 }
 
-/// One (sequence, query block) of a prefill launch (`u32` words, `#[repr(C)]`).
+/// Words of one block-mask row (one query block, a bit per KV block) of a sequence of
+/// `seq_len` tokens: a row of query block `qb + 1` follows the row of `qb` at this offset.
+pub const fn mask_words_per_row(seq_len: u32) -> u32 {
+    seq_len.div_ceil(BLOCK_KV).div_ceil(32)
+}
+
+/// One (sequence, query tile) of a prefill launch (`u32` words, `#[repr(C)]`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefillWorkItem {
@@ -35,10 +57,13 @@ pub struct PrefillWorkItem {
     pub seq_start: u32,
     /// Tokens in the sequence.
     pub seq_len: u32,
-    /// The query block (sequence-local): queries `q_block * BLOCK_Q ..`.
+    /// The tile's first query block (sequence-local, a multiple of the kernel's tile blocks):
+    /// the tile is queries `q_block * BLOCK_Q ..`, tile-blocks `* BLOCK_Q` of them, those that
+    /// exist.
     pub q_block: u32,
-    /// Word offset, in the block-mask array, of query head 0's row for this query block
-    /// (unused without a mask).
+    /// Word offset, in the block-mask array, of query head 0's row for query block `q_block`
+    /// (in a tile of two, the next query block's row follows after
+    /// [`mask_words_per_row`]`(seq_len)` words; unused without a mask).
     pub mask_row: u32,
     /// Words between the rows of consecutive query heads for this sequence
     /// (`q_blocks * words_per_row`; unused without a mask).
@@ -63,6 +88,7 @@ pub struct PrefillParams {
     pub local_tokens: u32,
     /// Softmax scale times `log2(e)` (the kernel works in base 2).
     pub scale_log2: f32,
-    /// 1 if the launch passes a caller block mask, else 0.
+    /// 1 if the launch passes a caller block mask (then the plan launches the masked kernel,
+    /// which requires it), else 0 (the unmasked kernel, which ignores the mask argument).
     pub has_mask: u32,
 }

@@ -43,6 +43,28 @@ pub unsafe fn cp_async_16(dst: u32, src: *const u8) {
     }
 }
 
+/// [`cp_async_16`] reading only the first `src_bytes` (0 ..= 16) bytes of `src`: the rest of
+/// the 16 destination bytes are zero-filled (with 0, nothing is read).
+///
+/// # Safety
+/// As [`cp_async_16`], with `src` readable for `src_bytes` bytes (pass any valid 16-byte-aligned
+/// global address with 0).
+#[inline(always)]
+pub unsafe fn cp_async_16_zfill(dst: u32, src: *const u8, src_bytes: u32) {
+    // SAFETY: as `cp_async_16`; the copy reads `src_bytes` bytes only.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .u64 gsrc;",
+            "cvta.to.global.u64 gsrc, {1};",
+            "cp.async.cg.shared.global [{0}], [gsrc], 16, {2};",
+            "}}",
+            in(reg32) dst, in(reg64) src as u64, in(reg32) src_bytes,
+            options(nostack),
+        );
+    }
+}
+
 /// Closes all copies this thread issued since the last commit into one group (possibly empty).
 #[inline(always)]
 pub fn commit_group() {

@@ -2,7 +2,7 @@
 //! tensors: a drop-in attention for engines that manage their own KV.
 //!
 //! Plan / run split (as FlashInfer): [`PrefillPlan::new`] validates a batch's shapes on the host
-//! and uploads its schedule — one work item per (sequence, query block), the per-KV-head kinds
+//! and uploads its schedule — one work item per (sequence, query tile), the per-KV-head kinds
 //! and the optional caller block masks — once; [`PrefillPlan::run`] launches on any `q`, `k`,
 //! `v`, `out` of that shape without allocating. [`prefill_attention`] does both.
 //!
@@ -15,7 +15,8 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
-    prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_Q, PREFILL_THREADS,
+    mask_words_per_row, prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_Q,
+    MASKED_TILE_Q_BLOCKS, PREFILL_THREADS, TILE_Q_BLOCKS,
 };
 
 use super::cache::{DeviceElement, DeviceKvCache};
@@ -85,9 +86,25 @@ fn to_u32(what: &'static str, x: usize) -> Result<u32> {
     u32::try_from(x).map_err(|_| invalid(what, format!("{x} does not fit in 32 bits")))
 }
 
-/// The kernel for an element type and head dimension.
-fn kernel_name<E: DeviceElement>(head_dim: usize) -> String {
-    format!("prefill_attention_{}_d{head_dim}", E::DTYPE.name())
+/// The kernel for an element type and head dimension: `prefill_masked_attention_*` (one query
+/// block per work item) for launches with caller block masks, `prefill_attention_*` (two query
+/// blocks per work item) otherwise.
+fn kernel_name<E: DeviceElement>(head_dim: usize, masked: bool) -> String {
+    let kind = if masked {
+        "masked_attention"
+    } else {
+        "attention"
+    };
+    format!("prefill_{kind}_{}_d{head_dim}", E::DTYPE.name())
+}
+
+/// Query blocks per work item of the kernel a launch uses (see [`kernel_name`]).
+fn tile_q_blocks(masked: bool) -> u32 {
+    if masked {
+        MASKED_TILE_Q_BLOCKS
+    } else {
+        TILE_Q_BLOCKS
+    }
 }
 
 impl PrefillArgs<'_> {
@@ -176,9 +193,11 @@ impl PrefillArgs<'_> {
         Ok(tokens)
     }
 
-    /// The work items (heaviest query blocks first: causal work grows with the block index) and
-    /// the concatenated mask words.
+    /// The work items, one per query tile of the kernel the launch uses ([`TILE_Q_BLOCKS`] query
+    /// blocks without masks, [`MASKED_TILE_Q_BLOCKS`] with; heaviest first: causal work grows
+    /// with the block index) and the concatenated mask words.
     fn schedule(&self) -> Result<(Vec<u32>, Vec<u32>)> {
+        let tile_blocks = tile_q_blocks(self.block_masks.is_some()) as usize;
         let mut items = Vec::new();
         let mut mask_words = Vec::new();
         for (b, w) in self.cu_seqlens.windows(2).enumerate() {
@@ -193,8 +212,10 @@ impl PrefillArgs<'_> {
                 }
                 None => (0, 0),
             };
-            let words_per_row = blocks.div_ceil(32);
-            for q_block in 0..blocks {
+            // A two-block tile finds its second query block's row `mask_words_per_row` words on.
+            let words_per_row = mask_words_per_row(len as u32) as usize;
+            debug_assert_eq!(words_per_row, blocks.div_ceil(32));
+            for q_block in (0..blocks).step_by(tile_blocks) {
                 items.push(PrefillWorkItem {
                     seq_start: start as u32,
                     seq_len: len as u32,
@@ -275,7 +296,8 @@ impl PrefillPlan {
         self.tokens
     }
 
-    /// Work items (grid `x`): query blocks over all sequences.
+    /// Work items (grid `x`): query tiles over all sequences (pairs of query blocks without
+    /// masks, single query blocks with masks).
     pub fn items(&self) -> usize {
         self.params.items as usize
     }
@@ -294,8 +316,10 @@ impl PrefillPlan {
     ) -> Result<()> {
         self.check_tensors(q, k, v, out)?;
         let (p, d) = (&self.params, self.head_dim);
-        let f = gpu.function(&kernel_name::<E>(d))?;
-        let smem = prefill_smem_bytes(d as u32);
+        // The schedule was built for the kernel that matches `has_mask`.
+        let masked = p.has_mask != 0;
+        let f = gpu.function(&kernel_name::<E>(d, masked))?;
+        let smem = prefill_smem_bytes(d as u32, tile_q_blocks(masked));
         if smem > DEFAULT_SMEM_LIMIT {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -319,15 +343,17 @@ impl PrefillPlan {
             .arg(k)
             .arg(v)
             .arg(out);
-        // SAFETY: the argument list matches `prefill_attention_{bf16,f16}_d{64,128}`
+        // SAFETY: the argument list matches `prefill_{masked_,}attention_{bf16,f16}_d{64,128}`
         // (kernels-gpu/src/prefill/mod.rs): `PrefillParams` by value, the work items, head map,
         // mask words, then q, k, v, out. The plan was validated: every work item's sequence lies
         // inside `T` tokens, which the tensors hold exactly (checked above, `CudaSlice`s are
         // 256-byte aligned, rows of `D` elements are 16-byte multiples); `head_map` has
-        // `kv_heads` entries and `group = q_heads / kv_heads`; with a mask, every row offset
-        // plus `q_block / 32 + 1` words lies inside the uploaded mask words (each sequence's
-        // mask was shape-checked). The grid is `(items, q_heads)`, the block and shared memory
-        // are what the kernel is written for.
+        // `kv_heads` entries and `group = q_heads / kv_heads`; the work items are tiles of the
+        // chosen kernel's query blocks (`tile_q_blocks(masked)`, built by `schedule` from the
+        // same `block_masks`); with a mask (the masked kernel), every item's row offset plus
+        // `mask_words_per_row(len)` words lies inside the uploaded mask words (each sequence's
+        // mask was shape-checked: `[q_heads][q_blocks][words_per_row]`). The grid is
+        // `(items, q_heads)`, the block and shared memory are what the kernel is written for.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }

@@ -8,9 +8,14 @@
 //! At block level the pattern of query block `qb` is two ranges of KV blocks: the sink blocks
 //! `0 .. sink_end` and the local range `local_start ..= qb` (for a dense head, `0 ..= qb`). A
 //! caller block mask (a bit per KV block) is intersected with them and the diagonal block `qb`
-//! is always kept. [`KvBlocks`] walks that set as a bitset, 32 blocks per word, yielding the set
-//! bits in ascending order: blocks outside it are never produced (the gap between the ranges is
-//! jumped over), so the kernel's loop body has no "skip" branch.
+//! is always kept ([`BlockSet`]).
+//!
+//! A kernel computes a *query tile* of `N` consecutive query blocks per launch block (two for
+//! the unmasked kernel, one for the masked one). [`TileBlocks`] walks the union of the tile's
+//! sets as a bitset, 32 blocks per word, yielding the set bits in ascending order together with
+//! which query blocks visit each: blocks outside the union are never produced (the gap between
+//! the ranges is jumped over); the warps of a query block that does not visit a yielded block
+//! skip its arithmetic.
 
 use lserve_abi::prefill::{BLOCK_KV, BLOCK_Q};
 
@@ -73,90 +78,203 @@ fn range_bits(word: u32, start: u32, end: u32) -> u32 {
     low_bits(hi) & !low_bits(lo)
 }
 
-/// The KV blocks one (query head, query block) visits, ascending (see the module docs).
-///
-/// Cloning gives an independent walk over the same blocks: the kernel runs one walk ahead to
-/// issue loads and one to compute.
+/// The KV blocks one (query head, query block) visits, as bit words (see the module docs).
 #[derive(Clone, Copy)]
-pub struct KvBlocks {
+pub struct BlockSet {
     q_block: u32,
     /// Sink blocks are `0 .. sink_end` (clipped to `q_block + 1`).
     sink_end: u32,
     /// The local range is `local_start ..= q_block`.
     local_start: u32,
-    /// The caller mask row of this (query head, query block), or null for none.
-    mask: *const u32,
-    /// The current word and its not yet yielded bits.
-    word: u32,
-    bits: u32,
 }
 
-impl KvBlocks {
-    /// The walk for query block `q_block` of a head with pattern `window`, intersected with the
-    /// caller mask row `mask` (null: no mask).
-    ///
-    /// # Safety
-    /// A non-null `mask` points to at least `q_block / 32 + 1` readable words.
+impl BlockSet {
+    /// The set of query block `q_block` of a head with pattern `window` (before the caller mask).
     #[inline(always)]
-    pub unsafe fn new(window: Window, q_block: u32, mask: *const u32) -> Self {
+    pub fn new(window: Window, q_block: u32) -> Self {
         let sink_end = window.sink.div_ceil(BLOCK_KV).min(q_block + 1);
         let first_local_key = (q_block * BLOCK_Q + 1).saturating_sub(window.local);
         let local_start = (first_local_key / BLOCK_KV).max(sink_end);
-        let mut walk = Self {
+        Self {
             q_block,
             sink_end,
             local_start,
-            mask,
-            word: 0,
-            bits: 0,
-        };
-        // SAFETY: word 0 <= q_block / 32.
-        walk.bits = unsafe { walk.candidates(0) };
-        walk
+        }
     }
 
-    /// The blocks of word `word` to visit: pattern ∩ mask, plus the diagonal.
+    /// The blocks of word `word` to visit: pattern ∩ the caller mask row `mask` (null: none),
+    /// plus the diagonal.
     ///
     /// # Safety
-    /// `word <= q_block / 32` (the mask row holds it).
+    /// A non-null `mask` row holds word `word`.
     #[inline(always)]
-    unsafe fn candidates(&self, word: u32) -> u32 {
+    unsafe fn candidates(&self, word: u32, mask: *const u32) -> u32 {
         let pattern = range_bits(word, 0, self.sink_end)
             | range_bits(word, self.local_start, self.q_block + 1);
-        let caller = if self.mask.is_null() {
+        let caller = if mask.is_null() {
             u32::MAX
         } else {
             // SAFETY: forwarded: the row holds `word`.
-            unsafe { self.mask.add(word as usize).read() }
+            unsafe { mask.add(word as usize).read() }
         };
         let diagonal = range_bits(word, self.q_block, self.q_block + 1);
         (pattern & caller) | diagonal
     }
+
+    /// The first word after `word` that may hold a block of the set: the next one, or the local
+    /// range's first word when the next one lies in the gap between the sink and local ranges
+    /// (no block there is visible, whatever the mask says).
+    #[inline(always)]
+    fn next_word(&self, word: u32) -> u32 {
+        let next = word + 1;
+        if 32 * next >= self.sink_end && 32 * next < self.local_start {
+            self.local_start / 32
+        } else {
+            next
+        }
+    }
 }
 
-impl Iterator for KvBlocks {
-    type Item = u32;
+/// One KV block of a query tile's walk: its index and whether each of the tile's `N` query
+/// blocks visits it.
+#[derive(Clone, Copy)]
+pub struct TileBlock<const N: usize> {
+    /// The KV block (keys `kv_block * BLOCK_KV ..`).
+    pub kv_block: u32,
+    /// Whether the tile's query block `i` visits it.
+    pub visits: [bool; N],
+}
+
+impl<const N: usize> TileBlock<N> {
+    /// Whether the tile's query block `i` (`< N`, not known at compile time) visits the block:
+    /// a select over the flags, not an indexed load (which would put them in local memory).
+    #[inline(always)]
+    pub fn visited_by(&self, i: usize) -> bool {
+        let mut visited = false;
+        crate::unroll8!(j in 0..N => {
+            visited |= j == i && self.visits[j];
+        });
+        visited
+    }
+}
+
+/// The caller block mask rows of a query tile: the mask array (null: no mask), the first query
+/// block's row (a word offset) and the distance between consecutive query blocks' rows.
+#[derive(Clone, Copy)]
+pub struct TileMask {
+    /// The mask array, or null.
+    pub words: *const u32,
+    /// Word offset of the first query block's row.
+    pub row: u32,
+    /// Words per row: query block `i` of the tile has its row at `row + i * row_words`.
+    pub row_words: u32,
+}
+
+/// The KV blocks a (query head, query tile of `N` query blocks) visits: the union of its query
+/// blocks' sets, ascending (see the module docs). With `N = 1` this is the plain walk over one
+/// query block's set (every yielded block is visited by it).
+#[derive(Clone, Copy)]
+pub struct TileBlocks<const N: usize> {
+    sets: [BlockSet; N],
+    mask: TileMask,
+    /// Query blocks of the tile that exist (`1 ..= N`); the sets of the others are empty.
+    blocks: u32,
+    /// The current word and, per query block, its not yet yielded bits.
+    word: u32,
+    bits: [u32; N],
+}
+
+impl<const N: usize> TileBlocks<N> {
+    /// The walk for the tile of query blocks `q_block .. q_block + blocks` (`1 <= blocks <= N`;
+    /// query blocks past the sequence's end are left out) of a head with pattern `window`,
+    /// intersected with the caller mask rows `mask` (rows of blocks that do not exist are not
+    /// read).
+    ///
+    /// # Safety
+    /// With a mask, each row of an existing query block holds `row_words` readable words, and
+    /// `row_words >= (q_block + blocks - 1) / 32 + 1` (the walk ends at the tile's last diagonal
+    /// block).
+    #[inline(always)]
+    pub unsafe fn new(window: Window, q_block: u32, blocks: u32, mask: TileMask) -> Self {
+        // A query block that does not exist gets the last existing one's set (then emptied by
+        // `blocks`), so the walk ends at the last existing diagonal.
+        let mut walk = Self {
+            sets: core::array::from_fn(|i| {
+                BlockSet::new(window, q_block + (i as u32).min(blocks - 1))
+            }),
+            mask,
+            blocks,
+            word: 0,
+            bits: [0; N],
+        };
+        // SAFETY: word 0 is in every row.
+        unsafe { walk.load_word(0) };
+        walk
+    }
+
+    /// Whether query block `i` of the tile exists (block 0 always does).
+    #[inline(always)]
+    fn exists(&self, i: usize) -> bool {
+        i == 0 || (i as u32) < self.blocks
+    }
+
+    /// Makes `word` the current word.
+    ///
+    /// # Safety
+    /// `word <= sets[N - 1].q_block / 32` (every mask row holds it, see [`Self::new`]).
+    #[inline(always)]
+    unsafe fn load_word(&mut self, word: u32) {
+        self.word = word;
+        let m = self.mask;
+        crate::unroll8!(i in 0..N => {
+            let row = if m.words.is_null() || !self.exists(i) {
+                core::ptr::null()
+            } else {
+                // SAFETY: the row of an existing query block lies inside the mask array.
+                unsafe { m.words.add((m.row + i as u32 * m.row_words) as usize) }
+            };
+            // SAFETY: forwarded (a null row is not read).
+            let bits = unsafe { self.sets[i].candidates(word, row) };
+            self.bits[i] = if self.exists(i) { bits } else { 0 };
+        });
+    }
+}
+
+impl<const N: usize> Iterator for TileBlocks<N> {
+    type Item = TileBlock<N>;
 
     #[inline(always)]
-    fn next(&mut self) -> Option<u32> {
+    fn next(&mut self) -> Option<TileBlock<N>> {
         loop {
-            if self.bits != 0 {
-                let kv_block = 32 * self.word + self.bits.trailing_zeros();
-                self.bits &= self.bits - 1;
-                return Some(kv_block);
+            let mut union = 0;
+            crate::unroll8!(i in 0..N => {
+                union |= self.bits[i];
+            });
+            if union != 0 {
+                let bit = union.isolate_lowest_one();
+                let mut visits = [false; N];
+                crate::unroll8!(i in 0..N => {
+                    // With one query block, every block of the walk is its own.
+                    visits[i] = N == 1 || self.bits[i] & bit != 0;
+                    self.bits[i] &= !bit;
+                });
+                return Some(TileBlock {
+                    kv_block: 32 * self.word + bit.trailing_zeros(),
+                    visits,
+                });
             }
-            if self.word >= self.q_block / 32 {
+            // The last set's diagonal is the last block of the union.
+            let last_word = self.sets[N - 1].q_block / 32;
+            if self.word >= last_word {
                 return None;
             }
-            let mut next = self.word + 1;
-            // Jump over whole words between the sink range and the local range: no block there
-            // is visible, whatever the mask says.
-            if 32 * next >= self.sink_end && 32 * next < self.local_start {
-                next = self.local_start / 32;
-            }
-            self.word = next;
-            // SAFETY: `next <= local_start / 32 <= q_block / 32`, or `word + 1 <= q_block / 32`.
-            self.bits = unsafe { self.candidates(next) };
+            // No word skipped by every set holds a block of any, so none of the union's.
+            let next = self
+                .sets
+                .iter()
+                .fold(last_word, |n, set| n.min(set.next_word(self.word)));
+            // SAFETY: `next <= last_word`.
+            unsafe { self.load_word(next) };
         }
     }
 }

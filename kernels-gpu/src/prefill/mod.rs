@@ -1,21 +1,32 @@
 //! Block-sparse prefill attention (FlashAttention-2 forward on `mma.sync` tensor cores), one
 //! launch for dense and streaming heads.
 //!
-//! Grid `(items, q_heads)`, [`PREFILL_THREADS`] threads (4 warps). Block `(x, h)` computes query
-//! block `items[x].q_block` of sequence `items[x]` for query head `h` (GQA: KV head `h / G`):
+//! Two kernels share this body, differing in the query rows per warp (`ROW_TILES` `mma` row
+//! tiles of 16) and hence in the query tile of a launch block:
+//! - `prefill_attention_*` (launches without caller masks): 32 rows per warp, a tile of two
+//!   query blocks ([`TILE_Q_BLOCKS`]); warps 0-1 own the first query block, warps 2-3 the second.
+//!   Every K/V fragment feeds two row tiles; `Q` is re-read from shared memory per KV block.
+//! - `prefill_masked_attention_*` (launches with caller block masks): 16 rows per warp, a tile of
+//!   one query block ([`MASKED_TILE_Q_BLOCKS`]), `Q` in registers. A random mask per query block
+//!   makes a two-block tile visit the union of two KV sets with half its warps idle; one block
+//!   per tile visits exactly its own set.
 //!
-//! 1. the 64 query rows go to shared memory, then each warp's 16 rows into `Q` fragments;
-//! 2. the KV blocks to visit come from [`block_iter::KvBlocks`] (the head's pattern — causal or
-//!    Λ — intersected with the optional caller block mask, the diagonal kept); K/V tiles stream
-//!    through a [`PREFILL_STAGES`]-stage `cp.async` ring, a second walk of the same iterator
-//!    running ahead to issue the loads;
-//! 3. per block: `S = Q Kᵀ` ([`scores`]), element masks where the block is partially visible
-//!    ([`mask`]), online softmax in registers ([`softmax`]), `O += P V` with `P` taken straight
-//!    from `S`'s registers ([`accumulate_pv`]);
+//! Grid `(items, q_heads)`, [`PREFILL_THREADS`] threads (4 warps). Block `(x, h)` computes the
+//! query tile of `items[x]` for query head `h` (GQA: KV head `h / G`):
+//!
+//! 1. the query rows go to shared memory;
+//! 2. the KV blocks to visit come from [`block_iter::TileBlocks`] (per query block the head's
+//!    pattern — causal or Λ — intersected with the caller block mask in the masked kernel, the
+//!    diagonal kept; the tile visits the union); K/V tiles stream through a
+//!    [`PREFILL_STAGES`]-stage `cp.async` ring, one block ahead of the computation;
+//! 3. per block, in the warps whose query block visits it: `S = Q Kᵀ` ([`scores`]), element
+//!    masks where the block is partially visible ([`mask`]), online softmax in registers
+//!    ([`softmax`]), `O += P V` with `P` taken straight from `S`'s registers
+//!    ([`accumulate_pv`]);
 //! 4. `O / l` is written as the output element type.
 //!
 //! The loop body is the same for every head and block: what differs is only which blocks the
-//! iterator yields and whether the block needs element masks.
+//! iterator yields, which warps skip one, and whether the block needs element masks.
 
 /// Like [`crate::unroll8!`], for constant bounds up to 16 (the `O` accumulators at `D = 128`):
 /// the body is repeated in the source, so register arrays it indexes stay in registers.
@@ -41,7 +52,8 @@ pub mod tiles;
 
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
-    PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, PREFILL_STAGES, PREFILL_THREADS,
+    mask_words_per_row, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS,
+    PREFILL_STAGES, PREFILL_THREADS, TILE_Q_BLOCKS,
 };
 
 use crate::convert::{Bf16, F16};
@@ -49,63 +61,106 @@ use crate::cp_async::{commit_group, wait_all, wait_group};
 use crate::mma::{mma_m16n8k16, FragA, FragC, MmaElement};
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block};
-use block_iter::{KvBlocks, Window};
+use block_iter::{TileBlocks, TileMask, Window};
 use softmax::RowSoftmax;
 use tiles::{
-    load_k_fragments, load_q_fragments, load_tile_async, load_v_fragments, p_fragment, SmemLayout,
-    Tile, MAX_O_TILES, MAX_Q_STEPS, S_TILES,
+    load_k_fragments, load_q_fragment, load_tile_async, load_v_fragments, p_fragment, SmemLayout,
+    Tile, MAX_O_TILES, S_TILES,
 };
 
-const _: () = assert!(BLOCK_Q == 16 * (PREFILL_THREADS / 32) && BLOCK_KV == tiles::TILE_ROWS);
+/// Warps per launch block.
+const WARPS: u32 = PREFILL_THREADS / 32;
+/// Most `Q` fragments of a row tile (`D = 128`: 8 steps of 16 dims).
+const MAX_Q_STEPS: usize = 8;
 
-/// `S = Q Kᵀ` for this warp's 16 rows and the 64 keys of the K tile at `k_tile`.
+// A tile of `ROW_TILES` row tiles per warp is `ROW_TILES` query blocks (`16 * ROW_TILES * 4`
+// rows): the two kernels' tiles are the ABI's.
+const _: () = assert!(
+    BLOCK_Q == 16 * WARPS
+        && TILE_Q_BLOCKS == 2
+        && MASKED_TILE_Q_BLOCKS == 1
+        && BLOCK_KV == tiles::TILE_ROWS
+        && PREFILL_STAGES == 2
+);
+
+/// `S` of a warp: per row tile, 8 accumulators of 8 keys.
+type Scores<const ROW_TILES: usize> = [[FragC; S_TILES]; ROW_TILES];
+/// `O` of a warp: per row tile, `D / 8` accumulators of 8 dims.
+type Output<const ROW_TILES: usize> = [[FragC; MAX_O_TILES]; ROW_TILES];
+
+/// `S = Q Kᵀ` for this warp's rows and the 64 keys of the K tile at `k_tile`; `q(m, kk)` is the
+/// `Q` fragment of row tile `m`, dims `16 kk .. + 16` (from registers or shared memory). Each K
+/// fragment feeds every row tile.
 ///
 /// # Safety
-/// The whole warp calls it after the barrier that follows the tile's arrival.
+/// The whole warp calls it after the barrier that follows the tiles' arrival.
 #[inline(always)]
-unsafe fn scores<E: MmaElement, const D: usize>(
-    q: &[FragA<E>; MAX_Q_STEPS],
+unsafe fn scores<E: MmaElement, const D: usize, const ROW_TILES: usize>(
+    q: impl Fn(usize, usize) -> FragA<E>,
     k_tile: u32,
     lane: u32,
-) -> [FragC; S_TILES] {
-    let mut s = [FragC::default(); S_TILES];
+) -> Scores<ROW_TILES> {
+    let mut s = [[FragC::default(); S_TILES]; ROW_TILES];
     crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+        let q: [FragA<E>; ROW_TILES] = core::array::from_fn(|m| q(m, kk));
         crate::unroll8!(pair in 0..S_TILES / 2 => {
             // SAFETY: forwarded.
             let b = unsafe { load_k_fragments::<E, D>(k_tile, pair as u32, kk as u32, lane) };
-            // SAFETY: the whole warp executes the products.
-            unsafe {
-                s[2 * pair] = mma_m16n8k16(&q[kk], &b[0], &s[2 * pair]);
-                s[2 * pair + 1] = mma_m16n8k16(&q[kk], &b[1], &s[2 * pair + 1]);
-            }
+            crate::unroll8!(m in 0..ROW_TILES => {
+                // SAFETY: the whole warp executes the products.
+                unsafe {
+                    s[m][2 * pair] = mma_m16n8k16(&q[m], &b[0], &s[m][2 * pair]);
+                    s[m][2 * pair + 1] = mma_m16n8k16(&q[m], &b[1], &s[m][2 * pair + 1]);
+                }
+            });
         });
     });
     s
 }
 
-/// `O += P V` for this warp's rows, `P` the probabilities in `s`, V the tile at `v_tile`.
+/// `O += P V` for this warp's rows, `P` the probabilities in `s`, V the tile at `v_tile`. Each V
+/// fragment feeds every row tile.
 ///
 /// # Safety
 /// As [`scores`].
 #[inline(always)]
-unsafe fn accumulate_pv<E: MmaElement, const D: usize>(
-    s: &[FragC; S_TILES],
+unsafe fn accumulate_pv<E: MmaElement, const D: usize, const ROW_TILES: usize>(
+    s: &Scores<ROW_TILES>,
     v_tile: u32,
-    o: &mut [FragC; MAX_O_TILES],
+    o: &mut Output<ROW_TILES>,
     lane: u32,
 ) {
     crate::unroll8!(kk in 0..S_TILES / 2 => {
-        let p = p_fragment::<E>(&s[2 * kk], &s[2 * kk + 1]);
+        let p: [FragA<E>; ROW_TILES] =
+            core::array::from_fn(|m| p_fragment::<E>(&s[m][2 * kk], &s[m][2 * kk + 1]));
         crate::unroll8!(pair in 0..Tile::<D>::O_TILES / 2 => {
             // SAFETY: forwarded.
             let b = unsafe { load_v_fragments::<E, D>(v_tile, kk as u32, pair as u32, lane) };
-            // SAFETY: the whole warp executes the products.
-            unsafe {
-                o[2 * pair] = mma_m16n8k16(&p, &b[0], &o[2 * pair]);
-                o[2 * pair + 1] = mma_m16n8k16(&p, &b[1], &o[2 * pair + 1]);
-            }
+            crate::unroll8!(m in 0..ROW_TILES => {
+                // SAFETY: the whole warp executes the products.
+                unsafe {
+                    o[m][2 * pair] = mma_m16n8k16(&p[m], &b[0], &o[m][2 * pair]);
+                    o[m][2 * pair + 1] = mma_m16n8k16(&p[m], &b[1], &o[m][2 * pair + 1]);
+                }
+            });
         });
     });
+}
+
+/// `x`, computed where this is called: the compiler can neither hoist it nor what is derived
+/// from it out of the KV loop. Used for the K/V load addresses, which are cheap to recompute once
+/// per block, so that LLVM does not keep them live across the loop beside the `S` and `O`
+/// accumulators. Measured effect on ptxas's spills at D 128 in version 2: none (48 bytes with or
+/// without, see NOTES.md); kept because the kernels measured on the GPU have it.
+#[inline(always)]
+fn opaque(x: usize) -> usize {
+    let y: u64;
+    // SAFETY: a register move; not `pure`, so it stays inside the loop.
+    unsafe {
+        core::arch::asm!("mov.b64 {0}, {1};", out(reg64) y, in(reg64) x as u64,
+                         options(nomem, nostack));
+    }
+    y as usize
 }
 
 /// The global tensors of a launch (`u16` = bf16 or f16 bits).
@@ -117,23 +172,36 @@ struct Tensors {
     out: *mut u16,
 }
 
-/// The kernel body, generic over the element type `E` and head dimension `D` (64 or 128).
+/// The kernel body, generic over the element type `E`, head dimension `D` (64 or 128), the
+/// `mma` row tiles per warp (`ROW_TILES` = query blocks per tile, 1 or 2) and whether it reads
+/// caller block masks (`MASKED`; the unmasked kernel walks the heads' patterns only).
 ///
 /// # Safety
 /// Launched with grid `(p.items, p.q_heads)`, [`PREFILL_THREADS`] threads and
-/// `prefill_smem_bytes(D)` bytes of dynamic shared memory. `items` holds `p.items` work items of
-/// sequences inside `q [T][Hq][D]`, `k`, `v [T][Hkv][D]`, `out [T][Hq][D]` (16-byte aligned);
-/// `head_map` holds `Hkv` entries (bit [`HEAD_STREAMING`] = streaming); with `p.has_mask != 0`,
-/// `mask` holds every item's rows (`mask_row + h * mask_head_stride`, `q_block / 32 + 1` words
-/// at least).
+/// `prefill_smem_bytes(D, ROW_TILES)` bytes of dynamic shared memory. `items` holds `p.items`
+/// work items (tiles of `ROW_TILES` query blocks) of sequences inside `q [T][Hq][D]`, `k`,
+/// `v [T][Hkv][D]`, `out [T][Hq][D]` (16-byte aligned); `head_map` holds `Hkv` entries (bit
+/// [`HEAD_STREAMING`] = streaming); with `MASKED`, `mask` holds every item's rows
+/// (`mask_row + h * mask_head_stride`, then the next query block's row, each
+/// `mask_words_per_row(seq_len)` words).
 #[inline(always)]
-unsafe fn prefill_attention<E: MmaElement, const D: usize>(
+unsafe fn prefill_attention<
+    E: MmaElement,
+    const D: usize,
+    const ROW_TILES: usize,
+    const MASKED: bool,
+>(
     p: &PrefillParams,
     items: *const PrefillWorkItem,
     head_map: *const u32,
     mask: *const u32,
     t: Tensors,
 ) {
+    // Query rows of a warp and of the tile; with one row tile `Q` stays in registers.
+    let warp_rows = 16 * ROW_TILES as u32;
+    let tile_rows = warp_rows * WARPS;
+    let q_resident = ROW_TILES == 1;
+
     let (thread, warp, lane) = (thread_in_block(), warp_in_block(), lane());
     let head = block_idx_y();
     let kv_head = head / p.group;
@@ -152,44 +220,62 @@ unsafe fn prefill_attention<E: MmaElement, const D: usize>(
     } else {
         Window::CAUSAL
     };
-    let mask_row = if p.has_mask != 0 {
-        // SAFETY: inside the mask array by the host's plan.
-        unsafe { mask.add((item.mask_row + head * item.mask_head_stride) as usize) }
-    } else {
-        core::ptr::null()
-    };
     let (seq_start, seq_len) = (item.seq_start as usize, item.seq_len);
     let q_first = item.q_block * BLOCK_Q;
+    // Query blocks of the tile that exist (the last tile of a sequence may be short).
+    let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(ROW_TILES as u32);
+    let tile_mask = TileMask {
+        // The unmasked kernel has no mask at compile time: no mask code in its loop.
+        words: if MASKED { mask } else { core::ptr::null() },
+        row: item.mask_row + head * item.mask_head_stride,
+        row_words: mask_words_per_row(seq_len),
+    };
     let (q_stride, kv_stride) = (p.q_heads as usize * D, p.kv_heads as usize * D);
 
-    // The query tile, first into shared memory (its own `cp.async` group).
-    let q_rows = (seq_len - q_first).min(BLOCK_Q);
-    // SAFETY: rows `q_first .. q_first + q_rows` of the sequence exist in `q`.
+    // The query tile, into shared memory (its own `cp.async` group).
+    let q_rows = (seq_len - q_first).min(tile_rows);
+    // SAFETY: rows `q_first .. q_first + q_rows` of the sequence exist in `q`; the tile has
+    // `tile_rows` rows (`ROW_TILES` query blocks).
     unsafe {
         let src =
             t.q.add((seq_start + q_first as usize) * q_stride + head as usize * D);
-        load_tile_async::<D>(SmemLayout::<D>::q(), src, q_stride, q_rows, thread);
+        if ROW_TILES == 1 {
+            load_tile_async::<D, BLOCK_Q>(SmemLayout::<D>::q(), src, q_stride, q_rows, thread);
+        } else {
+            load_tile_async::<D, { 2 * BLOCK_Q }>(
+                SmemLayout::<D>::q(),
+                src,
+                q_stride,
+                q_rows,
+                thread,
+            );
+        }
     }
     commit_group();
 
-    // Two walks over the same blocks: `loads` runs `PREFILL_STAGES - 1` ahead of `blocks`.
-    // SAFETY: the mask row holds `q_block / 32 + 1` words (host plan).
-    let mut blocks = unsafe { KvBlocks::new(window, item.q_block, mask_row) };
-    let mut loads = blocks;
+    // One walk over the blocks, one block ahead of the computation: with two stages, block
+    // `i + 1` loads while block `i` is computed.
+    // SAFETY: every mask row holds `mask_words_per_row(seq_len)` words, one per 32 KV blocks of
+    // the sequence, and the tile's query blocks are below that count.
+    let mut walk =
+        unsafe { TileBlocks::<ROW_TILES>::new(window, item.q_block, tile_blocks, tile_mask) };
+    // Elements from `k` / `v` to this head's first row of the sequence.
+    let kv_offset = seq_start * kv_stride + kv_head as usize * D;
     let load_kv = |kv_block: u32, stage: u32| {
         let k_first = kv_block * BLOCK_KV;
         let rows = (seq_len - k_first).min(BLOCK_KV);
-        let offset = (seq_start + k_first as usize) * kv_stride + kv_head as usize * D;
-        // SAFETY: `kv_block <= q_block`, so its rows `0 .. rows` exist in `k` and `v`.
+        let offset = opaque(kv_offset) + k_first as usize * kv_stride;
+        // SAFETY: `kv_block` is at most the tile's last diagonal block, a block of the
+        // sequence, so its rows `0 .. rows` exist in `k` and `v`.
         unsafe {
-            load_tile_async::<D>(
+            load_tile_async::<D, BLOCK_KV>(
                 SmemLayout::<D>::k(stage),
                 t.k.add(offset),
                 kv_stride,
                 rows,
                 thread,
             );
-            load_tile_async::<D>(
+            load_tile_async::<D, BLOCK_KV>(
                 SmemLayout::<D>::v(stage),
                 t.v.add(offset),
                 kv_stride,
@@ -198,78 +284,113 @@ unsafe fn prefill_attention<E: MmaElement, const D: usize>(
             );
         }
     };
-    let mut stage = 0;
-    while stage < PREFILL_STAGES - 1 {
-        if let Some(kv_block) = loads.next() {
-            load_kv(kv_block, stage);
-        }
-        commit_group();
-        stage += 1;
+    let mut current = walk.next();
+    if let Some(block) = current {
+        load_kv(block.kv_block, 0);
     }
+    commit_group();
+    let mut ahead = walk.next();
 
-    // The query tile has landed once at most `PREFILL_STAGES - 1` groups are pending.
-    wait_group::<{ PREFILL_STAGES - 1 }>();
-    // SAFETY: block-uniform control flow.
-    unsafe { sync_threads() };
-    // SAFETY: the whole warp, after the barrier.
-    let q = unsafe { load_q_fragments::<E, D>(warp, lane) };
+    // This warp's query block (in the tile) and rows.
+    let my_block = (warp * warp_rows / BLOCK_Q) as usize;
+    let my_q_block = item.q_block + my_block as u32;
+    let q_first_warp = q_first + warp_rows * warp;
+    let q_rows_smem = SmemLayout::<D>::q() + warp_rows * warp * Tile::<D>::ROW_BYTES;
 
-    let mut o = [FragC::default(); MAX_O_TILES];
-    let mut softmax = RowSoftmax::new(p.scale_log2);
-    let q_first_warp = q_first + 16 * warp;
+    // With one row tile, the warp's `Q` fragments are loaded once, here (the query tile's group
+    // is the older of the two in flight), and stay in registers.
+    let mut q_regs = [[FragA::<E>::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES];
+    if q_resident {
+        wait_group::<1>();
+        // SAFETY: block-uniform; the query tile has landed for everyone after it.
+        unsafe { sync_threads() };
+        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+            // SAFETY: the whole warp, after the barrier that follows the query tile's arrival.
+            q_regs[0][kk] = unsafe { load_q_fragment::<E, D>(q_rows_smem, 0, kk as u32, lane) };
+        });
+    }
+    let q_fragment = |m: usize, kk: usize| {
+        if q_resident {
+            q_regs[m][kk]
+        } else {
+            // SAFETY: called by the whole warp inside `scores`, after the barrier that follows
+            // the query tile's arrival.
+            unsafe { load_q_fragment::<E, D>(q_rows_smem, m as u32, kk as u32, lane) }
+        }
+    };
+
+    let mut o = [[FragC::default(); MAX_O_TILES]; ROW_TILES];
+    let mut softmax: [RowSoftmax; ROW_TILES] =
+        core::array::from_fn(|_| RowSoftmax::new(p.scale_log2));
     let mut i = 0;
-    while let Some(kv_block) = blocks.next() {
-        // Block `i` has landed (for everyone after the barrier), and everyone is done reading
-        // the stage the next load overwrites (it held block `i - 1`).
-        wait_group::<{ PREFILL_STAGES - 2 }>();
+    while let Some(block) = current {
+        // Block `i` (and, the first time, the query tile) has landed (for everyone after the
+        // barrier), and everyone is done reading the stage the next load overwrites (it held
+        // block `i - 1`).
+        wait_group::<0>();
         // SAFETY: the iterator is block-uniform, so every thread runs the same iterations.
         unsafe { sync_threads() };
-        if let Some(next) = loads.next() {
-            load_kv(next, (i + PREFILL_STAGES - 1) % PREFILL_STAGES);
+        if let Some(next) = ahead {
+            load_kv(next.kv_block, (i + 1) % PREFILL_STAGES);
         }
         commit_group();
 
-        let stage = i % PREFILL_STAGES;
-        // SAFETY: the whole warp, after the barrier that follows the stage's arrival.
-        let mut s = unsafe { scores::<E, D>(&q, SmemLayout::<D>::k(stage), lane) };
-        if window.needs_mask(item.q_block, kv_block, seq_len) {
-            mask::apply(&mut s, window, q_first_warp, kv_block * BLOCK_KV, lane);
+        // Warp-uniform: the warps of a query block that does not visit this KV block skip it
+        // (never in the masked kernel: its tile is one query block).
+        if block.visited_by(my_block) {
+            let stage = i % PREFILL_STAGES;
+            // SAFETY: the whole warp, after the barrier that follows the tiles' arrival.
+            let mut s =
+                unsafe { scores::<E, D, ROW_TILES>(&q_fragment, SmemLayout::<D>::k(stage), lane) };
+            if window.needs_mask(my_q_block, block.kv_block, seq_len) {
+                crate::unroll8!(m in 0..ROW_TILES => {
+                    let rows = q_first_warp + 16 * m as u32;
+                    mask::apply(&mut s[m], window, rows, block.kv_block * BLOCK_KV, lane);
+                });
+            }
+            crate::unroll8!(m in 0..ROW_TILES => {
+                // SAFETY: the whole warp.
+                unsafe { softmax[m].update(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
+            });
+            // SAFETY: the whole warp, after the barrier.
+            unsafe {
+                accumulate_pv::<E, D, ROW_TILES>(&s, SmemLayout::<D>::v(stage), &mut o, lane)
+            };
         }
-        // SAFETY: the whole warp.
-        unsafe {
-            softmax.update(&mut s, &mut o, Tile::<D>::O_TILES);
-            accumulate_pv::<E, D>(&s, SmemLayout::<D>::v(stage), &mut o, lane);
-        }
+        (current, ahead) = (ahead, walk.next());
         i += 1;
     }
     wait_all();
 
     // O / l, rows that exist only.
-    // SAFETY: the whole warp.
-    let inv = unsafe { softmax.inverse_denominators() };
     let (group, quad) = (lane / 4, lane % 4);
-    crate::unroll8!(half in 0..2 => {
-        let row = q_first_warp + group + 8 * half as u32;
-        if row < seq_len {
-            let base = (seq_start + row as usize) * q_stride + head as usize * D;
-            unroll16!(n in 0..Tile::<D>::O_TILES => {
-                let c = &o[n].regs[2 * half..2 * half + 2];
-                let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
-                // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.
-                unsafe {
-                    t.out
-                        .add(base + 8 * n + 2 * quad as usize)
-                        .cast::<u32>()
-                        .write(pair)
-                };
-            });
-        }
+    crate::unroll8!(m in 0..ROW_TILES => {
+        // SAFETY: the whole warp.
+        let inv = unsafe { softmax[m].inverse_denominators() };
+        crate::unroll8!(half in 0..2 => {
+            let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
+            if row < seq_len {
+                let base = (seq_start + row as usize) * q_stride + head as usize * D;
+                unroll16!(n in 0..Tile::<D>::O_TILES => {
+                    let c = &o[m][n].regs[2 * half..2 * half + 2];
+                    let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
+                    // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.
+                    unsafe {
+                        t.out
+                            .add(base + 8 * n + 2 * quad as usize)
+                            .cast::<u32>()
+                            .write(pair)
+                    };
+                });
+            }
+        });
     });
 }
 
-/// Declares one `extern "gpu-kernel"` entry point per (element type, head dim).
+/// Declares one `extern "gpu-kernel"` entry point per (kernel variant, element type, head dim):
+/// `rows` is the `mma` row tiles per warp, `masked` whether the kernel reads caller masks.
 macro_rules! prefill_kernels {
-    ($($name:ident: $elem:ty, $d:literal;)*) => {$(
+    ($($name:ident: $elem:ty, $d:literal, rows $rows:literal, masked $masked:literal;)*) => {$(
         /// Prefill attention entry point (see the module docs).
         ///
         /// # Safety
@@ -288,15 +409,31 @@ macro_rules! prefill_kernels {
         ) {
             // SAFETY: forwarded launch contract.
             unsafe {
-                prefill_attention::<$elem, $d>(&p, items, head_map, mask, Tensors { q, k, v, out })
+                prefill_attention::<$elem, $d, $rows, $masked>(
+                    &p,
+                    items,
+                    head_map,
+                    mask,
+                    Tensors { q, k, v, out },
+                )
             }
         }
     )*};
 }
 
+// Launches without caller masks: 32 rows per warp, tiles of `TILE_Q_BLOCKS` query blocks.
 prefill_kernels! {
-    prefill_attention_bf16_d64: Bf16, 64;
-    prefill_attention_bf16_d128: Bf16, 128;
-    prefill_attention_f16_d64: F16, 64;
-    prefill_attention_f16_d128: F16, 128;
+    prefill_attention_bf16_d64: Bf16, 64, rows 2, masked false;
+    prefill_attention_bf16_d128: Bf16, 128, rows 2, masked false;
+    prefill_attention_f16_d64: F16, 64, rows 2, masked false;
+    prefill_attention_f16_d128: F16, 128, rows 2, masked false;
+}
+
+// Launches with caller block masks: 16 rows per warp, tiles of `MASKED_TILE_Q_BLOCKS` (one)
+// query block.
+prefill_kernels! {
+    prefill_masked_attention_bf16_d64: Bf16, 64, rows 1, masked true;
+    prefill_masked_attention_bf16_d128: Bf16, 128, rows 1, masked true;
+    prefill_masked_attention_f16_d64: F16, 64, rows 1, masked true;
+    prefill_masked_attention_f16_d128: F16, 128, rows 1, masked true;
 }

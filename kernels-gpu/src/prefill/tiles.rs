@@ -1,32 +1,39 @@
 //! Tile shapes and the moves between global memory, shared memory and `mma` fragments.
 //!
-//! A tile is 64 rows (queries or keys) of `D` elements. In shared memory its rows are
-//! `D + PREFILL_ROW_PAD` elements apart, so the eight 16-byte rows of every `ldmatrix` 8x8 load
-//! land in distinct bank groups. Shared memory holds the query tile, then per stage a K and a V
-//! tile ([`SmemLayout`]).
+//! A K or V tile is 64 rows (keys) of `D` elements, the query tile 64 rows per query block of
+//! the kernel's tile (128 unmasked, 64 masked). In shared memory rows are `D + PREFILL_ROW_PAD`
+//! elements apart, so the eight 16-byte rows of every `ldmatrix` 8x8 load land in distinct bank
+//! groups. Shared memory holds per stage a K and a V tile, then the query tile
+//! ([`SmemLayout`]: the K/V addresses do not depend on the query tile's size).
 //!
-//! Per warp (16 query rows), with `D/16` head-dimension steps:
-//! - `Q` is `D/16` A fragments (rows x dims), loaded once;
-//! - `S = Q Kᵀ` is 8 accumulators (16 rows x 8 keys each); `Kᵀ`'s B fragments come from the
-//!   row-major K tile with plain `ldmatrix` (keys are B's `n`, dims its `k`);
-//! - `O` is `D/8` accumulators (16 rows x 8 dims each); `V`'s B fragments come from the
-//!   row-major V tile with `ldmatrix.trans` (keys are B's `k`, dims its `n`).
+//! Per warp (`ROW_TILES` `mma` row tiles of 16 query rows: 2 unmasked, 1 masked), with `D/16`
+//! head-dimension steps:
+//! - `Q` is `D/16` A fragments per row tile (rows x dims): with two row tiles they are read from
+//!   shared memory per KV block (keeping them in registers would not leave room for twice the
+//!   accumulators), with one they are loaded once and stay in registers;
+//! - `S = Q Kᵀ` is 8 accumulators per row tile (16 rows x 8 keys each); `Kᵀ`'s B fragments come
+//!   from the row-major K tile with plain `ldmatrix` (keys are B's `n`, dims its `k`);
+//! - `O` is `D/8` accumulators per row tile (16 rows x 8 dims each); `V`'s B fragments come from
+//!   the row-major V tile with `ldmatrix.trans` (keys are B's `k`, dims its `n`).
+//!
+//! Every K and V fragment feeds every row tile: one `ldmatrix.x4` per `2 * ROW_TILES` `mma`.
 
-use lserve_abi::prefill::{BLOCK_KV, PREFILL_ROW_PAD, PREFILL_STAGES, PREFILL_THREADS};
+use lserve_abi::prefill::{
+    prefill_smem_bytes, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS, PREFILL_ROW_PAD, PREFILL_STAGES,
+    PREFILL_THREADS, TILE_Q_BLOCKS,
+};
 
-use crate::cp_async::cp_async_16;
+use crate::cp_async::cp_async_16_zfill;
 use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans, load_a_row_major};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr};
 
-/// Rows of every tile (queries of a query tile, keys of a K/V tile).
+/// Rows of a K/V tile (keys).
 pub const TILE_ROWS: u32 = BLOCK_KV;
-/// Accumulators of `S` per warp: 64 keys in groups of 8.
+/// Accumulators of `S` per row tile: 64 keys in groups of 8.
 pub const S_TILES: usize = (BLOCK_KV / 8) as usize;
-/// Most accumulators of `O` per warp (`D = 128`: 16 groups of 8 dims).
+/// Most accumulators of `O` per row tile (`D = 128`: 16 groups of 8 dims).
 pub const MAX_O_TILES: usize = 16;
-/// Most `Q` fragments per warp (`D = 128`: 8 steps of 16 dims).
-pub const MAX_Q_STEPS: usize = 8;
 
 /// The tile geometry for head dimension `D` (64 or 128).
 pub struct Tile<const D: usize>;
@@ -34,12 +41,10 @@ pub struct Tile<const D: usize>;
 impl<const D: usize> Tile<D> {
     /// Bytes between consecutive rows in shared memory.
     pub const ROW_BYTES: u32 = (D as u32 + PREFILL_ROW_PAD) * 2;
-    /// Bytes of one tile in shared memory.
+    /// Bytes of one K or V tile in shared memory.
     pub const BYTES: u32 = TILE_ROWS * Self::ROW_BYTES;
     /// 16-byte chunks per row.
     const CHUNKS_PER_ROW: u32 = D as u32 / 8;
-    /// Chunks each thread copies per tile.
-    const CHUNKS_PER_THREAD: u32 = TILE_ROWS * Self::CHUNKS_PER_ROW / PREFILL_THREADS;
     /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
     pub const D_STEPS: usize = D / 16;
     /// Accumulators of 8 dims in `O`.
@@ -50,16 +55,10 @@ impl<const D: usize> Tile<D> {
 pub struct SmemLayout<const D: usize>;
 
 impl<const D: usize> SmemLayout<D> {
-    /// The query tile.
-    #[inline(always)]
-    pub fn q() -> u32 {
-        shared_addr(dynamic_smem::<u8>(0))
-    }
-
     /// The K tile of `stage`.
     #[inline(always)]
     pub fn k(stage: u32) -> u32 {
-        Self::q() + Tile::<D>::BYTES * (1 + 2 * stage)
+        shared_addr(dynamic_smem::<u8>(0)) + Tile::<D>::BYTES * 2 * stage
     }
 
     /// The V tile of `stage`.
@@ -67,61 +66,102 @@ impl<const D: usize> SmemLayout<D> {
     pub fn v(stage: u32) -> u32 {
         Self::k(stage) + Tile::<D>::BYTES
     }
+
+    /// The query tile (after the last stage; as many rows as the kernel's tile has).
+    #[inline(always)]
+    pub fn q() -> u32 {
+        Self::k(PREFILL_STAGES)
+    }
 }
 
-// The layout above is what `prefill_smem_bytes` sizes.
-const _: () = assert!(
-    lserve_abi::prefill::prefill_smem_bytes(128) == (1 + 2 * PREFILL_STAGES) * Tile::<128>::BYTES
-);
+// The layout above is what `prefill_smem_bytes` sizes, for both kernels' query tiles.
+const _: () = {
+    let kv = 2 * PREFILL_STAGES * Tile::<128>::BYTES;
+    let q_block = BLOCK_Q * Tile::<128>::ROW_BYTES;
+    assert!(prefill_smem_bytes(128, TILE_Q_BLOCKS) == kv + TILE_Q_BLOCKS * q_block);
+    assert!(prefill_smem_bytes(128, MASKED_TILE_Q_BLOCKS) == kv + MASKED_TILE_Q_BLOCKS * q_block);
+};
 
-/// Starts the asynchronous copy of 64 rows into the tile at `dst`: row `r` comes from
-/// `src + min(r, valid_rows - 1) * row_stride` (rows past the end repeat the last existing row,
-/// so every element is finite; the kernel masks them out).
+/// Starts the asynchronous copy of `ROWS` rows into the tile at `dst`: row `r < valid_rows`
+/// comes from `src + r * row_stride`, rows past the end are zero-filled (finite; the kernel masks
+/// them out).
+///
+/// Thread `t` copies chunk `t % CHUNKS_PER_ROW` of rows `t / CHUNKS_PER_ROW + i * ROW_STEP`: its
+/// addresses are one base plus multiples of a constant step, and whether a row exists is one
+/// compare against a per-call count, so a copy costs an address and a select.
 ///
 /// # Safety
-/// All [`PREFILL_THREADS`] threads call it; `dst` is a tile of this layout; `1 <= valid_rows`,
-/// and `valid_rows` rows of `D` elements at `src + r * row_stride` are readable, 16-byte aligned.
+/// All [`PREFILL_THREADS`] threads call it; `dst` is a tile of this layout of `ROWS` rows (64 or
+/// 128); `1 <= valid_rows`, and `valid_rows` rows of `D` elements at
+/// `src + r * row_stride` are readable, 16-byte aligned.
 #[inline(always)]
-pub unsafe fn load_tile_async<const D: usize>(
+pub unsafe fn load_tile_async<const D: usize, const ROWS: u32>(
     dst: u32,
     src: *const u16,
     row_stride: usize,
     valid_rows: u32,
     thread: u32,
 ) {
+    let row_step = PREFILL_THREADS / Tile::<D>::CHUNKS_PER_ROW;
+    let (row, chunk) = (
+        thread / Tile::<D>::CHUNKS_PER_ROW,
+        thread % Tile::<D>::CHUNKS_PER_ROW,
+    );
+    let dst = dst + row * Tile::<D>::ROW_BYTES + chunk * 16;
+    // Rows `row + i * row_step` exist for `i * row_step < rows_left`.
+    let rows_left = valid_rows.saturating_sub(row);
+    // SAFETY: row `min(row, valid_rows - 1) < valid_rows` exists and `chunk * 8 + 8 <= D`.
+    let (src, first) = unsafe {
+        let src = src.add(chunk as usize * 8);
+        (src, src.add(row.min(valid_rows - 1) as usize * row_stride))
+    };
+    // A running pointer rather than `first + i * step`: the products `i * step` would be loop
+    // invariants of the kernel's KV loop, hoisted out of it into eight live registers.
+    let step = row_step as usize * row_stride;
+    let mut next = first;
     let mut i = 0;
-    while i < Tile::<D>::CHUNKS_PER_THREAD {
-        let c = thread + i * PREFILL_THREADS;
-        let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
-        let src_row = row.min(valid_rows - 1);
-        // SAFETY: `src_row < valid_rows` rows exist; `chunk * 8 + 8 <= D`; the destination is
-        // inside the tile (`row < 64`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
+    while i < ROWS / row_step {
+        let (from, bytes) = if i * row_step < rows_left {
+            (next, 16)
+        } else {
+            (src, 0)
+        };
+        // SAFETY: `from` is a readable 16-byte chunk (row `row + i * row_step < valid_rows`, as
+        // `first` is row `row` then), or nothing is read; the destination is inside the tile
+        // (`row + i * row_step < ROWS`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
         unsafe {
-            cp_async_16(
-                dst + row * Tile::<D>::ROW_BYTES + chunk * 16,
-                src.add(src_row as usize * row_stride + chunk as usize * 8) as *const u8,
-            );
-        }
+            cp_async_16_zfill(
+                dst + i * row_step * Tile::<D>::ROW_BYTES,
+                from as *const u8,
+                bytes,
+            )
+        };
+        next = next.wrapping_add(step);
         i += 1;
     }
 }
 
-/// This warp's `Q` fragments: rows `16 * warp ..` of the query tile, `D/16` steps of 16 dims.
+/// The `Q` fragment of row tile `m` of the warp whose rows start at shared address `rows`
+/// (in the query tile), for dims `16 * kk .. + 16`.
 ///
 /// # Safety
 /// The whole warp calls it after a barrier that follows the query tile's arrival.
 #[inline(always)]
-pub unsafe fn load_q_fragments<E: MmaElement, const D: usize>(
-    warp: u32,
+pub unsafe fn load_q_fragment<E: MmaElement, const D: usize>(
+    rows: u32,
+    m: u32,
+    kk: u32,
     lane: u32,
-) -> [FragA<E>; MAX_Q_STEPS] {
-    let mut q = [FragA::from_regs([0; 4]); MAX_Q_STEPS];
-    let rows = SmemLayout::<D>::q() + 16 * warp * Tile::<D>::ROW_BYTES;
-    crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
-        // SAFETY: a 16x16 block inside the query tile; forwarded barrier.
-        q[kk] = unsafe { load_a_row_major::<E>(rows + kk as u32 * 32, Tile::<D>::ROW_BYTES, lane) };
-    });
-    q
+) -> FragA<E> {
+    // SAFETY: a 16x16 block inside the query tile (row tile `m` of the warp's, `16 kk + 16 <= D`);
+    // forwarded barrier.
+    unsafe {
+        load_a_row_major::<E>(
+            rows + 16 * m * Tile::<D>::ROW_BYTES + kk * 32,
+            Tile::<D>::ROW_BYTES,
+            lane,
+        )
+    }
 }
 
 /// The B fragments of `Kᵀ` for keys `16 * pair .. + 16` (two accumulators of 8 keys) and dims
