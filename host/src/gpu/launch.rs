@@ -34,7 +34,7 @@ unsafe impl<T: LaunchParams> DeviceRepr for ByValue<T> {}
 /// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, so the driver may start its blocks
 /// once every block of the previous kernel has signalled (`griddepcontrol.launch_dependents`) or
 /// exited, instead of after that kernel's completion. The kernel's blocks then wait
-/// (`griddepcontrol.wait`, [`kernels-gpu` `sync::grid_dependency_wait`]) until the previous
+/// (`griddepcontrol.wait`, `sync::overlapped_entry` in the kernel crate) until the previous
 /// kernel has completed and its writes are visible before they touch memory; what overlaps is
 /// the launch itself (block scheduling, parameter loads), which is most of a small kernel's cost.
 /// The decode step's kernels are launched this way; the ordering is the stream's, as before.
