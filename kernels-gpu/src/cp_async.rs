@@ -43,6 +43,39 @@ pub unsafe fn cp_async_16(dst: u32, src: *const u8) {
     }
 }
 
+/// An L2 cache policy under which the lines a load brings in are the first to be evicted
+/// (`createpolicy.fractional.L2::evict_first`): for data read once, such as decode's K/V stream.
+#[inline(always)]
+pub fn l2_evict_first() -> u64 {
+    let policy: u64;
+    // SAFETY: register-only instruction.
+    unsafe {
+        asm!("createpolicy.fractional.L2::evict_first.b64 {0}, 1.0;", out(reg64) policy,
+             options(pure, nomem, nostack));
+    }
+    policy
+}
+
+/// [`cp_async_16`] with an L2 cache policy (`.L2::cache_hint`, see [`l2_evict_first`]).
+///
+/// # Safety
+/// As [`cp_async_16`]; `policy` comes from `createpolicy`.
+#[inline(always)]
+pub unsafe fn cp_async_16_with_policy(dst: u32, src: *const u8, policy: u64) {
+    // SAFETY: as `cp_async_16`; the policy is a hint and changes no semantics.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .u64 gsrc;",
+            "cvta.to.global.u64 gsrc, {1};",
+            "cp.async.cg.shared.global.L2::cache_hint [{0}], [gsrc], 16, {2};",
+            "}}",
+            in(reg32) dst, in(reg64) src as u64, in(reg64) policy,
+            options(nostack),
+        );
+    }
+}
+
 /// [`cp_async_16`] reading only the first `src_bytes` (0 ..= 16) bytes of `src`: the rest of
 /// the 16 destination bytes are zero-filled (with 0, nothing is read).
 ///

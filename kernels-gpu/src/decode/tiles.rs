@@ -15,7 +15,7 @@
 
 use lserve_abi::decode::{DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS};
 
-use crate::cp_async::cp_async_16;
+use crate::cp_async::{cp_async_16_with_policy, l2_evict_first};
 use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr};
@@ -78,6 +78,8 @@ pub unsafe fn load_tile_async<const D: usize>(
     valid_rows: u32,
     lane: u32,
 ) {
+    // K and V are read once per step: keep them from pushing other lines out of the L2.
+    let policy = l2_evict_first();
     let mut i = 0;
     while i < Tile::<D>::CHUNKS_PER_LANE {
         let c = lane + i * WARP_SIZE;
@@ -87,8 +89,8 @@ pub unsafe fn load_tile_async<const D: usize>(
         // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is inside the
         // stage (`row < 16`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
         unsafe {
-            cp_async_16(dst, k_src.add(src) as *const u8);
-            cp_async_16(dst + Tile::<D>::BYTES, v_src.add(src) as *const u8);
+            cp_async_16_with_policy(dst, k_src.add(src) as *const u8, policy);
+            cp_async_16_with_policy(dst + Tile::<D>::BYTES, v_src.add(src) as *const u8, policy);
         }
         i += 1;
     }
