@@ -11,8 +11,9 @@
 
 use lserve_abi::decode::{CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
+use super::online_softmax::merge_weight;
 use crate::convert::{Bf16, Half16, F16};
-use crate::math::{exp2, fma, Vec16};
+use crate::math::{fma, Vec16};
 use crate::smem::dynamic_smem;
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, lane, thread_in_block, warp_in_block, WARP_SIZE};
@@ -95,11 +96,7 @@ unsafe fn combine<E: Half16>(
         // SAFETY: as above; `s < splits <= MAX_SPLITS` weights fit.
         unsafe {
             let (m, l) = (*part_ml.add(state(s) * 2), *part_ml.add(state(s) * 2 + 1));
-            let w = if m == f32::NEG_INFINITY {
-                0.0
-            } else {
-                exp2(m - m_max)
-            };
+            let w = merge_weight(m, m_max);
             *weights.add(s as usize) = w;
             den += w * l;
         }

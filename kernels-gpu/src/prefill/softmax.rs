@@ -8,22 +8,10 @@
 //! `p = 2^(s · scale_log2 − m · scale_log2)`.
 
 use super::tiles::{MAX_O_TILES, S_TILES};
-use crate::math::exp2;
+use crate::math::{exp2, fma};
 use crate::mma::FragC;
 use crate::unroll8;
 use crate::warp::{quad_max_f32, quad_sum_f32};
-
-/// `a * b + c` rounded once.
-#[inline(always)]
-fn fma(a: f32, b: f32, c: f32) -> f32 {
-    let d: f32;
-    // SAFETY: register-only instruction.
-    unsafe {
-        core::arch::asm!("fma.rn.f32 {0}, {1}, {2}, {3};", out(reg32) d, in(reg32) a,
-                         in(reg32) b, in(reg32) c, options(pure, nomem, nostack));
-    }
-    d
-}
 
 /// The softmax state of this lane's two rows.
 pub struct RowSoftmax {
