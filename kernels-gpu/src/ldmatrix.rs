@@ -129,3 +129,61 @@ pub unsafe fn load_b_n_major<E: Half16>(tile: u32, row_bytes: u32, lane: u32) ->
     // SAFETY: forwarded invariant.
     FragB::from_regs(unsafe { ldmatrix_x2(tile + (l % 8) * row_bytes + (l / 8) * 16) })
 }
+
+/// The B fragments of the 16 (k) x 16 (n) block at row `n0`, element `k0` of a tile stored
+/// n-major (Bᵀ row-major, like K in `Q Kᵀ`: row `n`, `k` along the row), as two 16x8 fragments
+/// (n `n0..+8`, n `n0+8..+16`), with one `.x4`.
+///
+/// Matrices: (n +0..8, k +0..8), (n +0..8, k +8..16), (n +8..16, k +0..8), (n +8..16, k +8..16);
+/// lane `l` addresses row `l % 8` of matrix `l / 8`.
+///
+/// # Safety
+/// As [`ldmatrix_x4`]: rows `n0 .. n0 + 16` of the tile at `tile` (`row_bytes` apart) hold
+/// elements `k0 .. k0 + 16`, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_b_pair_n_major<E: Half16>(
+    tile: u32,
+    row_bytes: u32,
+    n0: u32,
+    k0: u32,
+    lane: u32,
+) -> [FragB<E>; 2] {
+    let (matrix, row) = (lane / 8, lane % 8);
+    let n = n0 + row + 8 * (matrix / 2);
+    let k = k0 + 8 * (matrix % 2);
+    // SAFETY: forwarded invariant.
+    let r = unsafe { ldmatrix_x4(tile + n * row_bytes + k * 2) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
+}
+
+/// The B fragments of the 16 (k) x 16 (n) block at row `k0`, element `n0` of a tile stored
+/// k-major (row `k`, `n` along the row, like V in `P V`), as two 16x8 fragments (n `n0..+8`,
+/// n `n0+8..+16`), with one `.x4.trans`.
+///
+/// Matrices: (k +0..8, n +0..8), (k +8..16, n +0..8), (k +0..8, n +8..16), (k +8..16, n +8..16);
+/// the transpose gives each lane two consecutive `k` of one `n`.
+///
+/// # Safety
+/// As [`ldmatrix_x4`]: rows `k0 .. k0 + 16` of the tile at `tile` (`row_bytes` apart) hold
+/// elements `n0 .. n0 + 16`, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_b_pair_k_major<E: Half16>(
+    tile: u32,
+    row_bytes: u32,
+    k0: u32,
+    n0: u32,
+    lane: u32,
+) -> [FragB<E>; 2] {
+    let (matrix, row) = (lane / 8, lane % 8);
+    let k = k0 + row + 8 * (matrix % 2);
+    let n = n0 + 8 * (matrix / 2);
+    // SAFETY: forwarded invariant.
+    let r = unsafe { ldmatrix_x4_trans(tile + k * row_bytes + n * 2) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
+}

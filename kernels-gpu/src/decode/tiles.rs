@@ -16,7 +16,7 @@
 use lserve_abi::decode::{DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS};
 
 use crate::cp_async::{cp_async_16_with_policy, l2_evict_first};
-use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans};
+use crate::ldmatrix::{load_b_pair_k_major, load_b_pair_n_major};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr};
 use crate::thread::WARP_SIZE;
@@ -122,10 +122,7 @@ pub unsafe fn load_q_fragments<E: MmaElement, const D: usize, const G: usize>(
 }
 
 /// The B fragments of `Kᵀ` for the tile's 16 keys (two accumulators of 8) and dims
-/// `16 * kk .. + 16`, with one `ldmatrix.x4` from the row-major K tile.
-///
-/// Matrices: (keys 0..8, dims +0..8), (keys 0..8, dims +8..16), (keys 8..16, dims +0..8),
-/// (keys 8..16, dims +8..16); lane `l` addresses row `l % 8` of matrix `l / 8`.
+/// `16 * kk .. + 16`, with one `ldmatrix.x4` from the row-major K tile (keys are B's `n`).
 ///
 /// # Safety
 /// The whole warp calls it after the tile arrived and a warp barrier.
@@ -135,22 +132,12 @@ pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
     kk: u32,
     lane: u32,
 ) -> [FragB<E>; 2] {
-    let (matrix, row) = (lane / 8, lane % 8);
-    let key = row + 8 * (matrix / 2);
-    let dim = 16 * kk + 8 * (matrix % 2);
-    // SAFETY: key < 16, dim + 8 <= D: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4(k_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
-    [
-        FragB::from_regs([r[0], r[1]]),
-        FragB::from_regs([r[2], r[3]]),
-    ]
+    // SAFETY: 16 keys x dims `16 kk .. + 16 <= D`: inside the tile; forwarded barrier.
+    unsafe { load_b_pair_n_major(k_tile, Tile::<D>::ROW_BYTES, 0, 16 * kk, lane) }
 }
 
 /// The B fragments of `V` for the tile's 16 keys and dims `16 * pair .. + 16` (two accumulators
-/// of 8 dims), with one `ldmatrix.x4.trans` from the row-major V tile.
-///
-/// Matrices: (keys 0..8, dims +0..8), (keys 8..16, dims +0..8), (keys 0..8, dims +8..16),
-/// (keys 8..16, dims +8..16); the transpose gives each lane two consecutive keys of one dim.
+/// of 8 dims), with one `ldmatrix.x4.trans` from the row-major V tile (keys are B's `k`).
 ///
 /// # Safety
 /// As [`load_k_fragments`].
@@ -160,15 +147,8 @@ pub unsafe fn load_v_fragments<E: MmaElement, const D: usize>(
     pair: u32,
     lane: u32,
 ) -> [FragB<E>; 2] {
-    let (matrix, row) = (lane / 8, lane % 8);
-    let key = row + 8 * (matrix % 2);
-    let dim = 16 * pair + 8 * (matrix / 2);
-    // SAFETY: key < 16, dim + 8 <= D: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4_trans(v_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
-    [
-        FragB::from_regs([r[0], r[1]]),
-        FragB::from_regs([r[2], r[3]]),
-    ]
+    // SAFETY: 16 keys x dims `16 pair .. + 16 <= D`: inside the tile; forwarded barrier.
+    unsafe { load_b_pair_k_major(v_tile, Tile::<D>::ROW_BYTES, 0, 16 * pair, lane) }
 }
 
 /// The A fragment of `P` from the two `S` accumulators of a tile (FlashAttention-2's register

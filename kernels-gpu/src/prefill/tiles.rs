@@ -24,7 +24,7 @@ use lserve_abi::prefill::{
 };
 
 use crate::cp_async::cp_async_16_zfill;
-use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans, load_a_row_major};
+use crate::ldmatrix::{load_a_row_major, load_b_pair_k_major, load_b_pair_n_major};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr};
 
@@ -165,10 +165,8 @@ pub unsafe fn load_q_fragment<E: MmaElement, const D: usize>(
 }
 
 /// The B fragments of `Kᵀ` for keys `16 * pair .. + 16` (two accumulators of 8 keys) and dims
-/// `16 * kk .. + 16`, from the row-major K tile at `k_tile`, with one `ldmatrix.x4`.
-///
-/// Matrices: (keys +0..8, dims +0..8), (keys +0..8, dims +8..16), (keys +8..16, dims +0..8),
-/// (keys +8..16, dims +8..16); lane `l` addresses row `l % 8` of matrix `l / 8`.
+/// `16 * kk .. + 16`, from the row-major K tile at `k_tile`, with one `ldmatrix.x4` (keys are
+/// B's `n`).
 ///
 /// # Safety
 /// The whole warp calls it after a barrier that follows the tile's arrival.
@@ -179,22 +177,14 @@ pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
     kk: u32,
     lane: u32,
 ) -> [FragB<E>; 2] {
-    let (matrix, row) = (lane / 8, lane % 8);
-    let key = 16 * pair + row + 8 * (matrix / 2);
-    let dim = 16 * kk + 8 * (matrix % 2);
-    // SAFETY: key < 64, dim + 8 <= D: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4(k_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
-    [
-        FragB::from_regs([r[0], r[1]]),
-        FragB::from_regs([r[2], r[3]]),
-    ]
+    // SAFETY: keys `16 pair + 16 <= 64`, dims `16 kk + 16 <= D`: inside the tile; forwarded
+    // barrier.
+    unsafe { load_b_pair_n_major(k_tile, Tile::<D>::ROW_BYTES, 16 * pair, 16 * kk, lane) }
 }
 
 /// The B fragments of `V` for keys `16 * kk .. + 16` and dims `16 * pair .. + 16` (two
-/// accumulators of 8 dims), from the row-major V tile at `v_tile`, with one `ldmatrix.x4.trans`.
-///
-/// Matrices: (keys +0..8, dims +0..8), (keys +8..16, dims +0..8), (keys +0..8, dims +8..16),
-/// (keys +8..16, dims +8..16); the transpose makes each lane hold two consecutive keys of one dim.
+/// accumulators of 8 dims), from the row-major V tile at `v_tile`, with one `ldmatrix.x4.trans`
+/// (keys are B's `k`).
 ///
 /// # Safety
 /// As [`load_k_fragments`].
@@ -205,15 +195,9 @@ pub unsafe fn load_v_fragments<E: MmaElement, const D: usize>(
     pair: u32,
     lane: u32,
 ) -> [FragB<E>; 2] {
-    let (matrix, row) = (lane / 8, lane % 8);
-    let key = 16 * kk + row + 8 * (matrix % 2);
-    let dim = 16 * pair + 8 * (matrix / 2);
-    // SAFETY: key < 64, dim + 8 <= D: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4_trans(v_tile + key * Tile::<D>::ROW_BYTES + dim * 2) };
-    [
-        FragB::from_regs([r[0], r[1]]),
-        FragB::from_regs([r[2], r[3]]),
-    ]
+    // SAFETY: keys `16 kk + 16 <= 64`, dims `16 pair + 16 <= D`: inside the tile; forwarded
+    // barrier.
+    unsafe { load_b_pair_k_major(v_tile, Tile::<D>::ROW_BYTES, 16 * kk, 16 * pair, lane) }
 }
 
 /// The A fragment of `P` for keys `16 * kk .. + 16`, from the two `S` accumulators of those keys
