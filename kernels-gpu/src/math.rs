@@ -81,3 +81,11 @@ macro_rules! unroll8 {
         )*
     };
 }
+
+/// [`unroll8!`] for constant bounds up to 16 (the `O` accumulators at `D = 128`).
+#[macro_export]
+macro_rules! unroll16 {
+    ($i:ident in 0..$n:expr => $body:block) => {
+        $crate::unroll8!(@each $i, $n, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+    };
+}

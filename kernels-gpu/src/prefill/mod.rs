@@ -28,23 +28,6 @@
 //! The loop body is the same for every head and block: what differs is only which blocks the
 //! iterator yields, which warps skip one, and whether the block needs element masks.
 
-/// Like [`crate::unroll8!`], for constant bounds up to 16 (the `O` accumulators at `D = 128`):
-/// the body is repeated in the source, so register arrays it indexes stay in registers.
-macro_rules! unroll16 {
-    ($i:ident in 0..$n:expr => $body:block) => {
-        unroll16!(@each $i, $n, $body, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
-    };
-    (@each $i:ident, $n:expr, $body:block, $($k:literal)*) => {
-        $(
-            #[allow(clippy::reversed_empty_ranges, unused_comparisons)]
-            if $k < $n {
-                let $i: usize = $k;
-                $body
-            }
-        )*
-    };
-}
-
 pub mod block_iter;
 pub mod mask;
 pub mod softmax;
@@ -371,7 +354,7 @@ unsafe fn prefill_attention<
             let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
             if row < seq_len {
                 let base = (seq_start + row as usize) * q_stride + head as usize * D;
-                unroll16!(n in 0..Tile::<D>::O_TILES => {
+                crate::unroll16!(n in 0..Tile::<D>::O_TILES => {
                     let c = &o[m][n].regs[2 * half..2 * half + 2];
                     let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
                     // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.

@@ -70,7 +70,7 @@ impl RowSoftmax {
                 });
             });
             self.l[r] = fma(self.l[r], correction, row_sum);
-            unroll16!(n in 0..o_tiles => {
+            crate::unroll16!(n in 0..o_tiles => {
                 o[n].regs[2 * r] *= correction;
                 o[n].regs[2 * r + 1] *= correction;
             });
