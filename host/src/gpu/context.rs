@@ -34,7 +34,14 @@ pub struct GpuContext {
     module: Arc<CudaModule>,
     sm_count: u32,
     /// Kernels looked up so far: a decode step launches the same few every layer.
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    functions: Mutex<HashMap<String, LoadedKernel>>,
+}
+
+/// A kernel looked up once, and the dynamic shared memory it has been allowed so far.
+struct LoadedKernel {
+    function: CudaFunction,
+    /// Bytes of dynamic shared memory a launch may use (the default, or what was opted in).
+    smem_allowed: u32,
 }
 
 impl GpuContext {
@@ -89,33 +96,34 @@ impl GpuContext {
 
     /// A kernel of the embedded module by its symbol name.
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
-        // A poisoned lock only means another thread panicked mid-insert: the map is still valid.
-        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = functions.get(name) {
-            return Ok(f.clone());
-        }
-        let f = self.module.load_function(name)?;
-        functions.insert(name.to_string(), f.clone());
-        Ok(f)
+        self.function_with_smem(name, 0)
     }
 
-    /// The kernel `name`, allowed `smem_bytes` of dynamic shared memory (above the default 48 KB
-    /// a kernel must opt in; the driver keeps the setting per function, so it is set once, when
-    /// the function is first looked up).
+    /// The kernel `name`, allowed `smem_bytes` of dynamic shared memory per launch. Above the
+    /// default 48 KB a kernel must opt in; the driver keeps the setting with the function, so it
+    /// is made once per kernel (and again only if a launch asks for more).
     pub(crate) fn function_with_smem(&self, name: &str, smem_bytes: u32) -> Result<CudaFunction> {
+        // A poisoned lock only means another thread panicked mid-insert: the map is still valid.
         let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = functions.get(name) {
-            return Ok(f.clone());
-        }
-        let f = self.module.load_function(name)?;
-        if smem_bytes > DEFAULT_SMEM_LIMIT {
-            f.set_attribute(
+        let kernel = match functions.get_mut(name) {
+            Some(kernel) => kernel,
+            None => {
+                let function = self.module.load_function(name)?;
+                let loaded = LoadedKernel {
+                    function,
+                    smem_allowed: DEFAULT_SMEM_LIMIT,
+                };
+                functions.entry(name.to_string()).or_insert(loaded)
+            }
+        };
+        if smem_bytes > kernel.smem_allowed {
+            kernel.function.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem_bytes as i32,
             )?;
+            kernel.smem_allowed = smem_bytes;
         }
-        functions.insert(name.to_string(), f.clone());
-        Ok(f)
+        Ok(kernel.function.clone())
     }
 }
 

@@ -11,7 +11,6 @@
 //! local)`, a caller block mask (blocks of 64 queries x 64 keys) is intersected with that, the
 //! diagonal block always kept.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
@@ -28,9 +27,6 @@ use crate::head_pattern::HeadKind;
 use crate::{LserveError, Result};
 
 impl LaunchParams for PrefillParams {}
-
-/// Dynamic shared memory a block may use without opting in (`cuFuncSetAttribute`).
-const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
 
 /// `u32` words of one [`PrefillWorkItem`] (the device array is a flat `u32` array).
 const ITEM_WORDS: usize = std::mem::size_of::<PrefillWorkItem>() / 4;
@@ -318,14 +314,8 @@ impl PrefillPlan {
         let (p, d) = (&self.params, self.head_dim);
         // The schedule was built for the kernel that matches `has_mask`.
         let masked = p.has_mask != 0;
-        let f = gpu.function(&kernel_name::<E>(d, masked))?;
         let smem = prefill_smem_bytes(d as u32, tile_q_blocks(masked));
-        if smem > DEFAULT_SMEM_LIMIT {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )?;
-        }
+        let f = gpu.function_with_smem(&kernel_name::<E>(d, masked), smem)?;
         let cfg = LaunchConfig {
             grid_dim: (p.items, p.q_heads, 1),
             block_dim: (PREFILL_THREADS, 1, 1),
