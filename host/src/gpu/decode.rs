@@ -8,7 +8,7 @@ use lserve_abi::decode::{
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::launch::{ByValue, OverlappedLaunch};
+use super::launch::{grouped_kernel_name, ByValue, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
@@ -65,22 +65,7 @@ fn choose_splits(sm_count: u32, heavy_pairs: u32, max_rows: u32, max_splits: u32
 const MIN_SPLIT_TILES: u32 = 8;
 
 fn kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
-    if !matches!(head_dim, 64 | 128) {
-        return Err(LserveError::InvalidArgument {
-            what: "head_dim",
-            reason: format!("{head_dim}: the GPU decode kernel supports 64 and 128"),
-        });
-    }
-    if !matches!(group, 1 | 2 | 4 | 8) {
-        return Err(LserveError::InvalidArgument {
-            what: "group",
-            reason: format!("{group}: the GPU decode kernel supports GQA groups of 1, 2, 4, 8"),
-        });
-    }
-    Ok(format!(
-        "decode_attention_{}_d{head_dim}_g{group}",
-        dtype.name()
-    ))
+    grouped_kernel_name("decode_attention", "decode kernel", dtype, head_dim, group)
 }
 
 /// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`.

@@ -8,7 +8,33 @@ use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
 };
 
-use crate::Result;
+use crate::dtype::DType;
+use crate::{LserveError, Result};
+
+/// The instance `{family}_{dtype}_d{head_dim}_g{group}` of a kernel family built for head
+/// dimensions 64 and 128 and GQA groups 1, 2, 4 and 8 (the decode attention and the page
+/// scorer); `what` names the family in the error for any other shape.
+pub(crate) fn grouped_kernel_name(
+    family: &str,
+    what: &str,
+    dtype: DType,
+    head_dim: usize,
+    group: usize,
+) -> Result<String> {
+    if !matches!(head_dim, 64 | 128) {
+        return Err(LserveError::InvalidArgument {
+            what: "head_dim",
+            reason: format!("{head_dim}: the GPU {what} supports 64 and 128"),
+        });
+    }
+    if !matches!(group, 1 | 2 | 4 | 8) {
+        return Err(LserveError::InvalidArgument {
+            what: "group",
+            reason: format!("{group}: the GPU {what} supports GQA groups of 1, 2, 4, 8"),
+        });
+    }
+    Ok(format!("{family}_{}_d{head_dim}_g{group}", dtype.name()))
+}
 
 /// A launch-parameter struct from `lserve-abi`, passed to a kernel by value.
 ///

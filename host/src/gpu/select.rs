@@ -51,7 +51,7 @@ use lserve_abi::select::{
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{ByValue, LaunchParams, OverlappedLaunch};
+use super::launch::{grouped_kernel_name, ByValue, LaunchParams, OverlappedLaunch};
 use super::GpuContext;
 use crate::config::GqaAggregation;
 use crate::dtype::DType;
@@ -118,19 +118,7 @@ impl SelectWorkspace {
 
 /// The kernel name for element type, head dim and group size (`score_pages_bf16_d128_g4`).
 fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
-    if !matches!(head_dim, 64 | 128) {
-        return Err(LserveError::InvalidArgument {
-            what: "head_dim",
-            reason: format!("{head_dim}: the GPU page scorer supports 64 and 128"),
-        });
-    }
-    if !matches!(group, 1 | 2 | 4 | 8) {
-        return Err(LserveError::InvalidArgument {
-            what: "group",
-            reason: format!("{group}: the GPU page scorer supports GQA groups of 1, 2, 4, 8"),
-        });
-    }
-    Ok(format!("score_pages_{}_d{head_dim}_g{group}", dtype.name()))
+    grouped_kernel_name("score_pages", "page scorer", dtype, head_dim, group)
 }
 
 /// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
