@@ -61,8 +61,8 @@ const D: usize = 128;
 /// Bytes of one bf16 row of `D` channels.
 const ROW_BYTES: usize = D * 2;
 
-/// One configured layer: cache, batch, workspaces, query, the step's new K/V.
-struct Layer {
+/// One configured case: a cache of one or more layers, batch, workspaces, query, the step's new K/V.
+struct Bench {
     cache: DeviceKvCache<bf16>,
     batch: DecodeBatch,
     attention: DecodeWorkspace,
@@ -91,7 +91,7 @@ fn step_layers(batch: usize) -> usize {
 
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
 /// the statistics pooled from it.
-fn layer(
+fn bench_case(
     gpu: &GpuContext,
     layers: usize,
     batch: usize,
@@ -99,7 +99,7 @@ fn layer(
     streaming: bool,
     selection: bool,
     reuse: usize,
-) -> lserve::Result<Layer> {
+) -> lserve::Result<Bench> {
     let g = ModelGeometry::new(layers, HQ, HKV, D)?;
     let pattern = if streaming {
         HeadPattern::interleaved(g, 0.5)?
@@ -144,7 +144,7 @@ fn layer(
     let attention = DecodeWorkspace::new(gpu, batch, HKV, HQ / HKV, D)?;
     let selection = SelectWorkspace::new(gpu, &cache, batch)?;
     stream.synchronize()?;
-    Ok(Layer {
+    Ok(Bench {
         cache,
         batch: b,
         attention,
@@ -160,7 +160,7 @@ fn layer(
     })
 }
 
-impl Layer {
+impl Bench {
     /// Bytes one decode step must move: K+V rows visited, plus (selection on) the key
     /// statistics of the dense heads once per reuse interval, plus q and out.
     fn step_bytes(&self, with_selection: bool, with_attention: bool) -> u64 {
@@ -307,7 +307,7 @@ fn decode(c: &mut Criterion) {
                     1
                 };
                 // The step's token is in the cache: `context + 1` tokens.
-                let made = layer(
+                let made = bench_case(
                     &gpu,
                     layers,
                     batch,
@@ -326,7 +326,7 @@ fn decode(c: &mut Criterion) {
                 let bytes = l.step_bytes(run_select, run_attend);
                 // One decode step (or selector run), as an engine runs it.
                 bench_captured(c, &gpu, group_name, id(name), bytes, layers, || {
-                    let Layer {
+                    let Bench {
                         cache,
                         batch,
                         attention,
@@ -361,11 +361,11 @@ fn decode(c: &mut Criterion) {
             // of a logical page, so the update reads and writes the statistics, as 15 of 16
             // steps do with logical pages of 16).
             if selected(&case("kv", "append")) {
-                match layer(&gpu, 1, batch, context, false, true, 4) {
+                match bench_case(&gpu, 1, batch, context, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.append_bytes();
                         bench_captured(c, &gpu, "kv", id("append"), bytes, 1, || {
-                            let Layer {
+                            let Bench {
                                 cache, batch, k, v, ..
                             } = &mut l;
                             append_kv(&gpu, cache, 0, batch, k, v).expect("append");
@@ -378,11 +378,11 @@ fn decode(c: &mut Criterion) {
             // Statistics pooling over the whole context (prefill's pooling of a prompt, or a
             // rebuild): it recomputes `kmin`/`kmax` from the K rows, so replays are state-free.
             if batch == 1 && selected(&case("kv", "pool")) {
-                match layer(&gpu, 1, batch, context, false, true, 4) {
+                match bench_case(&gpu, 1, batch, context, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.pool_bytes();
                         bench_captured(c, &gpu, "kv", id("pool"), bytes, 1, || {
-                            let Layer { cache, plan, .. } = &mut l;
+                            let Bench { cache, plan, .. } = &mut l;
                             pool_key_stats(&gpu, cache, 0, plan).expect("pool");
                         });
                     }
