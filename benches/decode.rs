@@ -61,7 +61,8 @@ const D: usize = 128;
 /// Bytes of one bf16 row of `D` channels.
 const ROW_BYTES: usize = D * 2;
 
-/// One configured case: a cache of one or more layers, batch, workspaces, query, the step's new K/V.
+/// One configured case: a cache of one or more layers, batch, workspaces, query, the step's new
+/// K/V.
 struct Bench {
     cache: DeviceKvCache<bf16>,
     batch: DecodeBatch,
