@@ -68,3 +68,60 @@ pub unsafe fn overlapped_entry() {
         launch_dependents();
     }
 }
+
+/// A fence at GPU scope with acquire and release semantics (`fence.acq_rel.gpu`, CUDA's
+/// `__threadfence()`): this thread's memory accesses before it are ordered before its accesses
+/// after it as seen by every thread of the device, and it pairs with another thread's fence
+/// through an atomic they both access (release before the atomic, acquire after it).
+///
+/// # Safety
+/// None beyond being device code; `unsafe` like the other barriers.
+#[inline(always)]
+pub unsafe fn fence_gpu() {
+    // SAFETY: no operands. No `nomem`: memory accesses must not move across it.
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+}
+
+/// Whether this block is the last of `blocks` blocks to arrive at `counter` (a GPU-scope arrival
+/// count): every block of the group calls it once after its writes; in the last block to arrive
+/// every write the others made before their call is visible to all its threads, and the
+/// counter is back at zero for the next launch. Uses the `u32` of dynamic shared memory at word
+/// `flag` to share the answer within the block.
+///
+/// The pattern is CUDA's "last block" reduction: each thread fences its writes, the block meets
+/// at a barrier, one thread adds 1 to the counter; the thread that finds `blocks - 1` there is in
+/// the last block, which fences again (acquire) before reading what the others wrote.
+///
+/// # Safety
+/// Every thread of the block calls it (block-uniform control flow), exactly `blocks` blocks use
+/// `counter` (a global `u32` that is zero when the first of them arrives) in this launch, and
+/// shared word `flag` is not in use by the block during the call.
+#[inline(always)]
+pub unsafe fn last_block_to_arrive(counter: *mut u32, blocks: u32, flag: usize) -> bool {
+    let flag = crate::smem::dynamic_smem::<u32>(flag * 4);
+    // SAFETY (fences, barriers): block-uniform; (atomic, store): `counter` is the group's live
+    // global counter; (shared accesses): the caller's free word, ordered by the barriers.
+    unsafe {
+        fence_gpu();
+        sync_threads();
+        if crate::thread::thread_in_block() == 0 {
+            let arrived: u32;
+            asm!("atom.relaxed.gpu.global.add.u32 {0}, [{1}], 1;",
+                 out(reg32) arrived, in(reg64) counter as u64, options(nostack));
+            let last = arrived == blocks - 1;
+            if last {
+                // Every other block has arrived: nobody else touches the counter in this launch.
+                counter.write_volatile(0);
+            }
+            *flag = last as u32;
+        }
+        sync_threads();
+        let last = *flag != 0;
+        if last {
+            fence_gpu();
+        }
+        // Everyone has read the flag before the block may reuse the word.
+        sync_threads();
+        last
+    }
+}
