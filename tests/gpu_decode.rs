@@ -11,15 +11,15 @@
 
 mod common;
 
-use common::gpu;
-use half::{bf16, f16};
+use common::{f16_or_bf16, gpu, head_pattern, random_vec, tolerance};
+use half::bf16;
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
     decode_attention, DecodeBatch, DecodeWorkspace, DeviceElement, DeviceKvCache, GpuContext,
 };
-use lserve::head_pattern::{HeadKind, HeadPattern};
+use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
 use lserve::reference::decode_step::{decode_step, write_tokens};
@@ -99,12 +99,6 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         )
 }
 
-fn random_vec<E: Element>(rng: &mut StdRng, n: usize) -> Vec<E> {
-    (0..n)
-        .map(|_| E::from_f32(rng.gen_range(-1.0f32..1.0)))
-        .collect()
-}
-
 /// Relative error of `got` against `want` per row of `d` elements; the worst row.
 fn worst_row_error<E: Element>(got: &[E], want: &[f64], d: usize) -> f64 {
     got.chunks(d)
@@ -143,18 +137,7 @@ fn prompted<E: DeviceElement>(case: &Case) -> Prompted<E> {
     let mut rng = StdRng::seed_from_u64(case.seed);
     let geometry =
         ModelGeometry::new(1, case.kv_heads * case.group, case.kv_heads, case.head_dim).unwrap();
-    let kinds = vec![case
-        .streaming
-        .iter()
-        .map(|&s| {
-            if s {
-                HeadKind::Streaming
-            } else {
-                HeadKind::Dense
-            }
-        })
-        .collect::<Vec<_>>()];
-    let pattern = HeadPattern::from_kinds(geometry, kinds).unwrap();
+    let pattern = head_pattern(geometry, std::slice::from_ref(&case.streaming));
     let config = SparsityConfig {
         sink_tokens: case.sink,
         local_tokens: case.local,
@@ -255,11 +238,7 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
         decode_attention(gpu, &cache, 0, &batch_dev, &q_dev, &mut out, &mut ws).unwrap();
         let got: Vec<E> = gpu.stream().clone_dtoh(&out).unwrap();
         let err = worst_row_error(&got, &want.out, d);
-        let tol = if E::DTYPE == lserve::dtype::DType::F16 {
-            2e-3
-        } else {
-            1e-2
-        };
+        let tol = tolerance::<E>();
         prop_assert!(
             err < tol,
             "step {step}: worst relative error {err:.3e} (tolerance {tol:.0e})"
@@ -273,11 +252,7 @@ proptest! {
     #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
     fn decode_attention_matches_reference(case in case_strategy()) {
         let gpu = gpu();
-        if case.f16 {
-            run_case::<f16>(&gpu, &case)?;
-        } else {
-            run_case::<bf16>(&gpu, &case)?;
-        }
+        f16_or_bf16!(case.f16, run_case(&gpu, &case))?;
     }
 }
 
@@ -463,11 +438,7 @@ fn run_steps<E: DeviceElement>(
             want.out
         };
         let err = worst_row_error(&got, &want_out, d);
-        let tol = if E::DTYPE == lserve::dtype::DType::F16 {
-            2e-3
-        } else {
-            1e-2
-        };
+        let tol = tolerance::<E>();
         prop_assert!(
             err < tol,
             "step {step}: worst relative error {err:.3e} (tolerance {tol:.0e})"
@@ -484,11 +455,7 @@ proptest! {
     #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
     fn decode_steps_match_reference(case in case_strategy(), graph in any::<bool>()) {
         let gpu = gpu();
-        if case.f16 {
-            run_steps::<f16>(&gpu, &case, graph)?;
-        } else {
-            run_steps::<bf16>(&gpu, &case, graph)?;
-        }
+        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph))?;
     }
 }
 
