@@ -22,7 +22,7 @@ use lserve::gpu::{
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::reference::decode_step::{decode_step, write_tokens};
+use lserve::reference::decode_step::{decode_step, write_tokens, DecodeStepOutput};
 use lserve::reference::ReuseState;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -190,46 +190,57 @@ fn prompted<E: DeviceElement>(case: &Case) -> Prompted<E> {
     }
 }
 
-fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
-    let Prompted {
-        mut rng,
-        mut mgr,
-        mut host,
-        mut tables,
-        mut reuse,
-        seqs,
-        ..
-    } = prompted::<E>(case);
-    let g = *mgr.geometry();
-    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), seqs.len());
+/// One decode step's random inputs and the reference's result on them.
+struct Step<E> {
+    q: Vec<E>,
+    k: Vec<E>,
+    v: Vec<E>,
+    want: DecodeStepOutput,
+}
 
-    let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
-    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d).unwrap();
-    for step in 0..case.steps {
-        for &s in &seqs {
-            mgr.reserve(s, 1).unwrap();
+impl<E: DeviceElement> Prompted<E> {
+    /// Reserves the step's token for every sequence, draws the step's queries, keys and values,
+    /// and runs the reference decode step on them (layer 0) without advancing the sequences.
+    fn reference_step(&mut self) -> Step<E> {
+        for &s in &self.seqs {
+            self.mgr.reserve(s, 1).unwrap();
         }
-        let q = random_vec::<E>(&mut rng, batch * hq * d);
-        let k = random_vec::<E>(&mut rng, batch * hkv * d);
-        let v = random_vec::<E>(&mut rng, batch * hkv * d);
+        let g = *self.mgr.geometry();
+        let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), self.seqs.len());
+        let q = random_vec::<E>(&mut self.rng, batch * hq * d);
+        let k = random_vec::<E>(&mut self.rng, batch * hkv * d);
+        let v = random_vec::<E>(&mut self.rng, batch * hkv * d);
         let want = decode_step(
-            &mgr,
-            &mut host,
-            &mut tables,
-            &mut reuse,
+            &self.mgr,
+            &mut self.host,
+            &mut self.tables,
+            &mut self.reuse,
             0,
-            &seqs,
+            &self.seqs,
             &q,
             &k,
             &v,
         )
         .unwrap();
-        for &s in &seqs {
-            mgr.advance_decode_step(s).unwrap();
+        Step { q, k, v, want }
+    }
+}
+
+fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+    let mut p = prompted::<E>(case);
+    let g = *p.mgr.geometry();
+    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
+
+    let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
+    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d).unwrap();
+    for step in 0..case.steps {
+        let Step { q, want, .. } = p.reference_step();
+        for &s in &p.seqs {
+            p.mgr.advance_decode_step(s).unwrap();
         }
 
-        let cache = DeviceKvCache::upload(gpu, &mgr, &host, &tables).unwrap();
-        batch_dev.set(gpu, &mgr, &seqs).unwrap();
+        let cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
+        batch_dev.set(gpu, &p.mgr, &p.seqs).unwrap();
         let q_dev = gpu.stream().clone_htod(&q).unwrap();
         let mut out = gpu
             .stream()
@@ -319,19 +330,10 @@ fn run_steps<E: DeviceElement>(
     use lserve::gpu::DecodeStep;
     use lserve::reference::decode_step::{decode_attention_tables, select_from_cache};
 
-    let Prompted {
-        mut rng,
-        config,
-        pattern,
-        mut mgr,
-        mut host,
-        mut tables,
-        mut reuse,
-        seqs,
-    } = prompted::<E>(case);
-    let g = *mgr.geometry();
-    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), seqs.len());
-    let mut cache = DeviceKvCache::upload(gpu, &mgr, &host, &tables).unwrap();
+    let mut p = prompted::<E>(case);
+    let g = *p.mgr.geometry();
+    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
+    let mut cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
     let mut step_ws = DecodeStep::new(gpu, &cache, batch).unwrap();
     let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
     let stream = gpu.stream().clone();
@@ -341,27 +343,10 @@ fn run_steps<E: DeviceElement>(
     let mut out = stream.alloc_zeros::<E>(batch * hq * d).unwrap();
 
     for step in 0..case.steps {
-        for &s in &seqs {
-            mgr.reserve(s, 1).unwrap();
-        }
-        let q = random_vec::<E>(&mut rng, batch * hq * d);
-        let k = random_vec::<E>(&mut rng, batch * hkv * d);
-        let v = random_vec::<E>(&mut rng, batch * hkv * d);
-        let want = decode_step(
-            &mgr,
-            &mut host,
-            &mut tables,
-            &mut reuse,
-            0,
-            &seqs,
-            &q,
-            &k,
-            &v,
-        )
-        .unwrap();
+        let Step { q, k, v, want } = p.reference_step();
 
-        cache.sync_tables(gpu, &mgr).unwrap();
-        batch_dev.set(gpu, &mgr, &seqs).unwrap();
+        cache.sync_tables(gpu, &p.mgr).unwrap();
+        batch_dev.set(gpu, &p.mgr, &p.seqs).unwrap();
         stream.memcpy_htod(&q, &mut q_dev).unwrap();
         stream.memcpy_htod(&k, &mut k_dev).unwrap();
         stream.memcpy_htod(&v, &mut v_dev).unwrap();
@@ -394,38 +379,38 @@ fn run_steps<E: DeviceElement>(
                 .unwrap();
             step_ws.finish(gpu, &mut cache, &batch_dev).unwrap();
         }
-        for &s in &seqs {
-            mgr.advance_decode_step(s).unwrap();
+        for &s in &p.seqs {
+            p.mgr.advance_decode_step(s).unwrap();
         }
         let got: Vec<E> = stream.clone_dtoh(&out).unwrap();
 
         // Compare the selections (near-ties allowed), then the outputs.
-        let mut gpu_host = HostKvCache::<E>::for_manager(&mgr).unwrap();
-        let mut gpu_tables = IndexTables::for_manager(&mgr).unwrap();
+        let mut gpu_host = HostKvCache::<E>::for_manager(&p.mgr).unwrap();
+        let mut gpu_tables = IndexTables::for_manager(&p.mgr).unwrap();
         cache.download(gpu, &mut gpu_host, &mut gpu_tables).unwrap();
         prop_assert!(
-            gpu_host == host,
+            gpu_host == p.host,
             "step {step}: the device cache differs from the reference's after append"
         );
         let mut diverged = false;
-        for (b, &s) in seqs.iter().enumerate() {
-            let view = mgr.view(s).unwrap();
+        for (b, &s) in p.seqs.iter().enumerate() {
+            let view = p.mgr.view(s).unwrap();
             let len = view.len;
-            if !config.uses_page_selection(len) {
+            if !p.config.uses_page_selection(len) {
                 continue;
             }
-            for h in pattern.dense_kv_heads(0).to_vec() {
-                let dh = pattern.compact_index(0, h);
+            for h in p.pattern.dense_kv_heads(0).to_vec() {
+                let dh = p.pattern.compact_index(0, h);
                 let got_pages = gpu_tables.get(0, view.slot as usize, dh).unwrap().to_vec();
-                let want_pages = tables.get(0, view.slot as usize, dh).unwrap().to_vec();
+                let want_pages = p.tables.get(0, view.slot as usize, dh).unwrap().to_vec();
                 if got_pages != want_pages {
                     let q_group: Vec<f32> = q[(b * hq + h * case.group) * d..][..case.group * d]
                         .iter()
                         .map(|x| x.to_f32())
                         .collect();
-                    let sel = select_from_cache(&host, 0, &view, h, &q_group).unwrap();
+                    let sel = select_from_cache(&p.host, 0, &view, h, &q_group).unwrap();
                     prop_assert!(
-                        same_or_near_tie(&got_pages, &want_pages, view.block_table.pages(), &sel.physical_scores, config.pages_per_selection()),
+                        same_or_near_tie(&got_pages, &want_pages, view.block_table.pages(), &sel.physical_scores, p.config.pages_per_selection()),
                         "step {step}, seq {b}, head {h}: GPU pages {got_pages:?}, reference {want_pages:?}"
                     );
                     diverged = true;
@@ -433,7 +418,7 @@ fn run_steps<E: DeviceElement>(
             }
         }
         let want_out = if diverged {
-            decode_attention_tables(&mgr, &host, &gpu_tables, 0, &seqs, &q).unwrap()
+            decode_attention_tables(&p.mgr, &p.host, &gpu_tables, 0, &p.seqs, &q).unwrap()
         } else {
             want.out
         };
