@@ -11,18 +11,18 @@
 
 mod common;
 
-use common::gpu;
-use half::{bf16, f16};
+use common::{f16_or_bf16, gpu, head_pattern, random_vec, tolerance};
+use half::bf16;
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
     decode_attention, DecodeBatch, DecodeWorkspace, DeviceElement, DeviceKvCache, GpuContext,
 };
-use lserve::head_pattern::{HeadKind, HeadPattern};
+use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::reference::decode_step::{decode_step, write_tokens};
+use lserve::reference::decode_step::{decode_step, write_tokens, DecodeStepOutput};
 use lserve::reference::ReuseState;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -99,12 +99,6 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         )
 }
 
-fn random_vec<E: Element>(rng: &mut StdRng, n: usize) -> Vec<E> {
-    (0..n)
-        .map(|_| E::from_f32(rng.gen_range(-1.0f32..1.0)))
-        .collect()
-}
-
 /// Relative error of `got` against `want` per row of `d` elements; the worst row.
 fn worst_row_error<E: Element>(got: &[E], want: &[f64], d: usize) -> f64 {
     got.chunks(d)
@@ -143,18 +137,7 @@ fn prompted<E: DeviceElement>(case: &Case) -> Prompted<E> {
     let mut rng = StdRng::seed_from_u64(case.seed);
     let geometry =
         ModelGeometry::new(1, case.kv_heads * case.group, case.kv_heads, case.head_dim).unwrap();
-    let kinds = vec![case
-        .streaming
-        .iter()
-        .map(|&s| {
-            if s {
-                HeadKind::Streaming
-            } else {
-                HeadKind::Dense
-            }
-        })
-        .collect::<Vec<_>>()];
-    let pattern = HeadPattern::from_kinds(geometry, kinds).unwrap();
+    let pattern = head_pattern(geometry, std::slice::from_ref(&case.streaming));
     let config = SparsityConfig {
         sink_tokens: case.sink,
         local_tokens: case.local,
@@ -207,46 +190,57 @@ fn prompted<E: DeviceElement>(case: &Case) -> Prompted<E> {
     }
 }
 
-fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
-    let Prompted {
-        mut rng,
-        mut mgr,
-        mut host,
-        mut tables,
-        mut reuse,
-        seqs,
-        ..
-    } = prompted::<E>(case);
-    let g = *mgr.geometry();
-    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), seqs.len());
+/// One decode step's random inputs and the reference's result on them.
+struct Step<E> {
+    q: Vec<E>,
+    k: Vec<E>,
+    v: Vec<E>,
+    want: DecodeStepOutput,
+}
 
-    let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
-    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d).unwrap();
-    for step in 0..case.steps {
-        for &s in &seqs {
-            mgr.reserve(s, 1).unwrap();
+impl<E: DeviceElement> Prompted<E> {
+    /// Reserves the step's token for every sequence, draws the step's queries, keys and values,
+    /// and runs the reference decode step on them (layer 0) without advancing the sequences.
+    fn reference_step(&mut self) -> Step<E> {
+        for &s in &self.seqs {
+            self.mgr.reserve(s, 1).unwrap();
         }
-        let q = random_vec::<E>(&mut rng, batch * hq * d);
-        let k = random_vec::<E>(&mut rng, batch * hkv * d);
-        let v = random_vec::<E>(&mut rng, batch * hkv * d);
+        let g = *self.mgr.geometry();
+        let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), self.seqs.len());
+        let q = random_vec::<E>(&mut self.rng, batch * hq * d);
+        let k = random_vec::<E>(&mut self.rng, batch * hkv * d);
+        let v = random_vec::<E>(&mut self.rng, batch * hkv * d);
         let want = decode_step(
-            &mgr,
-            &mut host,
-            &mut tables,
-            &mut reuse,
+            &self.mgr,
+            &mut self.host,
+            &mut self.tables,
+            &mut self.reuse,
             0,
-            &seqs,
+            &self.seqs,
             &q,
             &k,
             &v,
         )
         .unwrap();
-        for &s in &seqs {
-            mgr.advance_decode_step(s).unwrap();
+        Step { q, k, v, want }
+    }
+}
+
+fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+    let mut p = prompted::<E>(case);
+    let g = *p.mgr.geometry();
+    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
+
+    let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
+    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d).unwrap();
+    for step in 0..case.steps {
+        let Step { q, want, .. } = p.reference_step();
+        for &s in &p.seqs {
+            p.mgr.advance_decode_step(s).unwrap();
         }
 
-        let cache = DeviceKvCache::upload(gpu, &mgr, &host, &tables).unwrap();
-        batch_dev.set(gpu, &mgr, &seqs).unwrap();
+        let cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
+        batch_dev.set(gpu, &p.mgr, &p.seqs).unwrap();
         let q_dev = gpu.stream().clone_htod(&q).unwrap();
         let mut out = gpu
             .stream()
@@ -255,11 +249,7 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
         decode_attention(gpu, &cache, 0, &batch_dev, &q_dev, &mut out, &mut ws).unwrap();
         let got: Vec<E> = gpu.stream().clone_dtoh(&out).unwrap();
         let err = worst_row_error(&got, &want.out, d);
-        let tol = if E::DTYPE == lserve::dtype::DType::F16 {
-            2e-3
-        } else {
-            1e-2
-        };
+        let tol = tolerance::<E>();
         prop_assert!(
             err < tol,
             "step {step}: worst relative error {err:.3e} (tolerance {tol:.0e})"
@@ -273,11 +263,7 @@ proptest! {
     #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
     fn decode_attention_matches_reference(case in case_strategy()) {
         let gpu = gpu();
-        if case.f16 {
-            run_case::<f16>(&gpu, &case)?;
-        } else {
-            run_case::<bf16>(&gpu, &case)?;
-        }
+        f16_or_bf16!(case.f16, run_case(&gpu, &case))?;
     }
 }
 
@@ -344,19 +330,10 @@ fn run_steps<E: DeviceElement>(
     use lserve::gpu::DecodeStep;
     use lserve::reference::decode_step::{decode_attention_tables, select_from_cache};
 
-    let Prompted {
-        mut rng,
-        config,
-        pattern,
-        mut mgr,
-        mut host,
-        mut tables,
-        mut reuse,
-        seqs,
-    } = prompted::<E>(case);
-    let g = *mgr.geometry();
-    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), seqs.len());
-    let mut cache = DeviceKvCache::upload(gpu, &mgr, &host, &tables).unwrap();
+    let mut p = prompted::<E>(case);
+    let g = *p.mgr.geometry();
+    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
+    let mut cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
     let mut step_ws = DecodeStep::new(gpu, &cache, batch).unwrap();
     let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
     let stream = gpu.stream().clone();
@@ -366,27 +343,10 @@ fn run_steps<E: DeviceElement>(
     let mut out = stream.alloc_zeros::<E>(batch * hq * d).unwrap();
 
     for step in 0..case.steps {
-        for &s in &seqs {
-            mgr.reserve(s, 1).unwrap();
-        }
-        let q = random_vec::<E>(&mut rng, batch * hq * d);
-        let k = random_vec::<E>(&mut rng, batch * hkv * d);
-        let v = random_vec::<E>(&mut rng, batch * hkv * d);
-        let want = decode_step(
-            &mgr,
-            &mut host,
-            &mut tables,
-            &mut reuse,
-            0,
-            &seqs,
-            &q,
-            &k,
-            &v,
-        )
-        .unwrap();
+        let Step { q, k, v, want } = p.reference_step();
 
-        cache.sync_tables(gpu, &mgr).unwrap();
-        batch_dev.set(gpu, &mgr, &seqs).unwrap();
+        cache.sync_tables(gpu, &p.mgr).unwrap();
+        batch_dev.set(gpu, &p.mgr, &p.seqs).unwrap();
         stream.memcpy_htod(&q, &mut q_dev).unwrap();
         stream.memcpy_htod(&k, &mut k_dev).unwrap();
         stream.memcpy_htod(&v, &mut v_dev).unwrap();
@@ -419,38 +379,38 @@ fn run_steps<E: DeviceElement>(
                 .unwrap();
             step_ws.finish(gpu, &mut cache, &batch_dev).unwrap();
         }
-        for &s in &seqs {
-            mgr.advance_decode_step(s).unwrap();
+        for &s in &p.seqs {
+            p.mgr.advance_decode_step(s).unwrap();
         }
         let got: Vec<E> = stream.clone_dtoh(&out).unwrap();
 
         // Compare the selections (near-ties allowed), then the outputs.
-        let mut gpu_host = HostKvCache::<E>::for_manager(&mgr).unwrap();
-        let mut gpu_tables = IndexTables::for_manager(&mgr).unwrap();
+        let mut gpu_host = HostKvCache::<E>::for_manager(&p.mgr).unwrap();
+        let mut gpu_tables = IndexTables::for_manager(&p.mgr).unwrap();
         cache.download(gpu, &mut gpu_host, &mut gpu_tables).unwrap();
         prop_assert!(
-            gpu_host == host,
+            gpu_host == p.host,
             "step {step}: the device cache differs from the reference's after append"
         );
         let mut diverged = false;
-        for (b, &s) in seqs.iter().enumerate() {
-            let view = mgr.view(s).unwrap();
+        for (b, &s) in p.seqs.iter().enumerate() {
+            let view = p.mgr.view(s).unwrap();
             let len = view.len;
-            if !config.uses_page_selection(len) {
+            if !p.config.uses_page_selection(len) {
                 continue;
             }
-            for h in pattern.dense_kv_heads(0).to_vec() {
-                let dh = pattern.compact_index(0, h);
+            for h in p.pattern.dense_kv_heads(0).to_vec() {
+                let dh = p.pattern.compact_index(0, h);
                 let got_pages = gpu_tables.get(0, view.slot as usize, dh).unwrap().to_vec();
-                let want_pages = tables.get(0, view.slot as usize, dh).unwrap().to_vec();
+                let want_pages = p.tables.get(0, view.slot as usize, dh).unwrap().to_vec();
                 if got_pages != want_pages {
                     let q_group: Vec<f32> = q[(b * hq + h * case.group) * d..][..case.group * d]
                         .iter()
                         .map(|x| x.to_f32())
                         .collect();
-                    let sel = select_from_cache(&host, 0, &view, h, &q_group).unwrap();
+                    let sel = select_from_cache(&p.host, 0, &view, h, &q_group).unwrap();
                     prop_assert!(
-                        same_or_near_tie(&got_pages, &want_pages, view.block_table.pages(), &sel.physical_scores, config.pages_per_selection()),
+                        same_or_near_tie(&got_pages, &want_pages, view.block_table.pages(), &sel.physical_scores, p.config.pages_per_selection()),
                         "step {step}, seq {b}, head {h}: GPU pages {got_pages:?}, reference {want_pages:?}"
                     );
                     diverged = true;
@@ -458,16 +418,12 @@ fn run_steps<E: DeviceElement>(
             }
         }
         let want_out = if diverged {
-            decode_attention_tables(&mgr, &host, &gpu_tables, 0, &seqs, &q).unwrap()
+            decode_attention_tables(&p.mgr, &p.host, &gpu_tables, 0, &p.seqs, &q).unwrap()
         } else {
             want.out
         };
         let err = worst_row_error(&got, &want_out, d);
-        let tol = if E::DTYPE == lserve::dtype::DType::F16 {
-            2e-3
-        } else {
-            1e-2
-        };
+        let tol = tolerance::<E>();
         prop_assert!(
             err < tol,
             "step {step}: worst relative error {err:.3e} (tolerance {tol:.0e})"
@@ -484,11 +440,7 @@ proptest! {
     #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
     fn decode_steps_match_reference(case in case_strategy(), graph in any::<bool>()) {
         let gpu = gpu();
-        if case.f16 {
-            run_steps::<f16>(&gpu, &case, graph)?;
-        } else {
-            run_steps::<bf16>(&gpu, &case, graph)?;
-        }
+        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph))?;
     }
 }
 

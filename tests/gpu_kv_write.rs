@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::gpu;
+use common::{f16_or_bf16, gpu, head_pattern, layer_arrays};
 use half::{bf16, f16};
 use lserve::config::SparsityConfig;
 use lserve::dtype::Element;
@@ -93,19 +93,7 @@ fn assert_same_cache<E: Bits>(
     want: &HostKvCache<E>,
 ) -> Result<(), TestCaseError> {
     for layer in 0..want.layers() {
-        let (gd, wd) = (got.dense(layer).unwrap(), want.dense(layer).unwrap());
-        let (gs, ws) = (
-            got.streaming(layer).unwrap(),
-            want.streaming(layer).unwrap(),
-        );
-        for (what, g, w) in [
-            ("K pool", gd.k(), wd.k()),
-            ("V pool", gd.v(), wd.v()),
-            ("kmin", gd.kmin(), wd.kmin()),
-            ("kmax", gd.kmax(), wd.kmax()),
-            ("K stream", gs.k(), ws.k()),
-            ("V stream", gs.v(), ws.v()),
-        ] {
+        for (what, g, w) in layer_arrays(got, want, layer) {
             let (g, w) = (bits(g), bits(w));
             prop_assert_eq!(g.len(), w.len());
             if let Some(i) = (0..w.len()).find(|&i| g[i] != w[i]) {
@@ -195,6 +183,13 @@ fn case_strategy() -> impl Strategy<Value = Case> {
     })
 }
 
+/// Runs `test` on the random cases of `case_strategy` (a failure is shrunk, then panics).
+fn for_random_cases(test: impl Fn(&Case) -> Result<(), TestCaseError>) {
+    TestRunner::default()
+        .run(&case_strategy(), |case| test(&case))
+        .unwrap();
+}
+
 /// A manager and host cache with the case's sequences prefilled (by the reference) and the
 /// rest of the cache random; pages handed out in a shuffled order.
 struct Setup<E> {
@@ -211,22 +206,7 @@ impl<E: Bits> Setup<E> {
         let mut rng = StdRng::seed_from_u64(case.seed);
         let kv_heads = case.kinds[0].len();
         let g = ModelGeometry::new(LAYERS, kv_heads, kv_heads, case.head_dim).unwrap();
-        let kinds = case
-            .kinds
-            .iter()
-            .map(|row| {
-                row.iter()
-                    .map(|&s| {
-                        if s {
-                            HeadKind::Streaming
-                        } else {
-                            HeadKind::Dense
-                        }
-                    })
-                    .collect()
-            })
-            .collect();
-        let pattern = HeadPattern::from_kinds(g, kinds).unwrap();
+        let pattern = head_pattern(g, &case.kinds);
         let config = SparsityConfig {
             page_tokens: case.n_p,
             logical_page_tokens: case.n_l,
@@ -432,12 +412,7 @@ fn append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseErr
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn append_matches_reference() {
     let gpu = gpu();
-    TestRunner::default()
-        .run(&case_strategy(), |case| match case.f16 {
-            false => append_case::<bf16>(&gpu, &case),
-            true => append_case::<f16>(&gpu, &case),
-        })
-        .unwrap();
+    for_random_cases(|case| f16_or_bf16!(case.f16, append_case(&gpu, case)));
 }
 
 /// The flow of a real decode loop on one device cache kept across steps: reserve, sync the
@@ -464,10 +439,7 @@ fn append_on_a_persistent_cache_across_pages_and_ring_wraps() {
             f16: f16_case,
             seed: 0x5eed,
         };
-        match f16_case {
-            false => persistent_run::<bf16>(&gpu, &case),
-            true => persistent_run::<f16>(&gpu, &case),
-        }
+        f16_or_bf16!(f16_case, persistent_run(&gpu, &case));
     }
 }
 
@@ -581,12 +553,7 @@ fn write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCas
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn write_rows_and_pooling_match_reference() {
     let gpu = gpu();
-    TestRunner::default()
-        .run(&case_strategy(), |case| match case.f16 {
-            false => write_rows_case::<bf16>(&gpu, &case),
-            true => write_rows_case::<f16>(&gpu, &case),
-        })
-        .unwrap();
+    for_random_cases(|case| f16_or_bf16!(case.f16, write_rows_case(&gpu, case)));
 }
 
 /// Pooling alone over random sub-ranges of what is in the cache (benchmark setup, re-pooling):
@@ -634,12 +601,7 @@ fn pool_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn pooling_over_subranges_matches_reference() {
     let gpu = gpu();
-    TestRunner::default()
-        .run(&case_strategy(), |case| match case.f16 {
-            false => pool_case::<bf16>(&gpu, &case),
-            true => pool_case::<f16>(&gpu, &case),
-        })
-        .unwrap();
+    for_random_cases(|case| f16_or_bf16!(case.f16, pool_case(&gpu, case)));
 }
 
 // ---------------------------------------------------------------------------------------------

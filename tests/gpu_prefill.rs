@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::gpu;
+use common::{f16_or_bf16, gpu, head_kinds, layer_arrays, tolerance};
 use half::{bf16, f16};
 use lserve::block_iter::BlockMask;
 use lserve::dtype::Element;
@@ -45,16 +45,7 @@ impl Case {
     }
 
     fn kinds(&self) -> Vec<HeadKind> {
-        self.streaming
-            .iter()
-            .map(|&s| {
-                if s {
-                    HeadKind::Streaming
-                } else {
-                    HeadKind::Dense
-                }
-            })
-            .collect()
+        head_kinds(&self.streaming)
     }
 
     fn cu_seqlens(&self) -> Vec<usize> {
@@ -262,13 +253,6 @@ fn worst_head_error<E: Element>(
     Ok(worst)
 }
 
-fn tolerance<E: Element>() -> f64 {
-    match E::DTYPE {
-        lserve::dtype::DType::BF16 => 1e-2,
-        lserve::dtype::DType::F16 => 2e-3,
-    }
-}
-
 fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
     let x = inputs::<E>(case);
     let (cu, kinds) = (case.cu_seqlens(), case.kinds());
@@ -289,11 +273,7 @@ proptest! {
     #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
     fn prefill_attention_matches_reference(case in case_strategy()) {
         let gpu = gpu();
-        if case.f16 {
-            run_case::<f16>(&gpu, &case)?;
-        } else {
-            run_case::<bf16>(&gpu, &case)?;
-        }
+        f16_or_bf16!(case.f16, run_case(&gpu, &case))?;
     }
 }
 
@@ -358,12 +338,7 @@ fn long_sequence_streaming_heads() {
             f16: f16_data,
             seed: 11,
         };
-        let result = if f16_data {
-            run_case::<f16>(&gpu, &case)
-        } else {
-            run_case::<bf16>(&gpu, &case)
-        };
-        result.unwrap();
+        f16_or_bf16!(f16_data, run_case(&gpu, &case)).unwrap();
     }
 }
 
@@ -419,12 +394,7 @@ fn both_kernels_all_shapes() {
                     seed: 13,
                 };
                 eprintln!("D {head_dim}, f16 {f16_data}, mask {mask_density:?}");
-                let result = if f16_data {
-                    run_case::<f16>(&gpu, &case)
-                } else {
-                    run_case::<bf16>(&gpu, &case)
-                };
-                result.unwrap();
+                f16_or_bf16!(f16_data, run_case(&gpu, &case)).unwrap();
             }
         }
     }
@@ -692,16 +662,7 @@ fn prefill_into_cache_writes_the_cache_and_attends() {
         write_tokens(&mut host, layer, &view, 0, &k[rows.clone()], &v[rows]).unwrap();
     }
     for l in 0..2 {
-        let (gd, wd) = (got.dense(l).unwrap(), host.dense(l).unwrap());
-        let (gs, ws) = (got.streaming(l).unwrap(), host.streaming(l).unwrap());
-        for (what, g, w) in [
-            ("K pool", gd.k(), wd.k()),
-            ("V pool", gd.v(), wd.v()),
-            ("kmin", gd.kmin(), wd.kmin()),
-            ("kmax", gd.kmax(), wd.kmax()),
-            ("K stream", gs.k(), ws.k()),
-            ("V stream", gs.v(), ws.v()),
-        ] {
+        for (what, g, w) in layer_arrays(&got, &host, l) {
             assert_eq!(g.len(), w.len());
             let first = (0..w.len()).find(|&i| g[i].to_bits() != w[i].to_bits());
             assert!(

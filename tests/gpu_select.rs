@@ -22,10 +22,10 @@
 
 mod common;
 
-use common::gpu;
+use common::{f16_or_bf16, gpu, head_pattern, random_vec};
 use std::collections::BTreeMap;
 
-use half::{bf16, f16};
+use half::bf16;
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
@@ -34,7 +34,7 @@ use lserve::gpu::{
     score_pages, select_pages, select_top_k, upload_key_stats, DecodeBatch, DeviceElement,
     DeviceKvCache, GpuContext, SelectWorkspace,
 };
-use lserve::head_pattern::{HeadKind, HeadPattern};
+use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId, SequenceView};
 use lserve::reference::decode_step::{select_from_cache, write_tokens};
@@ -125,12 +125,6 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 seed,
             },
         )
-}
-
-fn random_vec<E: Element>(rng: &mut StdRng, n: usize) -> Vec<E> {
-    (0..n)
-        .map(|_| E::from_f32(rng.gen_range(-1.0f32..1.0)))
-        .collect()
 }
 
 /// Keys `[n][Hkv][D]` near a per-head mean (`means[h]`): pages differ, and scores take both
@@ -391,22 +385,7 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), Strin
         case.head_dim,
     )
     .unwrap();
-    let kinds = case
-        .streaming
-        .iter()
-        .map(|l| {
-            l.iter()
-                .map(|&s| {
-                    if s {
-                        HeadKind::Streaming
-                    } else {
-                        HeadKind::Dense
-                    }
-                })
-                .collect()
-        })
-        .collect();
-    let pattern = HeadPattern::from_kinds(geometry, kinds).unwrap();
+    let pattern = head_pattern(geometry, &case.streaming);
     let config = SparsityConfig {
         sink_tokens: 4,
         local_tokens: 16,
@@ -522,12 +501,7 @@ fn selection_matches_reference() {
     let mut runner = TestRunner::new(ProptestConfig::default());
     runner
         .run(&case_strategy(), |case| {
-            let result = if case.f16 {
-                run_case::<f16>(&gpu, &case)
-            } else {
-                run_case::<bf16>(&gpu, &case)
-            };
-            result.map_err(TestCaseError::fail)
+            f16_or_bf16!(case.f16, run_case(&gpu, &case)).map_err(TestCaseError::fail)
         })
         .unwrap();
 }

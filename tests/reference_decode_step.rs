@@ -4,9 +4,12 @@
 //! exactly the sinks and the last `local_tokens` tokens as the ring wraps; outputs against plain
 //! softmax over an explicit token mask.
 
+mod common;
+
+use common::{f16_or_bf16, head_pattern};
 use std::collections::BTreeMap;
 
-use half::{bf16, f16};
+use half::bf16;
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
@@ -186,22 +189,7 @@ fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
     let (hkv, group) = (case.kv_heads, case.group);
     let hq = hkv * group;
     let geometry = ModelGeometry::new(layers, hq, hkv, D).unwrap();
-    let kinds = case
-        .kinds
-        .iter()
-        .map(|l| {
-            l.iter()
-                .map(|&s| {
-                    if s {
-                        HeadKind::Streaming
-                    } else {
-                        HeadKind::Dense
-                    }
-                })
-                .collect()
-        })
-        .collect();
-    let pattern = HeadPattern::from_kinds(geometry, kinds).unwrap();
+    let pattern = head_pattern(geometry, &case.kinds);
     let n_p = case.n_l * case.g;
     let config = SparsityConfig {
         sink_tokens: case.sink,
@@ -400,11 +388,7 @@ fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
 }
 
 fn run_case(case: &Case, tweak: Tweak) -> Result<(), String> {
-    if case.f16 {
-        run::<f16>(case, tweak)
-    } else {
-        run::<bf16>(case, tweak)
-    }
+    f16_or_bf16!(case.f16, run(case, tweak))
 }
 
 proptest! {
