@@ -7,8 +7,7 @@
 //! poisons the statistics rows of logical pages past each sequence's end, then runs several
 //! decode steps: grow every sequence by one token on the host, copy statistics and block tables
 //! to the device, poison the index tables and the score workspace, select on the GPU for every
-//! layer (the fused launch of a decode step and the two halves, alternating), advance the step
-//! counters, and check against the reference:
+//! layer, advance the step counters, and check against the reference:
 //! - raw physical-page scores: relative `1e-4` (of the larger of the score and the pair's
 //!   largest score magnitude); rows of pairs that are not due, and pages past the sequence,
 //!   stay poisoned;
@@ -246,7 +245,6 @@ fn run_step<E: DeviceElement>(
     batch: &mut DecodeBatch,
     seqs: &[SeqId],
     steps: &BTreeMap<u32, u32>,
-    step_index: usize,
     held: &mut Held,
     rng: &mut StdRng,
 ) -> Result<(), String> {
@@ -261,17 +259,10 @@ fn run_step<E: DeviceElement>(
         ws.poison(gpu, f32::from_bits(SCORE_POISON_BITS))
             .map_err(|e| e.to_string())?;
         poison_index_tables(gpu, cache, layer, INDEX_POISON).map_err(|e| e.to_string())?;
-        // Every other (step, layer): the fused launch a decode step uses, else the two halves
-        // (the scores read in between). Both leave the due pairs' scores in the workspace.
-        let scores = if (step_index + layer) % 2 == 1 {
-            select_pages(gpu, cache, layer, batch, &q_dev, ws).map_err(|e| e.to_string())?;
-            ws.download_scores(gpu).map_err(|e| e.to_string())?
-        } else {
-            score_pages(gpu, cache, layer, batch, &q_dev, ws).map_err(|e| e.to_string())?;
-            let scores = ws.download_scores(gpu).map_err(|e| e.to_string())?;
-            select_top_k(gpu, cache, layer, batch, ws).map_err(|e| e.to_string())?;
-            scores
-        };
+        // The two halves, so the scores can be read in between.
+        score_pages(gpu, cache, layer, batch, &q_dev, ws).map_err(|e| e.to_string())?;
+        let scores = ws.download_scores(gpu).map_err(|e| e.to_string())?;
+        select_top_k(gpu, cache, layer, batch, ws).map_err(|e| e.to_string())?;
         let state = download_selection(gpu, cache, layer).map_err(|e| e.to_string())?;
         let hd = pattern.dense_heads(layer);
         let max_pages = mgr.max_pages_per_seq();
@@ -461,7 +452,7 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), Strin
     let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
     let mut steps: BTreeMap<u32, u32> = seqs.iter().map(|s| (s.get(), 0)).collect();
     let mut held = Held::new();
-    for step_index in 0..case.steps {
+    for _ in 0..case.steps {
         // The step's token, on the host; then statistics and tables to the device.
         for (b, &seq) in seqs.iter().enumerate() {
             mgr.reserve(seq, 1).unwrap();
@@ -485,7 +476,6 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), Strin
             &mut batch_dev,
             &seqs,
             &steps,
-            step_index,
             &mut held,
             &mut rng,
         )?;
@@ -545,10 +535,7 @@ fn many_candidates_with_exact_ties() {
     let geometry = ModelGeometry::new(1, 1, 1, 64).unwrap();
     let pages = 16386usize;
     let len = (pages - 1) * 16 + 5;
-    for (config_index, (top_k, always_first)) in [(64usize, true), (5, false), (700, true)]
-        .into_iter()
-        .enumerate()
-    {
+    for (top_k, always_first) in [(64usize, true), (5, false), (700, true)] {
         let config = SparsityConfig {
             sink_tokens: 4,
             local_tokens: 16,
@@ -598,13 +585,7 @@ fn many_candidates_with_exact_ties() {
         let q_dev = gpu.stream().clone_htod(&q).unwrap();
         ws.poison(&gpu, f32::from_bits(SCORE_POISON_BITS)).unwrap();
         poison_index_tables(&gpu, &mut cache, 0, INDEX_POISON).unwrap();
-        // The fused launch (a decode step's) and, for the second configuration, the two halves.
-        if config_index == 1 {
-            score_pages(&gpu, &cache, 0, &batch, &q_dev, &mut ws).unwrap();
-            select_top_k(&gpu, &mut cache, 0, &batch, &ws).unwrap();
-        } else {
-            select_pages(&gpu, &mut cache, 0, &batch, &q_dev, &mut ws).unwrap();
-        }
+        select_pages(&gpu, &mut cache, 0, &batch, &q_dev, &mut ws).unwrap();
         let scores = ws.download_scores(&gpu).unwrap();
         let state = download_selection(&gpu, &cache, 0).unwrap();
         let view = mgr.view(seq).unwrap();

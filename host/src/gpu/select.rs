@@ -44,7 +44,7 @@
 //! # Ok::<(), lserve::LserveError>(())
 //! ```
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use lserve_abi::select::{
     SelectParams, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS, SELECT_SMEM_BYTES, SELECT_THREADS,
     STEP_THREADS,
@@ -66,9 +66,6 @@ impl LaunchParams for SelectParams {}
 /// one workspace serves every layer, one layer at a time.
 pub struct SelectWorkspace {
     scores: CudaSlice<f32>,
-    /// `[max_batch][dense heads]` arrival counters of the fused selector (zero between
-    /// launches: the last block of each due pair resets its counter).
-    arrivals: CudaSlice<u32>,
     max_batch: usize,
     dense_heads: usize,
     max_pages: usize,
@@ -90,7 +87,6 @@ impl SelectWorkspace {
         let n = (max_batch * dense_heads * max_pages).max(1);
         Ok(Self {
             scores: gpu.stream().alloc_zeros(n)?,
-            arrivals: gpu.stream().alloc_zeros((max_batch * dense_heads).max(1))?,
             max_batch,
             dense_heads,
             max_pages,
@@ -125,36 +121,17 @@ fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<Stri
     grouped_kernel_name("score_pages", "page scorer", dtype, head_dim, group)
 }
 
-/// The fused scorer + selector's name (`score_select_pages_bf16_d128_g4`).
-fn fused_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
-    grouped_kernel_name(
-        "score_select_pages",
-        "page selector",
-        dtype,
-        head_dim,
-        group,
-    )
-}
-
 /// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
-/// (`pages` physical pages; `row_groups` per block), but no more than the device's `slots`
-/// (resident blocks of the kernel: SMs x blocks per SM) over all `pairs` (one wave, rounded
-/// down, so a launch is never a wave and a small tail) — past that the row groups loop (the
-/// kernel's grid-stride loop covers any grid, so this only sizes the work, never decides what
-/// is scored). More blocks would only queue: on a step where no pair is due every block
-/// launches just to exit (kernels-gpu/src/select/NOTES.md has the measurements).
-fn score_blocks_per_pair(slots: u32, pairs: u32, pages: u32, row_groups: u32) -> u32 {
+/// (`pages` physical pages; `row_groups` per block), but no more than two blocks per SM over all
+/// `pairs` (one wave: 2 blocks of the G 4 kernel fit an SM; rounded down, so a launch is never a
+/// wave and a small tail) — past that the row groups
+/// loop (the kernel's grid-stride loop covers any grid, so this only sizes the work, never
+/// decides what is scored). More blocks would only queue: on a step where no pair is due every
+/// block launches just to exit (kernels-gpu/src/select/NOTES.md has the measurements).
+fn score_blocks_per_pair(sm_count: u32, pairs: u32, pages: u32, row_groups: u32) -> u32 {
     let cover = pages.div_ceil(row_groups.max(1)).max(1);
-    let fill = (slots.max(1) / pairs.max(1)).max(1);
+    let fill = ((2 * sm_count.max(1)) / pairs.max(1)).max(1);
     cover.min(fill)
-}
-
-/// Blocks of kernel `f` (`SCORE_THREADS` threads, `smem` bytes of dynamic shared memory) the
-/// device holds at once: SMs x blocks per SM (what ptxas's register count allows).
-fn resident_blocks(gpu: &GpuContext, f: &CudaFunction, smem: u32) -> Result<u32> {
-    let per_sm =
-        f.occupancy_max_active_blocks_per_multiprocessor(SCORE_THREADS, smem as usize, None)?;
-    Ok(gpu.sm_count() * per_sm.max(1))
 }
 
 /// The launch parameters of `layer` for a batch of `batch` sequences, after checking the
@@ -265,9 +242,8 @@ pub fn score_pages<E: DeviceElement>(
     let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
     let pages = longest.div_ceil(l.paged.page_tokens);
     let row_groups = SCORE_THREADS / (d as u32 / 8);
+    let blocks = score_blocks_per_pair(gpu.sm_count(), pairs as u32, pages, row_groups);
     let f = gpu.function(&name)?;
-    let slots = resident_blocks(gpu, &f, 0)?;
-    let blocks = score_blocks_per_pair(slots, pairs as u32, pages, row_groups);
     let cfg = LaunchConfig {
         grid_dim: (blocks, pairs as u32, 1),
         block_dim: (SCORE_THREADS, 1, 1),
@@ -347,14 +323,8 @@ pub fn select_top_k<E: DeviceElement>(
     Ok(())
 }
 
-/// Page selection of `layer` for `batch` in one launch: what [`score_pages`] then
-/// [`select_top_k`] do, with the top-K of each due pair run by the last of its scorer blocks
-/// (`kernels-gpu/src/select/fused.rs`; one kernel boundary fewer per layer and step). After it,
-/// the layer's index tables hold every selecting pair's pages for this step, and `ws` the due
-/// pairs' scores. Enqueued on the context's stream; allocates nothing and does not
-/// synchronize.
-///
-/// Errors as [`score_pages`].
+/// Page selection of `layer` for `batch`: [`score_pages`] then [`select_top_k`]. After it, the
+/// layer's index tables hold every selecting pair's pages for this step.
 pub fn select_pages<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -363,61 +333,8 @@ pub fn select_pages<E: DeviceElement>(
     q: &CudaSlice<E>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    let geometry = *cache.pattern().geometry();
-    let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
-    let name = fused_kernel_name(E::DTYPE, d, group)?;
-    let pairs = check_launch(cache, cache.layer(layer)?, batch, ws)?;
-    if q.len() < batch.len() * hq * d {
-        return Err(LserveError::ShapeMismatch {
-            what: "q",
-            expected: batch.len() * hq * d,
-            actual: q.len(),
-        });
-    }
-    let params = ByValue(select_params(cache, cache.layer(layer)?, batch.len())?);
-    if pairs == 0 {
-        return Ok(()); // no dense heads in this layer
-    }
-    let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
-    let pages = longest.div_ceil(params.0.paged.page_tokens);
-    let row_groups = SCORE_THREADS / (d as u32 / 8);
-    let f = gpu.function(&name)?;
-    let slots = resident_blocks(gpu, &f, SELECT_SMEM_BYTES)?;
-    let blocks = score_blocks_per_pair(slots, pairs as u32, pages, row_groups);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, pairs as u32, 1),
-        block_dim: (SCORE_THREADS, 1, 1),
-        shared_mem_bytes: SELECT_SMEM_BYTES,
-    };
-    let (l, block_tables, decode_steps) = cache.layer_mut_tables_steps(layer)?;
-    let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
-    launch
-        .value(&params)
-        .buf(q)
-        .buf(&l.kmin)
-        .buf(&l.kmax)
-        .buf(block_tables)
-        .buf(&batch.seq_len)
-        .buf(&batch.seq_slot)
-        .buf(&l.head_map)
-        .buf(decode_steps)
-        .buf_mut(&mut l.held_pages)
-        .buf_mut(&mut l.held_lens)
-        .buf_mut(&mut l.index_pages)
-        .buf_mut(&mut l.index_lens)
-        .buf_mut(&mut ws.scores)
-        .buf_mut(&mut ws.arrivals);
-    // SAFETY: the arguments match `score_select_pages_*` (kernels-gpu/src/select/mod.rs): the
-    // params by value, then the buffers in order. Grid `(blocks, B * Hd)`, `SCORE_THREADS`
-    // threads, `SELECT_SMEM_BYTES` of shared memory as the kernel requires; as for
-    // `score_pages` and `select_top_k`: `q` holds `B * Hq * D` elements, the statistics have the
-    // layout in `params.paged`, slots and lengths are live and distinct, capacities checked,
-    // the workspace holds `B * Hd * max_pages` scores (checked); `arrivals` holds one counter
-    // per pair (`max_batch * dense heads`, checked), zero between launches (allocated zeroed,
-    // reset by each due pair's last block; launches on one stream never overlap in it).
-    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
+    score_pages(gpu, cache, layer, batch, q, ws)?;
+    select_top_k(gpu, cache, layer, batch, ws)
 }
 
 /// Advances the decode step counter of every sequence of `batch` by one: call once per model
@@ -575,14 +492,11 @@ mod tests {
     #[test]
     fn scorer_grid_covers_short_sequences_and_caps_long_batches() {
         // 132 SMs, D = 128 (16 row groups): 256K tokens at 64-token pages, one layer's 4 pairs.
-        // Two blocks per SM: 264 slots.
-        assert_eq!(score_blocks_per_pair(264, 4, 4096, 16), 66);
+        assert_eq!(score_blocks_per_pair(132, 4, 4096, 16), 66);
         // Few pages: one block covers them.
-        assert_eq!(score_blocks_per_pair(264, 4, 10, 16), 1);
-        // Many pairs: at most one wave in all (batch 16: 4 x 64 = 256 blocks).
-        assert_eq!(score_blocks_per_pair(264, 64, 4096, 16), 4);
-        // One block per SM: half the blocks per pair.
-        assert_eq!(score_blocks_per_pair(132, 4, 4096, 16), 33);
+        assert_eq!(score_blocks_per_pair(132, 4, 10, 16), 1);
+        // Many pairs: at most 2 blocks per SM in all (batch 16: 4 x 64 = 256 blocks, one wave).
+        assert_eq!(score_blocks_per_pair(132, 64, 4096, 16), 4);
         // Never zero.
         assert_eq!(score_blocks_per_pair(0, 0, 0, 0), 1);
     }

@@ -1,6 +1,5 @@
 //! Query-aware page selection on the device (DESIGN.md §2, `docs/ARCHITECTURE.md` "Page
-//! selection" and "Reuse"): a decode step runs [`fused`] (one launch per layer), which does
-//! what these two do as separate launches:
+//! selection" and "Reuse"), in two launches per layer and step:
 //!
 //! - [`score`]: for each (sequence, dense KV head) pair whose selection is due, the score of
 //!   every physical page: logical-page bounds `Σ_i max(q_h[i]·kmax[i], q_h[i]·kmin[i])` for each
@@ -10,21 +9,18 @@
 //!   to the lower page) become the held selection; then the index-table entry is the held
 //!   selection plus the newest page, in physical ids.
 //!
-//! The two halves stay as their own kernels for callers that want the scores in between.
 //! [`steps`] advances the per-sequence decode step counters once per model step; the counters
 //! and the held selections live on the device, so no step waits for the host.
 //! Costs and predictions: `NOTES.md` beside this file.
 
-pub mod fused;
 pub mod scan;
 pub mod score;
 pub mod steps;
 pub mod top_k;
 
-use lserve_abi::select::{SelectParams, SELECT_THREADS};
+use lserve_abi::select::SelectParams;
 
 use crate::convert::{Bf16, F16};
-use crate::thread::block_idx_x;
 use score::ScoreBuffers;
 use top_k::SelectBuffers;
 
@@ -81,67 +77,6 @@ score_kernels! {
     score_pages_f16_d128_g8: F16, 128, 8;
 }
 
-/// Declares one fused scorer + selector entry point per (element type, head dim, group size).
-macro_rules! fused_kernels {
-    ($($name:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
-        /// Fused page selection entry point (see [`fused`]).
-        ///
-        /// # Safety
-        /// As [`fused::score_and_select`]'s: launched by `lserve`'s host launcher only.
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
-            p: SelectParams,
-            q: *const u16,
-            kmin: *const u16,
-            kmax: *const u16,
-            block_tables: *const u32,
-            seq_len: *const u32,
-            seq_slot: *const u32,
-            head_map: *const u32,
-            decode_steps: *const u32,
-            held_pages: *mut u32,
-            held_lens: *mut u32,
-            index_pages: *mut u32,
-            index_lens: *mut u32,
-            scores: *mut f32,
-            arrivals: *mut u32,
-        ) {
-            // SAFETY: first thing in the kernel; the host launches it overlapped.
-            unsafe { crate::sync::overlapped_entry() };
-            let scoring = ScoreBuffers {
-                q, kmin, kmax, block_tables, seq_len, seq_slot, head_map, decode_steps,
-                held_lens, scores,
-            };
-            let selecting = SelectBuffers {
-                scores, block_tables, seq_len, seq_slot, decode_steps, held_pages, held_lens,
-                index_pages, index_lens,
-            };
-            // SAFETY: forwarded launch contract.
-            unsafe { fused::score_and_select::<$elem, $d, $g>(&p, &scoring, &selecting, arrivals) }
-        }
-    )*};
-}
-
-fused_kernels! {
-    score_select_pages_bf16_d64_g1: Bf16, 64, 1;
-    score_select_pages_bf16_d64_g2: Bf16, 64, 2;
-    score_select_pages_bf16_d64_g4: Bf16, 64, 4;
-    score_select_pages_bf16_d64_g8: Bf16, 64, 8;
-    score_select_pages_bf16_d128_g1: Bf16, 128, 1;
-    score_select_pages_bf16_d128_g2: Bf16, 128, 2;
-    score_select_pages_bf16_d128_g4: Bf16, 128, 4;
-    score_select_pages_bf16_d128_g8: Bf16, 128, 8;
-    score_select_pages_f16_d64_g1: F16, 64, 1;
-    score_select_pages_f16_d64_g2: F16, 64, 2;
-    score_select_pages_f16_d64_g4: F16, 64, 4;
-    score_select_pages_f16_d64_g8: F16, 64, 8;
-    score_select_pages_f16_d128_g1: F16, 128, 1;
-    score_select_pages_f16_d128_g2: F16, 128, 2;
-    score_select_pages_f16_d128_g4: F16, 128, 4;
-    score_select_pages_f16_d128_g8: F16, 128, 8;
-}
-
 /// Top-K selection and index tables entry point (see [`top_k`]).
 ///
 /// # Safety
@@ -173,9 +108,8 @@ pub unsafe extern "gpu-kernel" fn select_pages(
         index_pages,
         index_lens,
     };
-    // SAFETY: forwarded launch contract: grid `pairs`, `SELECT_THREADS` threads, one block per
-    // pair.
-    unsafe { top_k::select_pair::<SELECT_THREADS>(&p, &bufs, block_idx_x()) }
+    // SAFETY: forwarded launch contract.
+    unsafe { top_k::select_pages(&p, &bufs) }
 }
 
 /// Decode step counters entry point (see [`steps`]).

@@ -5,11 +5,8 @@
 //! logical page's statistics row (`kmin` and `kmax`, 16 bytes per lane each: the row is one
 //! coalesced run) and scores it for every query head of the group:
 //! `S_h(j) = Σ_i max(q_h[i] · kmax_j[i], q_h[i] · kmin_j[i])`. Since `kmax ≥ kmin`, the max is
-//! `q · kmax` for `q ≥ 0` and `q · kmin` otherwise: a select on the sign of `q` and one
-//! multiply-add, exactly the product the max would pick. (Keeping `q⁺ = max(q, 0)` and
-//! `q⁻ = min(q, 0)` instead, for two multiply-adds and no select, doubles the registers the
-//! queries take: 64 at G = 4, which put the fused selector at 148 registers, one block per SM.)
-//! The lane sums meet in a row-group
+//! `q⁺ · kmax + q⁻ · kmin` with `q⁺ = max(q, 0)`, `q⁻ = min(q, 0)`: two multiply-adds, no
+//! compare, and exactly the product the max would pick. The lane sums meet in a row-group
 //! shuffle reduction, the group's heads are aggregated (max or mean), and a row group keeps the
 //! max over the logical pages of its physical page. Each row group walks whole physical pages,
 //! `chunks * row_groups` apart (a grid-stride loop: any grid covers every page, so a captured
@@ -35,7 +32,7 @@ impl<const D: usize, const G: usize> Rows<D, G> {
     /// Row groups per block.
     pub const GROUPS: u32 = SCORE_THREADS / Self::LANES;
     /// Logical pages whose loads a row group issues before computing (fewer for `G = 8`, whose
-    /// queries already take 64 registers).
+    /// `q⁺`/`q⁻` already take 128 registers).
     pub const IN_FLIGHT: usize = if G >= 8 { 2 } else { 4 };
 }
 
@@ -81,26 +78,33 @@ unsafe fn kv_head_of(head_map: *const u32, kv_heads: u32, dense_head: u32) -> u3
     0
 }
 
-/// This lane's 8 dimensions of every query head of the group.
+/// This lane's 8 dimensions of every query head of the group, split by sign: `(q⁺, q⁻)`.
 ///
 /// # Safety
 /// `q` is `[B][kv_heads * G][D]` with 16-byte aligned rows; `b < B`, `kv_head < kv_heads`.
 #[inline(always)]
-unsafe fn query_dims<E: Half16, const D: usize, const G: usize>(
+unsafe fn query_halves<E: Half16, const D: usize, const G: usize>(
     q: *const u16,
     b: u32,
     kv_head: u32,
     kv_heads: u32,
     col: u32,
-) -> [[f32; 8]; G] {
-    let mut dims = [[0.0f32; 8]; G];
+) -> ([[f32; 8]; G], [[f32; 8]; G]) {
+    let mut pos = [[0.0f32; 8]; G];
+    let mut neg = [[0.0f32; 8]; G];
     unroll8!(g in 0..G => {
         let head = (b * kv_heads + kv_head) * G as u32 + g as u32;
         // SAFETY: inside `q` by the caller's contract; rows are 16-byte aligned.
         let raw = unsafe { *(q.add(head as usize * D + col as usize * 8) as *const Vec16) };
-        dims[g] = raw.to_f32::<E>();
+        let x = raw.to_f32::<E>();
+        let mut i = 0;
+        while i < 8 {
+            pos[g][i] = x[i].max(0.0);
+            neg[g][i] = x[i].min(0.0);
+            i += 1;
+        }
     });
-    dims
+    (pos, neg)
 }
 
 /// The group-aggregated score of one statistics row slice (this lane's 8 dimensions), reduced
@@ -110,7 +114,8 @@ unsafe fn query_dims<E: Half16, const D: usize, const G: usize>(
 /// All 32 lanes call it.
 #[inline(always)]
 unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
-    q: &[[f32; 8]; G],
+    pos: &[[f32; 8]; G],
+    neg: &[[f32; 8]; G],
     lo: Vec16,
     hi: Vec16,
     mean: bool,
@@ -121,9 +126,9 @@ unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
         let mut s = 0.0f32;
         let mut i = 0;
         while i < 8 {
-            // max(q·hi, q·lo) is q·hi for q ≥ 0 and q·lo otherwise, as hi ≥ lo.
-            let bound = if q[g][i] >= 0.0 { hi[i] } else { lo[i] };
-            s = fma(q[g][i], bound, s);
+            // max(q·hi, q·lo) = q⁺·hi + q⁻·lo, as hi ≥ lo (one of the two terms is zero).
+            s = fma(pos[g][i], hi[i], s);
+            s = fma(neg[g][i], lo[i], s);
             i += 1;
         }
         // SAFETY: forwarded: every lane reaches this reduction.
@@ -134,52 +139,6 @@ unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
         total / G as f32
     } else {
         total
-    }
-}
-
-/// What a (sequence, dense KV head) pair does on this step.
-#[derive(Clone, Copy)]
-pub enum PairStep {
-    /// The sequence is at most `dynamic_min_len` long: dense decode, no selection, tables
-    /// untouched.
-    Dense,
-    /// Its held selection is reused (plus the newest page).
-    Reuse,
-    /// Selection is due; the sequence's length and slot.
-    Due { len: u32, slot: u32 },
-}
-
-/// What `pair` does on this step, from the batch and the selection state.
-///
-/// # Safety
-/// `pair < p.batch * p.paged.heads`; the buffers as [`ScoreBuffers`] documents, slots live.
-#[inline(always)]
-pub unsafe fn pair_step(p: &SelectParams, bufs: &ScoreBuffers, pair: u32) -> PairStep {
-    let dense_heads = p.paged.heads;
-    let (b, dense_head) = (pair / dense_heads, pair % dense_heads);
-    // SAFETY: `b < batch`; the slot is live, so its counters exist.
-    let (len, slot) = unsafe {
-        (
-            *bufs.seq_len.add(b as usize),
-            *bufs.seq_slot.add(b as usize),
-        )
-    };
-    if len <= p.dynamic_min_len {
-        return PairStep::Dense;
-    }
-    // SAFETY: as above.
-    let (step, held) = unsafe {
-        (
-            *bufs.decode_steps.add(slot as usize),
-            *bufs
-                .held_lens
-                .add((slot * dense_heads + dense_head) as usize),
-        )
-    };
-    if selection_due(len, p.dynamic_min_len, step, p.reuse_interval, held) {
-        PairStep::Due { len, slot }
-    } else {
-        PairStep::Reuse
     }
 }
 
@@ -195,35 +154,33 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(
     bufs: &ScoreBuffers,
 ) {
     let pair = block_idx_y();
-    // SAFETY: `pair < batch * dense_heads` by the grid; forwarded buffers.
-    if let PairStep::Due { len, slot } = unsafe { pair_step(p, bufs, pair) } {
-        // SAFETY: forwarded launch contract; the pair is due.
-        unsafe { score_pair::<E, D, G>(p, bufs, pair, len, slot) };
-    }
-}
-
-/// This block's share of the physical-page scores of `pair` (of length `len`, in `slot`): its
-/// row groups' pages of the grid-stride walk, into the pair's workspace row.
-///
-/// # Safety
-/// As [`score_pages`] (every thread of the block calls it, for a due pair of the launch).
-#[inline(always)]
-pub unsafe fn score_pair<E: Half16, const D: usize, const G: usize>(
-    p: &SelectParams,
-    bufs: &ScoreBuffers,
-    pair: u32,
-    len: u32,
-    slot: u32,
-) {
     let dense_heads = p.paged.heads;
     let (b, dense_head) = (pair / dense_heads, pair % dense_heads);
+    // SAFETY: `b < batch` by the grid; the slot is live, so its counters exist.
+    let (len, slot) = unsafe {
+        (
+            *bufs.seq_len.add(b as usize),
+            *bufs.seq_slot.add(b as usize),
+        )
+    };
+    let (step, held) = unsafe {
+        (
+            *bufs.decode_steps.add(slot as usize),
+            *bufs
+                .held_lens
+                .add((slot * dense_heads + dense_head) as usize),
+        )
+    };
+    if !selection_due(len, p.dynamic_min_len, step, p.reuse_interval, held) {
+        return;
+    }
     // SAFETY: `dense_head < dense_heads`, so the head map lists it.
     let kv_head = unsafe { kv_head_of(bufs.head_map, p.kv_heads, dense_head) };
 
     let lanes = Rows::<D, G>::LANES;
     let col = lane() % lanes;
     // SAFETY: `b < batch`, `kv_head < kv_heads`.
-    let q = unsafe { query_dims::<E, D, G>(bufs.q, b, kv_head, p.kv_heads, col) };
+    let (pos, neg) = unsafe { query_halves::<E, D, G>(bufs.q, b, kv_head, p.kv_heads, col) };
     let mean = p.aggregation == AGGREGATE_MEAN;
 
     let per_page = p.paged.logical_per_page();
@@ -277,7 +234,7 @@ pub unsafe fn score_pair<E: Half16, const D: usize, const G: usize>(
                 let l = first + u as u32;
                 if l < per_page {
                     // SAFETY: `l < per_page` is warp-uniform, so every lane of the warp is here.
-                    let s = unsafe { aggregated_score::<E, D, G>(&q, lo[u], hi[u], mean) };
+                    let s = unsafe { aggregated_score::<E, D, G>(&pos, &neg, lo[u], hi[u], mean) };
                     if page * per_page + l < logical_rows {
                         best = best.max(s);
                     }

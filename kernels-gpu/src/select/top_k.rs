@@ -1,10 +1,7 @@
 //! The selector: exact top-K pages of each due (sequence, dense KV head) pair into its held
 //! selection, then every pair's index-table entry.
 //!
-//! One block per pair: the `select_pages` kernel (grid `pairs`,
-//! [`SELECT_THREADS`](lserve_abi::select::SELECT_THREADS) threads), or the last scorer block of a
-//! due pair in the fused kernel ([`super::fused`]); both with
-//! [`SELECT_SMEM_BYTES`](lserve_abi::select::SELECT_SMEM_BYTES) of shared memory.
+//! Grid `pairs`, [`SELECT_THREADS`] threads, [`SELECT_SMEM_BYTES`] of shared memory.
 //!
 //! **Top-K, ties to the lower index.** Scores become order-preserving `u32` keys
 //! ([`score_key`]). A radix select finds the key `T` of the K-th largest candidate in four
@@ -17,17 +14,17 @@
 //! every selected page its place: the held selection comes out in ascending page order, no
 //! sort needed. Candidates are read from the score workspace (global memory, L2-resident after
 //! the scorer) on each pass; nothing in shared memory grows with them, so there is no hard
-//! maximum: the work is `5 * candidates / threads` loads per thread (16384 candidates, 1M
-//! tokens at 64-token pages: 160 loads per thread at 512 threads).
+//! maximum: the work is `5 * candidates / SELECT_THREADS` loads per thread (16384 candidates,
+//! 1M tokens at 64-token pages: 160 loads per thread).
 
 use core::arch::asm;
 
-use lserve_abi::select::{score_key, score_offset, selection_due, SelectParams};
+use lserve_abi::select::{score_key, score_offset, selection_due, SelectParams, SELECT_THREADS};
 
 use super::scan::block_inclusive_scan;
 use crate::smem::{dynamic_smem, shared_addr};
 use crate::sync::sync_threads;
-use crate::thread::thread_in_block;
+use crate::thread::{block_idx_x, thread_in_block};
 
 /// The buffers the selector reads and writes.
 #[derive(Clone, Copy)]
@@ -52,13 +49,10 @@ pub struct SelectBuffers {
     pub index_lens: *mut u32,
 }
 
-/// Shared memory, in `u32` words (the layout [`SELECT_SMEM_BYTES`](lserve_abi::select) sizes).
+/// Shared memory, in `u32` words.
 const HIST: usize = 0;
 const WARP_SUMS: usize = 256;
 const BROADCAST: usize = 256 + 32;
-/// A word of the selector's shared memory that is free before it starts (the fused kernel's
-/// arrival flag).
-pub const FREE_WORD: usize = BROADCAST + 2;
 
 /// Adds 1 to the shared `u32` at window address `addr`.
 ///
@@ -71,13 +65,13 @@ unsafe fn shared_increment(addr: u32) {
 }
 
 /// The key of the K-th largest of `scores[0..n]` and how many keys equal to it belong to the
-/// top `k` (`1 <= k < n`), in a block of `THREADS` threads (256 or more, a multiple of 32).
+/// top `k` (`1 <= k < n`).
 ///
 /// # Safety
 /// Every thread of the block calls it; `scores` holds `n` values; shared memory as laid out
 /// above.
 #[inline(always)]
-unsafe fn radix_select<const THREADS: u32>(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
+unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
     let t = thread_in_block();
     let hist = dynamic_smem::<u32>(HIST * 4);
     let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
@@ -99,7 +93,7 @@ unsafe fn radix_select<const THREADS: u32>(scores: *const f32, n: u32, k: u32) -
                 if key & mask == prefix {
                     shared_increment(shared_addr(hist.add(((key >> shift) & 0xff) as usize)));
                 }
-                c += THREADS;
+                c += SELECT_THREADS;
             }
             sync_threads();
             // Thread t < 256 counts digit 255 - t: the prefix sum is the keys with a digit >= it.
@@ -108,7 +102,7 @@ unsafe fn radix_select<const THREADS: u32>(scores: *const f32, n: u32, k: u32) -
             } else {
                 0
             };
-            let (at_least, _) = block_inclusive_scan(count, warp_sums, THREADS);
+            let (at_least, _) = block_inclusive_scan(count, warp_sums, SELECT_THREADS);
             if t < 256 && at_least >= need && at_least - count < need {
                 *broadcast = 255 - t;
                 *broadcast.add(1) = need - (at_least - count);
@@ -123,17 +117,16 @@ unsafe fn radix_select<const THREADS: u32>(scores: *const f32, n: u32, k: u32) -
     (prefix, need)
 }
 
-/// The selector body (see the module docs) for `pair`, in a block of `THREADS` threads (256
-/// or more, a multiple of 32).
+/// The selector body (see the module docs).
 ///
 /// # Safety
-/// Every thread of one block calls it, with `SELECT_SMEM_BYTES` of dynamic shared memory
-/// free, once per launch for `pair < p.batch * p.paged.heads` (no other block works on the
-/// pair's held state or index entry meanwhile), after the scorer on the same batch and state;
+/// Launched with grid `p.batch * p.paged.heads`, [`SELECT_THREADS`] threads and
+/// `SELECT_SMEM_BYTES` of dynamic shared memory, after the scorer on the same batch and state;
 /// buffers as [`SelectBuffers`] documents, capacities as `p` states (`held_capacity >= K + 2`,
 /// `entry_capacity >= min(K + 3, max_pages)`), slots live and distinct.
 #[inline(always)]
-pub unsafe fn select_pair<const THREADS: u32>(p: &SelectParams, bufs: &SelectBuffers, pair: u32) {
+pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
+    let pair = block_idx_x();
     let dense_heads = p.paged.heads;
     let (b, dense_head) = (pair / dense_heads, pair % dense_heads);
     // SAFETY: `b < batch` by the grid.
@@ -177,7 +170,7 @@ pub unsafe fn select_pair<const THREADS: u32>(p: &SelectParams, bufs: &SelectBuf
             let mut i = t;
             while i < held_len {
                 *index.add(i as usize) = *table.add(*held.add(i as usize) as usize);
-                i += THREADS;
+                i += SELECT_THREADS;
             }
             if t == 0 {
                 let mut n = held_len;
@@ -202,13 +195,13 @@ pub unsafe fn select_pair<const THREADS: u32>(p: &SelectParams, bufs: &SelectBuf
     };
     let (threshold, take_equal) = if candidates > p.top_k {
         // SAFETY: block-uniform; `1 <= top_k < candidates`.
-        unsafe { radix_select::<THREADS>(scores, candidates, p.top_k) }
+        unsafe { radix_select(scores, candidates, p.top_k) }
     } else {
         (0, u32::MAX) // every key is >= 0: take them all
     };
 
     // This thread's contiguous run of candidates, and what it holds of the top-K.
-    let per_thread = candidates.div_ceil(THREADS);
+    let per_thread = candidates.div_ceil(SELECT_THREADS);
     let begin = (t * per_thread).min(candidates);
     let end = (begin + per_thread).min(candidates);
     let (mut above, mut equal) = (0u32, 0u32);
@@ -222,11 +215,11 @@ pub unsafe fn select_pair<const THREADS: u32>(p: &SelectParams, bufs: &SelectBuf
     }
     let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
     // SAFETY: block-uniform.
-    let (equal_through, _) = unsafe { block_inclusive_scan(equal, warp_sums, THREADS) };
+    let (equal_through, _) = unsafe { block_inclusive_scan(equal, warp_sums, SELECT_THREADS) };
     let equal_before = equal_through - equal;
     let taken = above + equal.min(take_equal.saturating_sub(equal_before));
     // SAFETY: block-uniform.
-    let (taken_through, total) = unsafe { block_inclusive_scan(taken, warp_sums, THREADS) };
+    let (taken_through, total) = unsafe { block_inclusive_scan(taken, warp_sums, SELECT_THREADS) };
 
     // Held selection: [0 if always included] ++ selected candidates (ascending) ++ [newest].
     let mut at = always_first as u32 + taken_through - taken;
