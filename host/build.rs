@@ -63,7 +63,12 @@ fn main() {
             cmd.env_remove(&key);
         }
     }
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}"));
+    // PTX ISA 8.0 (CUDA 12.0 drivers and later): the decode kernel's bulk copies
+    // (`cp.async.bulk`, `mbarrier` transaction counts) need it; 7.8 is the back end's default.
+    cmd.env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        format!("-Ctarget-cpu={arch}\x1f-Ctarget-feature=+ptx80"),
+    );
 
     let status = cmd.status().unwrap_or_else(|e| {
         panic!("lserve: could not run `rustup` to build the GPU kernels ({e}); install rustup, or set LSERVE_PTX to a prebuilt PTX file")

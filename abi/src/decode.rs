@@ -39,24 +39,35 @@ pub const fn combine_smem_bytes() -> u32 {
 /// streaming heads); without it the low bits are its index among the layer's dense heads.
 pub const HEAD_STREAMING: u32 = 1 << 31;
 
-/// Shared memory of the decode attention kernel for head dimension `head_dim`, in bytes: per warp,
-/// [`DECODE_STAGES`] K and V tiles of [`DECODE_TILE_ROWS`] padded rows (the cross-warp merge
-/// area reuses it at the end).
-pub const fn decode_smem_bytes(head_dim: u32) -> u32 {
+/// Bytes of the stage area of the decode attention kernel for head dimension `head_dim`: per
+/// warp, [`DECODE_STAGES`] K and V tiles of [`DECODE_TILE_ROWS`] padded rows (the cross-warp
+/// merge area reuses it at the end).
+pub const fn decode_stage_bytes(head_dim: u32) -> u32 {
     let warps = DECODE_THREADS / 32;
     let row_bytes = (head_dim + DECODE_ROW_PAD) * 2;
     warps * DECODE_STAGES * 2 * DECODE_TILE_ROWS * row_bytes
 }
 
+/// Bytes of the decode kernel's copy barriers, after the stage area: one 8-byte `mbarrier` per
+/// warp and stage.
+pub const DECODE_BARRIER_BYTES: u32 = (DECODE_THREADS / 32) * DECODE_STAGES * 8;
+
+/// Shared memory of the decode attention kernel for head dimension `head_dim`, in bytes: the
+/// stage area ([`decode_stage_bytes`]), then the copy barriers ([`DECODE_BARRIER_BYTES`]).
+pub const fn decode_smem_bytes(head_dim: u32) -> u32 {
+    decode_stage_bytes(head_dim) + DECODE_BARRIER_BYTES
+}
+
 /// Bytes of the cross-warp merge area at the end of a decode block: per warp and query head of
 /// the group, the running maximum, the denominator and `head_dim` accumulators (f32). It fits in
-/// [`decode_smem_bytes`] for every supported shape (`group <= 8`, `head_dim` 64 or 128).
+/// the stage area ([`decode_stage_bytes`]) for every supported shape (`group <= 8`, `head_dim` 64
+/// or 128).
 pub const fn decode_merge_bytes(head_dim: u32, group: u32) -> u32 {
     (DECODE_THREADS / 32) * group * (head_dim + 2) * 4
 }
 
-const _: () = assert!(decode_merge_bytes(64, 8) <= decode_smem_bytes(64));
-const _: () = assert!(decode_merge_bytes(128, 8) <= decode_smem_bytes(128));
+const _: () = assert!(decode_merge_bytes(64, 8) <= decode_stage_bytes(64));
+const _: () = assert!(decode_merge_bytes(128, 8) <= decode_stage_bytes(128));
 
 /// Scalars of one decode attention launch (by value).
 #[repr(C)]

@@ -8,7 +8,8 @@
 //! - [`convert`]: bf16 / f16 <-> f32 ([`convert::Bf16`], [`convert::F16`] markers);
 //! - [`mma`]: `mma.sync` m16n8k16 fragments and products;
 //! - [`ldmatrix`]: shared memory -> fragments;
-//! - [`cp_async`]: asynchronous global -> shared copies, commit / wait groups.
+//! - [`cp_async`]: asynchronous global -> shared copies, commit / wait groups;
+//! - [`bulk_copy`]: bulk copies on the tensor memory accelerator, `mbarrier`s.
 //!
 //! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`).
 #![no_std]
@@ -20,6 +21,7 @@
 
 use core::arch::nvptx::*;
 
+pub mod bulk_copy;
 pub mod convert;
 pub mod cp_async;
 pub mod decode;

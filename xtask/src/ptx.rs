@@ -129,7 +129,12 @@ fn build_ptx(kernel_dir: &Path, channel: &str, arch: &str) -> Result<PathBuf, St
             cmd.env_remove(&key);
         }
     }
-    cmd.env("CARGO_ENCODED_RUSTFLAGS", format!("-Ctarget-cpu={arch}"));
+    // PTX ISA 8.0 (CUDA 12.0 drivers and later): the decode kernel's bulk copies
+    // (`cp.async.bulk`, `mbarrier` transaction counts) need it; 7.8 is the back end's default.
+    cmd.env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        format!("-Ctarget-cpu={arch}\x1f-Ctarget-feature=+ptx80"),
+    );
     let status = cmd.status().map_err(|e| format!("running rustup: {e}"))?;
     if !status.success() {
         return Err(format!(

@@ -4,7 +4,8 @@
 //! `y % kv_heads` of sequence `y / kv_heads` — all `G` query heads of the group, so every K/V row
 //! is loaded once — over split `s` of that pair's tiles of 16 rows ([`rows::RowSource`]). Inside
 //! the block, warp `w` takes every fourth tile of the split (`w, w + 4, ...`) and streams them
-//! through its own [`DECODE_STAGES`]-stage `cp.async` ring (no block barrier in the loop). Per
+//! through its own [`DECODE_STAGES`]-stage ring of bulk copies (`cp.async.bulk`, one `mbarrier`
+//! per stage; no block barrier in the loop). Per
 //! tile it computes `S = Q Kᵀ` and `O += P V` with `mma.sync` m16n8k16, the group's query heads
 //! being the rows of the products ([`tiles`]), with an online softmax per head in registers
 //! ([`online_softmax`]). At the end the warps' states merge through shared memory and the block
@@ -17,8 +18,8 @@ pub mod tiles;
 
 use lserve_abi::decode::{DecodeParams, DECODE_STAGES};
 
+use crate::bulk_copy::{fence_mbarrier_init, mbarrier_init, mbarrier_wait_parity};
 use crate::convert::{Bf16, F16};
-use crate::cp_async::{commit_group, wait_all, wait_group};
 use crate::math::fma;
 use crate::mma::{mma_m16n8k16, FragC, MmaElement};
 use crate::smem::dynamic_smem;
@@ -69,14 +70,30 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
     let tile = |j: u32| first + warp + j * WARPS;
     // SAFETY: `q_group` holds the group's `G x D` query elements (the caller's layout).
     let q = unsafe { load_q_fragments::<E, D, G>(q_group, lane) };
+    // One barrier per stage, one arrival (lane 0's) per phase; tile `j` is phase `j / STAGES` of
+    // its stage's barrier.
+    if lane == 0 {
+        let mut stage = 0;
+        while stage < DECODE_STAGES {
+            // SAFETY: the warp's own barrier words, after the stage area; nobody uses them yet.
+            unsafe { mbarrier_init(Tile::<D>::stage_barrier(warp, stage), 1) };
+            stage += 1;
+        }
+        fence_mbarrier_init();
+    }
+    // SAFETY: the whole warp is here (`mine` is warp-uniform); the lanes see the barriers from
+    // now on.
+    unsafe { sync_warp() };
     // Issues tile `j` (at element offset `offset`) into its stage.
     let issue = |j: u32, offset: usize| {
+        let stage = j % DECODE_STAGES;
         // SAFETY: `tile(j) < first + count <= tiles`, `offset` is its offset; the stage is free
-        // (see the loop).
+        // and its barrier's current phase (`j / STAGES`) not yet arrived on (see the loop).
         unsafe {
             let (k, v) = src.tile_at(offset);
             load_tile_async::<D>(
-                Tile::<D>::k_tile(warp, j % DECODE_STAGES),
+                Tile::<D>::k_tile(warp, stage),
+                Tile::<D>::stage_barrier(warp, stage),
                 k,
                 v,
                 src.tile_rows(tile(j)),
@@ -92,7 +109,6 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
             // SAFETY: `tile(j)` is one of this warp's tiles.
             issue(j, unsafe { src.tile_offset(p, tile(j)) });
         }
-        commit_group();
         j += 1;
     }
     // Where the next tile to issue lives, looked up one step ahead: a dense head's page-list
@@ -105,16 +121,24 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
 
     let mut j = 0;
     while j < mine {
-        wait_group::<{ DECODE_STAGES - 2 }>();
-        // SAFETY: the whole warp is here (`mine` is warp-uniform). After it, tile `j`'s copies by
-        // every lane are visible, and every lane has finished reading the stage of tile `j - 1`,
-        // which the next copy overwrites.
+        // SAFETY: the stage's barrier was initialized above and tile `j` (issued, since
+        // `j < mine`) is its phase `j / STAGES`: the current phase or, if it already completed,
+        // the one before.
+        unsafe {
+            mbarrier_wait_parity(
+                Tile::<D>::stage_barrier(warp, j % DECODE_STAGES),
+                (j / DECODE_STAGES) % 2,
+            )
+        };
+        // SAFETY: the whole warp is here (`mine` is warp-uniform). Tile `j`'s rows are visible to
+        // each lane (the wait above); after the barrier every lane has finished reading the stage
+        // of tile `j - 1` and has seen its phase complete, so the next copy may overwrite it and
+        // arrive on its barrier's next phase.
         unsafe { sync_warp() };
         let next = j + DECODE_STAGES - 1;
         if next < mine {
             issue(next, next_offset);
         }
-        commit_group();
         if next + 1 < mine {
             // SAFETY: `tile(next + 1)` is one of this warp's tiles.
             next_offset = unsafe { src.tile_offset(p, tile(next + 1)) };
@@ -210,9 +234,9 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize>(
         attend_tiles::<E, D, G>(p, &src, q.add(pair as usize * G * D), first, count, warp)
     };
 
-    // Merge the warps through shared memory (the stage area, free once every copy has landed
-    // and every warp is past its last read): per warp and head, `m`, `l` and `D` accumulators.
-    wait_all();
+    // Merge the warps through shared memory (the stage area, free once every copy has landed —
+    // each warp waited for every tile it issued — and every warp is past its last read): per warp
+    // and head, `m`, `l` and `D` accumulators.
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
     let lane = lane();
@@ -223,7 +247,7 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize>(
     let (g, quad) = (lane / 4, lane % 4);
     if g < G as u32 {
         let at = slot_of(warp, g);
-        // SAFETY: inside the merge area (`decode_merge_bytes(D, G) <= decode_smem_bytes(D)`).
+        // SAFETY: inside the merge area (`decode_merge_bytes(D, G) <= decode_stage_bytes(D)`).
         unsafe {
             if quad == 0 {
                 *area.add(at) = state.softmax.m;

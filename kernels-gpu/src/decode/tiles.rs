@@ -4,7 +4,8 @@
 //! A tile is [`DECODE_TILE_ROWS`] (16) consecutive K/V rows of one page. Each warp streams its
 //! own tiles through [`DECODE_STAGES`] stages of shared memory (K tile, then V tile), rows
 //! `D + DECODE_ROW_PAD` elements apart so the eight 16-byte rows of an `ldmatrix` 8x8 load fall in
-//! distinct bank groups.
+//! distinct bank groups. A tile arrives as 32 bulk copies (`cp.async.bulk`, one K or V row per
+//! lane) counted on the stage's `mbarrier` (after the stage area: one per warp and stage).
 //!
 //! The products, per warp and tile, with the `G` query heads of the KV group as the `M` rows of
 //! the `m16n8k16` products (rows `G..16` are zero and never written out):
@@ -13,9 +14,12 @@
 //! - `O += P V`: `D/8` accumulators of 8 dims; `P` reuses `S`'s registers as one A fragment;
 //!   `V`'s B fragments come from the row-major V tile with `ldmatrix.trans`.
 
-use lserve_abi::decode::{DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS};
+use lserve_abi::decode::{
+    decode_stage_bytes, DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS,
+};
 
-use crate::cp_async::{cp_async_16_with_policy, l2_evict_first};
+use crate::bulk_copy::{bulk_copy_with_policy, mbarrier_arrive_expect_tx};
+use crate::cp_async::l2_evict_first;
 use crate::ldmatrix::{load_b_pair_k_major, load_b_pair_n_major};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr};
@@ -38,10 +42,10 @@ impl<const D: usize> Tile<D> {
     pub const BYTES: u32 = DECODE_TILE_ROWS * Self::ROW_BYTES;
     /// Bytes of one warp's stage (a K and a V tile).
     const STAGE_BYTES: u32 = 2 * Self::BYTES;
-    /// 16-byte chunks per row.
-    const CHUNKS_PER_ROW: u32 = D as u32 / 8;
-    /// Chunks each lane copies per K (or V) tile.
-    const CHUNKS_PER_LANE: u32 = DECODE_TILE_ROWS * Self::CHUNKS_PER_ROW / WARP_SIZE;
+    /// Bytes of one K (or V) row in global memory: one bulk copy.
+    const ROW_COPY_BYTES: u32 = D as u32 * 2;
+    /// Bytes a stage's barrier counts per tile: 16 K and 16 V rows.
+    pub const TILE_COPY_BYTES: u32 = 2 * DECODE_TILE_ROWS * Self::ROW_COPY_BYTES;
     /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
     pub const D_STEPS: usize = D / 16;
     /// Accumulators of 8 dims in `O`.
@@ -52,27 +56,42 @@ impl<const D: usize> Tile<D> {
     pub fn k_tile(warp: u32, stage: u32) -> u32 {
         shared_addr(dynamic_smem::<u8>(0)) + (warp * DECODE_STAGES + stage) * Self::STAGE_BYTES
     }
+
+    /// Shared-window address of the `mbarrier` that counts the copies into warp `warp`'s
+    /// `stage` (after the stage area).
+    #[inline(always)]
+    pub fn stage_barrier(warp: u32, stage: u32) -> u32 {
+        shared_addr(dynamic_smem::<u8>(0))
+            + decode_stage_bytes(D as u32)
+            + (warp * DECODE_STAGES + stage) * 8
+    }
 }
 
-// The layout above is what `decode_smem_bytes` sizes.
+// The layout above is what `decode_stage_bytes` sizes; `decode_smem_bytes` adds the barriers.
+const _: () = assert!(decode_stage_bytes(128) == WARPS * DECODE_STAGES * Tile::<128>::STAGE_BYTES);
+const _: () = assert!(decode_stage_bytes(64) == WARPS * DECODE_STAGES * Tile::<64>::STAGE_BYTES);
 const _: () = assert!(
-    lserve_abi::decode::decode_smem_bytes(128) == WARPS * DECODE_STAGES * Tile::<128>::STAGE_BYTES
+    lserve_abi::decode::decode_smem_bytes(128)
+        == decode_stage_bytes(128) + WARPS * DECODE_STAGES * 8
 );
-const _: () = assert!(
-    lserve_abi::decode::decode_smem_bytes(64) == WARPS * DECODE_STAGES * Tile::<64>::STAGE_BYTES
-);
+// One row copy per lane: 16 K rows and 16 V rows.
+const _: () = assert!(2 * DECODE_TILE_ROWS == WARP_SIZE);
 
-/// Starts this lane's share of the asynchronous copy of one tile's K and V rows into the stage at
-/// `k_dst`: row `r` comes from row `min(r, valid_rows - 1)` of the source (rows past the end repeat
-/// the last existing row, so every value `P V` multiplies is finite; their scores are masked).
+/// Starts the asynchronous copy of one tile's K and V rows into the stage at `k_dst`, counted on
+/// that stage's barrier `bar`: lane `l < 16` copies K row `l`, lane `16 + l` V row `l`, each with
+/// one bulk copy; lane 0 first tells the barrier to expect the tile's bytes. Row `r` comes from
+/// row `min(r, valid_rows - 1)` of the source (rows past the end repeat the last existing row, so
+/// every value `P V` multiplies is finite; their scores are masked).
 ///
 /// # Safety
-/// All 32 lanes of the warp call it; `k_dst` is a stage of this layout not being read; `1 <=
+/// All 32 lanes of the warp call it; `k_dst` is a stage of this layout not being read and `bar`
+/// its barrier, initialized for one arrival, whose current phase nobody has arrived on yet; `1 <=
 /// valid_rows <= 16` rows of `D` elements are readable at `k_src` and `v_src` (rows contiguous,
 /// 16-byte aligned).
 #[inline(always)]
 pub unsafe fn load_tile_async<const D: usize>(
     k_dst: u32,
+    bar: u32,
     k_src: *const u16,
     v_src: *const u16,
     valid_rows: u32,
@@ -80,19 +99,26 @@ pub unsafe fn load_tile_async<const D: usize>(
 ) {
     // K and V are read once per step: keep them from pushing other lines out of the L2.
     let policy = l2_evict_first();
-    let mut i = 0;
-    while i < Tile::<D>::CHUNKS_PER_LANE {
-        let c = lane + i * WARP_SIZE;
-        let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
-        let src = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
-        let dst = k_dst + row * Tile::<D>::ROW_BYTES + chunk * 16;
-        // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is inside the
-        // stage (`row < 16`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
-        unsafe {
-            cp_async_16_with_policy(dst, k_src.add(src) as *const u8, policy);
-            cp_async_16_with_policy(dst + Tile::<D>::BYTES, v_src.add(src) as *const u8, policy);
-        }
-        i += 1;
+    if lane == 0 {
+        // SAFETY: the phase expects this one arrival (caller); 8 KiB < 2^20.
+        unsafe { mbarrier_arrive_expect_tx(bar, Tile::<D>::TILE_COPY_BYTES) };
+    }
+    let (row, is_v) = (lane % DECODE_TILE_ROWS, lane / DECODE_TILE_ROWS);
+    let src = if is_v == 0 { k_src } else { v_src };
+    let dst = k_dst + is_v * Tile::<D>::BYTES + row * Tile::<D>::ROW_BYTES;
+    // SAFETY: the source row exists (`min(row, valid_rows - 1) < valid_rows`) and is 16-byte
+    // aligned; `ROW_COPY_BYTES` (128 or 256) is a multiple of 16; the destination row is inside
+    // the stage (`row < 16`) and 16-byte aligned (`ROW_BYTES` is a multiple of 16); the 32 copies
+    // add up to the `TILE_COPY_BYTES` lane 0 announced.
+    unsafe {
+        let from = src.add((row.min(valid_rows - 1) * D as u32) as usize);
+        bulk_copy_with_policy(
+            dst,
+            from as *const u8,
+            Tile::<D>::ROW_COPY_BYTES,
+            bar,
+            policy,
+        );
     }
 }
 

@@ -1,0 +1,113 @@
+//! Bulk asynchronous global -> shared copies on the tensor memory accelerator
+//! (`cp.async.bulk`, sm_90, PTX ISA 8.0) and the shared-memory barriers (`mbarrier`) that count
+//! their bytes.
+//!
+//! One instruction moves a whole contiguous run (a multiple of 16 bytes) and reports completion
+//! to an `mbarrier` in shared memory as a byte count ("transaction count"), not per issuing
+//! thread: no `commit_group`/`wait_group`, and no register per 16-byte chunk. The pattern per
+//! buffer (one barrier initialized with one expected arrival):
+//! ```text
+//! init(bar, 1); fence_init(); (barrier for the threads that use it)
+//! loop:
+//!     one thread: arrive_expect_tx(bar, total bytes)   // the phase now waits for the bytes
+//!     copies: bulk_copy(dst, src, n, bar) ...           // each completes n bytes on bar
+//!     everyone: wait_parity(bar, phase & 1)             // data visible to the waiting thread
+//! ```
+//! A phase completes when its expected arrival came and every expected byte landed; the
+//! transaction count may dip below zero if a copy lands before the `expect_tx` (that is allowed:
+//! the missing arrival still holds the phase open).
+
+use core::arch::asm;
+
+/// Initializes the `mbarrier` at shared-window address `bar` for `count` arrivals per phase
+/// (phase 0 starts).
+///
+/// # Safety
+/// `bar` is an 8-byte-aligned shared-window address of 8 bytes used only as this barrier; no
+/// other thread uses it until a [`fence_mbarrier_init`] and a barrier after this.
+#[inline(always)]
+pub unsafe fn mbarrier_init(bar: u32, count: u32) {
+    // SAFETY: forwarded.
+    unsafe {
+        asm!("mbarrier.init.shared::cta.b64 [{0}], {1};", in(reg32) bar, in(reg32) count,
+             options(nostack));
+    }
+}
+
+/// Makes this thread's earlier [`mbarrier_init`]s visible to other threads and to the bulk-copy
+/// unit (`fence.mbarrier_init.release.cluster`); follow it with a thread barrier.
+#[inline(always)]
+pub fn fence_mbarrier_init() {
+    // SAFETY: a fence; no operands.
+    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
+}
+
+/// Arrives once on `bar` and raises its transaction count by `bytes`: the current phase then
+/// completes when `bytes` bytes of bulk copies have landed on it.
+///
+/// # Safety
+/// `bar` is an initialized barrier ([`mbarrier_init`]) whose current phase still expects this
+/// arrival; `bytes < 2^20`.
+#[inline(always)]
+pub unsafe fn mbarrier_arrive_expect_tx(bar: u32, bytes: u32) {
+    // SAFETY: forwarded.
+    unsafe {
+        asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{0}], {1};",
+             in(reg32) bar, in(reg32) bytes, options(nostack));
+    }
+}
+
+/// Waits until the phase of `bar` with parity `parity` (0 for phases 0, 2, ...; 1 for 1, 3, ...)
+/// has completed. Acquire: the bytes the phase counted are visible to this thread afterwards.
+///
+/// # Safety
+/// `bar` is an initialized barrier; the phase waited for is the current one or the one before.
+#[inline(always)]
+pub unsafe fn mbarrier_wait_parity(bar: u32, parity: u32) {
+    loop {
+        let done: u32;
+        // SAFETY: forwarded. No `nomem`: reads of the landed data must not move above it.
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .pred p;",
+                "mbarrier.try_wait.parity.shared::cta.b64 p, [{1}], {2};",
+                "selp.u32 {0}, 1, 0, p;",
+                "}}",
+                out(reg32) done, in(reg32) bar, in(reg32) parity,
+                options(nostack),
+            );
+        }
+        if done != 0 {
+            return;
+        }
+    }
+}
+
+/// Starts a bulk copy of `bytes` contiguous bytes from global `src` to shared-window address
+/// `dst`, counted on barrier `bar` (`cp.async.bulk ... mbarrier::complete_tx::bytes`), with an L2
+/// cache policy from [`crate::cp_async::l2_evict_first`] (a hint, no semantics).
+///
+/// # Safety
+/// `dst` and `src` are 16-byte aligned, `bytes` a multiple of 16; `bytes` readable at `src` and
+/// writable at `dst`, and the destination not accessed by anyone until `bar`'s phase that counts
+/// these bytes has completed (an `expect_tx` on that phase accounts for them).
+#[inline(always)]
+pub unsafe fn bulk_copy_with_policy(dst: u32, src: *const u8, bytes: u32, bar: u32, policy: u64) {
+    // SAFETY: forwarded; `cvta.to.global` turns the generic pointer into the global-window
+    // address the copy requires. A `shared::cta` address of this block is a valid
+    // `shared::cluster` address of it.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .u64 gsrc;",
+            "cvta.to.global.u64 gsrc, {1};",
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint \
+             [{0}], [gsrc], {2}, [{3}], {4};",
+            "}}",
+            in(reg32) dst, in(reg64) src as u64, in(reg32) bytes, in(reg32) bar,
+            in(reg64) policy,
+            options(nostack),
+        );
+    }
+}
