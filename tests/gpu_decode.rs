@@ -12,12 +12,13 @@
 mod common;
 
 use common::{f16_or_bf16, gpu, head_pattern, random_vec, tolerance};
-use half::bf16;
+use half::{bf16, f16};
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
     decode_attention, DecodeBatch, DecodeWorkspace, DeviceElement, DeviceKvCache, GpuContext,
+    MAX_SPLITS,
 };
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
@@ -227,12 +228,25 @@ impl<E: DeviceElement> Prompted<E> {
 }
 
 fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+    run_case_with_splits::<E>(gpu, case, MAX_SPLITS)
+}
+
+/// [`run_case`] with at most `max_splits` splits per pair (long splits take the bulk-copy
+/// kernel).
+fn run_case_with_splits<E: DeviceElement>(
+    gpu: &GpuContext,
+    case: &Case,
+    max_splits: u32,
+) -> Result<(), TestCaseError> {
     let mut p = prompted::<E>(case);
     let g = *p.mgr.geometry();
     let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
 
     let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
-    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d).unwrap();
+    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d)
+        .unwrap()
+        .with_max_splits(max_splits)
+        .unwrap();
     for step in 0..case.steps {
         let Step { q, want, .. } = p.reference_step();
         for &s in &p.seqs {
@@ -267,7 +281,8 @@ proptest! {
     }
 }
 
-/// A long dense sequence split over many blocks: the split/combine path with many tiles.
+/// A long dense sequence split over many blocks (the split/combine path with many tiles), then in
+/// one split per pair (the bulk-copy kernel).
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn long_dense_sequence_uses_many_splits() {
@@ -290,6 +305,16 @@ fn long_dense_sequence_uses_many_splits() {
         seed: 7,
     };
     run_case::<bf16>(&gpu, &case).unwrap();
+    // One split per pair: 20,000 rows are 312 tiles per warp, past the bulk-copy line, so the
+    // bulk-copy kernel serves the launch (the short streaming pair too); both element types and
+    // head dims.
+    run_case_with_splits::<bf16>(&gpu, &case, 1).unwrap();
+    let case = Case {
+        head_dim: 64,
+        f16: true,
+        ..case
+    };
+    run_case_with_splits::<f16>(&gpu, &case, 1).unwrap();
 }
 
 /// Whether the GPU's index-table entry `got` may stand for the reference's `want` (both physical

@@ -49,6 +49,28 @@ impl DecodeWorkspace {
             head_dim,
         })
     }
+
+    /// At most `max_splits` splits per (sequence, KV head) in launches with this workspace
+    /// (default [`MAX_SPLITS`]): fewer, longer splits trade parallelism for less combine work.
+    ///
+    /// Errors: `InvalidArgument` unless `1 <= max_splits <= MAX_SPLITS`.
+    ///
+    /// ```no_run
+    /// use lserve::gpu::{DecodeWorkspace, GpuContext};
+    /// let gpu = GpuContext::new(0)?;
+    /// let ws = DecodeWorkspace::new(&gpu, 1, 8, 4, 128)?.with_max_splits(16)?;
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn with_max_splits(mut self, max_splits: u32) -> Result<Self> {
+        if !(1..=MAX_SPLITS).contains(&max_splits) {
+            return Err(LserveError::InvalidArgument {
+                what: "max_splits",
+                reason: format!("{max_splits}: expected 1 to {MAX_SPLITS}"),
+            });
+        }
+        self.max_splits = max_splits;
+        Ok(self)
+    }
 }
 
 /// How many splits a launch uses: one wave of blocks of the `heavy_pairs` long pairs (the dense
@@ -64,8 +86,30 @@ fn choose_splits(sm_count: u32, heavy_pairs: u32, max_rows: u32, max_splits: u32
 /// The shortest split worth its partial state: two tiles per warp.
 const MIN_SPLIT_TILES: u32 = 8;
 
-fn kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
-    grouped_kernel_name("decode_attention", "decode kernel", dtype, head_dim, group)
+/// Splits of at least this many tiles per warp read their tiles with bulk copies.
+///
+/// Measured A/B, one device run (H200, 2026-11-29, `benches/decode.rs`, every launch with bulk
+/// copies against every launch with `cp.async`): dense b16 256K −3.6% (2048 tiles per warp),
+/// b16 128K −3.9%, b1 256K −3.3% (62 tiles per warp); but the LServe step +10% at b16 256K
+/// (sparse pairs at ~17 tiles per warp, streaming heads at 1-2) and +1.4% at b1 (2 per warp):
+/// a bulk-copied tile arrives later (32 copies issued one by one, an `mbarrier` round trip), which
+/// only a long stream of tiles hides. The line sits between the measured sides.
+const BULK_MIN_TILES_PER_WARP: u32 = 24;
+
+/// Whether a launch whose longest pair visits `max_rows` rows in `splits` splits uses the bulk-copy
+/// kernel.
+fn uses_bulk_copies(max_rows: u32, splits: u32) -> bool {
+    let warp_rows = DECODE_TILE_ROWS * (DECODE_THREADS / 32);
+    max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows) >= BULK_MIN_TILES_PER_WARP
+}
+
+fn kernel_name(dtype: DType, head_dim: usize, group: usize, bulk: bool) -> Result<String> {
+    let prefix = if bulk {
+        "decode_attention_bulk"
+    } else {
+        "decode_attention"
+    };
+    grouped_kernel_name(prefix, "decode kernel", dtype, head_dim, group)
 }
 
 /// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`.
@@ -143,7 +187,7 @@ pub fn decode_attention<E: DeviceElement>(
         paged: l.paged,
         streaming: l.streaming,
     });
-    let name = kernel_name(E::DTYPE, d, group)?;
+    let name = kernel_name(E::DTYPE, d, group, uses_bulk_copies(max_rows, splits))?;
     let smem = decode_smem_bytes(d as u32);
     let f = gpu.function_with_smem(&name, smem)?;
     let cfg = LaunchConfig {
@@ -229,19 +273,33 @@ mod tests {
     }
 
     #[test]
+    fn long_splits_use_bulk_copies() {
+        // Dense b16 256K: 2 splits of 131072 rows, 2048 tiles per warp.
+        assert!(uses_bulk_copies(262_144, 2));
+        // Dense b1 256K: 66 splits, 62 tiles per warp.
+        assert!(uses_bulk_copies(262_144, 66));
+        // LServe at b16: a selection's ~4.3K rows in 4 splits, 17 tiles per warp.
+        assert!(!uses_bulk_copies(67 * 64, 4));
+        // LServe at b1: 34 splits, 2 tiles per warp.
+        assert!(!uses_bulk_copies(67 * 64, 34));
+        assert!(!uses_bulk_copies(1, 0));
+    }
+
+    #[test]
     fn unsupported_shapes_are_typed_errors() {
-        assert!(
-            kernel_name(DType::BF16, 128, 4).is_ok_and(|n| n == "decode_attention_bf16_d128_g4")
-        );
+        assert!(kernel_name(DType::BF16, 128, 4, false)
+            .is_ok_and(|n| n == "decode_attention_bf16_d128_g4"));
+        assert!(kernel_name(DType::BF16, 128, 4, true)
+            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
         assert!(matches!(
-            kernel_name(DType::F16, 256, 4),
+            kernel_name(DType::F16, 256, 4, false),
             Err(LserveError::InvalidArgument {
                 what: "head_dim",
                 ..
             })
         ));
         assert!(matches!(
-            kernel_name(DType::F16, 64, 3),
+            kernel_name(DType::F16, 64, 3, true),
             Err(LserveError::InvalidArgument { what: "group", .. })
         ));
     }

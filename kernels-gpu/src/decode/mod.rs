@@ -4,9 +4,9 @@
 //! `y % kv_heads` of sequence `y / kv_heads` — all `G` query heads of the group, so every K/V row
 //! is loaded once — over split `s` of that pair's tiles of 16 rows ([`rows::RowSource`]). Inside
 //! the block, warp `w` takes every fourth tile of the split (`w, w + 4, ...`) and streams them
-//! through its own [`DECODE_STAGES`]-stage ring of bulk copies (`cp.async.bulk`, one `mbarrier`
-//! per stage; no block barrier in the loop). Per
-//! tile it computes `S = Q Kᵀ` and `O += P V` with `mma.sync` m16n8k16, the group's query heads
+//! through its own [`DECODE_STAGES`]-stage ring (no block barrier in the loop), filled by
+//! `cp.async` (`decode_attention_*`) or by bulk copies (`decode_attention_bulk_*`, for long
+//! splits; [`tiles::TileCopy`]). Per tile it computes `S = Q Kᵀ` and `O += P V` with `mma.sync` m16n8k16, the group's query heads
 //! being the rows of the products ([`tiles`]), with an online softmax per head in registers
 //! ([`online_softmax`]). At the end the warps' states merge through shared memory and the block
 //! writes one partial state per query head; [`combine`] merges the splits into the output.
@@ -18,7 +18,6 @@ pub mod tiles;
 
 use lserve_abi::decode::{DecodeParams, DECODE_STAGES};
 
-use crate::bulk_copy::{fence_mbarrier_init, mbarrier_init, mbarrier_wait_parity};
 use crate::convert::{Bf16, F16};
 use crate::math::fma;
 use crate::mma::{mma_m16n8k16, FragC, MmaElement};
@@ -29,8 +28,8 @@ use crate::warp::quad_sum_f32;
 use online_softmax::{merge_weight, HeadSoftmax};
 use rows::{CacheBuffers, RowSource};
 use tiles::{
-    load_k_fragments, load_q_fragments, load_tile_async, load_v_fragments, p_fragment, Tile,
-    MAX_O_TILES, WARPS,
+    load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, AsyncCopy, BulkCopy, Tile,
+    TileCopy, MAX_O_TILES, WARPS,
 };
 
 /// One warp's pass over its tiles: the softmax state of its lane's query head and the
@@ -46,7 +45,7 @@ struct WarpState {
 /// # Safety
 /// All 32 lanes of the warp call it; `first + count <= src.tiles()`; the warp's stages are free.
 #[inline(always)]
-unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
+unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize, C: TileCopy>(
     p: &DecodeParams,
     src: &RowSource,
     q_group: *const u16,
@@ -70,35 +69,15 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
     let tile = |j: u32| first + warp + j * WARPS;
     // SAFETY: `q_group` holds the group's `G x D` query elements (the caller's layout).
     let q = unsafe { load_q_fragments::<E, D, G>(q_group, lane) };
-    // One barrier per stage, one arrival (lane 0's) per phase; tile `j` is phase `j / STAGES` of
-    // its stage's barrier.
-    if lane == 0 {
-        let mut stage = 0;
-        while stage < DECODE_STAGES {
-            // SAFETY: the warp's own barrier words, after the stage area; nobody uses them yet.
-            unsafe { mbarrier_init(Tile::<D>::stage_barrier(warp, stage), 1) };
-            stage += 1;
-        }
-        fence_mbarrier_init();
-    }
-    // SAFETY: the whole warp is here (`mine` is warp-uniform); the lanes see the barriers from
-    // now on.
-    unsafe { sync_warp() };
+    // SAFETY: the whole warp is here (`mine` is warp-uniform), before any issue.
+    unsafe { C::start::<D>(warp, lane) };
     // Issues tile `j` (at element offset `offset`) into its stage.
     let issue = |j: u32, offset: usize| {
-        let stage = j % DECODE_STAGES;
         // SAFETY: `tile(j) < first + count <= tiles`, `offset` is its offset; the stage is free
-        // and its barrier's current phase (`j / STAGES`) not yet arrived on (see the loop).
+        // (see the loop).
         unsafe {
             let (k, v) = src.tile_at(offset);
-            load_tile_async::<D>(
-                Tile::<D>::k_tile(warp, stage),
-                Tile::<D>::stage_barrier(warp, stage),
-                k,
-                v,
-                src.tile_rows(tile(j)),
-                lane,
-            );
+            C::issue::<D>(warp, j, k, v, src.tile_rows(tile(j)), lane);
         }
     };
 
@@ -109,6 +88,7 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
             // SAFETY: `tile(j)` is one of this warp's tiles.
             issue(j, unsafe { src.tile_offset(p, tile(j)) });
         }
+        C::commit();
         j += 1;
     }
     // Where the next tile to issue lives, looked up one step ahead: a dense head's page-list
@@ -121,24 +101,17 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
 
     let mut j = 0;
     while j < mine {
-        // SAFETY: the stage's barrier was initialized above and tile `j` (issued, since
-        // `j < mine`) is its phase `j / STAGES`: the current phase or, if it already completed,
-        // the one before.
-        unsafe {
-            mbarrier_wait_parity(
-                Tile::<D>::stage_barrier(warp, j % DECODE_STAGES),
-                (j / DECODE_STAGES) % 2,
-            )
-        };
+        // SAFETY: tile `j` was issued (`j < mine`) and committed, in ring order.
+        unsafe { C::wait::<D>(warp, j) };
         // SAFETY: the whole warp is here (`mine` is warp-uniform). Tile `j`'s rows are visible to
         // each lane (the wait above); after the barrier every lane has finished reading the stage
-        // of tile `j - 1` and has seen its phase complete, so the next copy may overwrite it and
-        // arrive on its barrier's next phase.
+        // of tile `j - 1`, which the next copy overwrites.
         unsafe { sync_warp() };
         let next = j + DECODE_STAGES - 1;
         if next < mine {
             issue(next, next_offset);
         }
+        C::commit();
         if next + 1 < mine {
             // SAFETY: `tile(next + 1)` is one of this warp's tiles.
             next_offset = unsafe { src.tile_offset(p, tile(next + 1)) };
@@ -192,7 +165,7 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize>(
 /// host-side launcher documents.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize>(
+unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: TileCopy>(
     p: &DecodeParams,
     q: *const u16,
     bufs: &CacheBuffers,
@@ -231,12 +204,12 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize>(
     // SAFETY: `q` is `[batch][q_heads][D]` and pair `(b, kv_head)`'s query heads are the `G`
     // consecutive rows from `pair * G`; `first + count <= tiles`; the stages are unused so far.
     let state = unsafe {
-        attend_tiles::<E, D, G>(p, &src, q.add(pair as usize * G * D), first, count, warp)
+        attend_tiles::<E, D, G, C>(p, &src, q.add(pair as usize * G * D), first, count, warp)
     };
 
-    // Merge the warps through shared memory (the stage area, free once every copy has landed —
-    // each warp waited for every tile it issued — and every warp is past its last read): per warp
-    // and head, `m`, `l` and `D` accumulators.
+    // Merge the warps through shared memory (the stage area, free once every copy has landed and
+    // every warp is past its last read): per warp and head, `m`, `l` and `D` accumulators.
+    C::finish();
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
     let lane = lane();
@@ -300,9 +273,10 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize>(
     }
 }
 
-/// Declares one `extern "gpu-kernel"` entry point per (element type, head dim, group size).
+/// Declares one `extern "gpu-kernel"` entry point per (element type, head dim, group size), with
+/// the tile copy `$copy`.
 macro_rules! decode_kernels {
-    ($($name:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
+    ($copy:ty; $($name:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
         /// Decode attention entry point (see the module docs); pointers as `decode_attention`.
         ///
         /// # Safety
@@ -330,13 +304,15 @@ macro_rules! decode_kernels {
             let bufs = CacheBuffers { k_pool, v_pool, k_stream, v_stream, block_tables, index_tables, index_lens };
             // SAFETY: forwarded launch contract.
             unsafe {
-                decode_attention::<$elem, $d, $g>(&p, q, &bufs, seq_len, seq_slot, head_map, part_acc, part_ml)
+                decode_attention::<$elem, $d, $g, $copy>(&p, q, &bufs, seq_len, seq_slot, head_map, part_acc, part_ml)
             }
         }
     )*};
 }
 
+// Tiles by `cp.async` (short splits: the sparse and streaming heads, short sequences).
 decode_kernels! {
+    AsyncCopy;
     decode_attention_bf16_d64_g1: Bf16, 64, 1;
     decode_attention_bf16_d64_g2: Bf16, 64, 2;
     decode_attention_bf16_d64_g4: Bf16, 64, 4;
@@ -353,4 +329,25 @@ decode_kernels! {
     decode_attention_f16_d128_g2: F16, 128, 2;
     decode_attention_f16_d128_g4: F16, 128, 4;
     decode_attention_f16_d128_g8: F16, 128, 8;
+}
+
+// Tiles by bulk copies (long splits: dense heads of long sequences).
+decode_kernels! {
+    BulkCopy;
+    decode_attention_bulk_bf16_d64_g1: Bf16, 64, 1;
+    decode_attention_bulk_bf16_d64_g2: Bf16, 64, 2;
+    decode_attention_bulk_bf16_d64_g4: Bf16, 64, 4;
+    decode_attention_bulk_bf16_d64_g8: Bf16, 64, 8;
+    decode_attention_bulk_bf16_d128_g1: Bf16, 128, 1;
+    decode_attention_bulk_bf16_d128_g2: Bf16, 128, 2;
+    decode_attention_bulk_bf16_d128_g4: Bf16, 128, 4;
+    decode_attention_bulk_bf16_d128_g8: Bf16, 128, 8;
+    decode_attention_bulk_f16_d64_g1: F16, 64, 1;
+    decode_attention_bulk_f16_d64_g2: F16, 64, 2;
+    decode_attention_bulk_f16_d64_g4: F16, 64, 4;
+    decode_attention_bulk_f16_d64_g8: F16, 64, 8;
+    decode_attention_bulk_f16_d128_g1: F16, 128, 1;
+    decode_attention_bulk_f16_d128_g2: F16, 128, 2;
+    decode_attention_bulk_f16_d128_g4: F16, 128, 4;
+    decode_attention_bulk_f16_d128_g8: F16, 128, 8;
 }

@@ -4,8 +4,9 @@
 //! A tile is [`DECODE_TILE_ROWS`] (16) consecutive K/V rows of one page. Each warp streams its
 //! own tiles through [`DECODE_STAGES`] stages of shared memory (K tile, then V tile), rows
 //! `D + DECODE_ROW_PAD` elements apart so the eight 16-byte rows of an `ldmatrix` 8x8 load fall in
-//! distinct bank groups. A tile arrives as 32 bulk copies (`cp.async.bulk`, one K or V row per
-//! lane) counted on the stage's `mbarrier` (after the stage area: one per warp and stage).
+//! distinct bank groups. A tile arrives by 16-byte `cp.async` copies ([`AsyncCopy`]) or as 32
+//! bulk copies (`cp.async.bulk`, one K or V row per lane) counted on the stage's `mbarrier`
+//! (after the stage area: one per warp and stage; [`BulkCopy`]).
 //!
 //! The products, per warp and tile, with the `G` query heads of the KV group as the `M` rows of
 //! the `m16n8k16` products (rows `G..16` are zero and never written out):
@@ -18,11 +19,17 @@ use lserve_abi::decode::{
     decode_stage_bytes, DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 
-use crate::bulk_copy::{bulk_copy_with_policy, mbarrier_arrive_expect_tx};
-use crate::cp_async::l2_evict_first;
+use crate::bulk_copy::{
+    bulk_copy_with_policy, fence_mbarrier_init, mbarrier_arrive_expect_tx, mbarrier_init,
+    mbarrier_wait_parity,
+};
+use crate::cp_async::{
+    commit_group, cp_async_16_with_policy, l2_evict_first, wait_all, wait_group,
+};
 use crate::ldmatrix::{load_b_pair_k_major, load_b_pair_n_major};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr};
+use crate::sync::sync_warp;
 use crate::thread::WARP_SIZE;
 
 /// Warps per block.
@@ -42,6 +49,10 @@ impl<const D: usize> Tile<D> {
     pub const BYTES: u32 = DECODE_TILE_ROWS * Self::ROW_BYTES;
     /// Bytes of one warp's stage (a K and a V tile).
     const STAGE_BYTES: u32 = 2 * Self::BYTES;
+    /// 16-byte chunks per row.
+    const CHUNKS_PER_ROW: u32 = D as u32 / 8;
+    /// Chunks each lane copies per K (or V) tile with `cp.async`.
+    const CHUNKS_PER_LANE: u32 = DECODE_TILE_ROWS * Self::CHUNKS_PER_ROW / WARP_SIZE;
     /// Bytes of one K (or V) row in global memory: one bulk copy.
     const ROW_COPY_BYTES: u32 = D as u32 * 2;
     /// Bytes a stage's barrier counts per tile: 16 K and 16 V rows.
@@ -77,48 +88,187 @@ const _: () = assert!(
 // One row copy per lane: 16 K rows and 16 V rows.
 const _: () = assert!(2 * DECODE_TILE_ROWS == WARP_SIZE);
 
-/// Starts the asynchronous copy of one tile's K and V rows into the stage at `k_dst`, counted on
-/// that stage's barrier `bar`: lane `l < 16` copies K row `l`, lane `16 + l` V row `l`, each with
-/// one bulk copy; lane 0 first tells the barrier to expect the tile's bytes. Row `r` comes from
-/// row `min(r, valid_rows - 1)` of the source (rows past the end repeat the last existing row, so
-/// every value `P V` multiplies is finite; their scores are masked).
+/// How a warp's K/V tiles travel from global memory into its stages: the kernel is generic over
+/// it, the host picks per launch (`AsyncCopy` for short splits, `BulkCopy` for long ones;
+/// `host/src/gpu/decode.rs` says where the line is and why).
 ///
-/// # Safety
-/// All 32 lanes of the warp call it; `k_dst` is a stage of this layout not being read and `bar`
-/// its barrier, initialized for one arrival, whose current phase nobody has arrived on yet; `1 <=
-/// valid_rows <= 16` rows of `D` elements are readable at `k_src` and `v_src` (rows contiguous,
-/// 16-byte aligned).
-#[inline(always)]
-pub unsafe fn load_tile_async<const D: usize>(
-    k_dst: u32,
-    bar: u32,
-    k_src: *const u16,
-    v_src: *const u16,
-    valid_rows: u32,
-    lane: u32,
-) {
-    // K and V are read once per step: keep them from pushing other lines out of the L2.
-    let policy = l2_evict_first();
-    if lane == 0 {
-        // SAFETY: the phase expects this one arrival (caller); 8 KiB < 2^20.
-        unsafe { mbarrier_arrive_expect_tx(bar, Tile::<D>::TILE_COPY_BYTES) };
+/// The ring protocol: [`start`](TileCopy::start) once; per tile `j` [`issue`](TileCopy::issue)
+/// into stage `j % DECODE_STAGES`; one [`commit`](TileCopy::commit) per prologue slot and per
+/// loop step (whether or not a tile was issued); [`wait`](TileCopy::wait) for tile `j` before
+/// reading it; at the end
+/// [`finish`](TileCopy::finish) before the stage area is reused.
+pub trait TileCopy {
+    /// Prepares warp `warp`'s stages.
+    ///
+    /// # Safety
+    /// All 32 lanes of the warp call it, once, before the first issue.
+    unsafe fn start<const D: usize>(warp: u32, lane: u32);
+
+    /// Starts the copy of tile `j`'s K and V rows into its stage of warp `warp`: row `r` comes
+    /// from row `min(r, valid_rows - 1)` of the source (rows past the end repeat the last existing
+    /// row, so every value `P V` multiplies is finite; their scores are masked).
+    ///
+    /// # Safety
+    /// All 32 lanes of the warp call it; the stage is not being read (its previous tile was
+    /// waited for and every lane is past reading it); `1 <= valid_rows <= 16` rows of `D`
+    /// elements are readable at `k_src` and `v_src` (rows contiguous, 16-byte aligned).
+    unsafe fn issue<const D: usize>(
+        warp: u32,
+        j: u32,
+        k_src: *const u16,
+        v_src: *const u16,
+        valid_rows: u32,
+        lane: u32,
+    );
+
+    /// Closes the copies issued since the last commit.
+    fn commit();
+
+    /// Waits until tile `j` (issued and committed) has landed, as seen by this lane.
+    ///
+    /// # Safety
+    /// Tiles `0..=j` of the warp were issued in order and the ring protocol above was followed.
+    unsafe fn wait<const D: usize>(warp: u32, j: u32);
+
+    /// Waits for every copy still in flight.
+    fn finish();
+}
+
+/// 16-byte `cp.async` copies, each lane a share of every row, tracked in commit groups.
+pub struct AsyncCopy;
+
+impl TileCopy for AsyncCopy {
+    #[inline(always)]
+    unsafe fn start<const D: usize>(_warp: u32, _lane: u32) {}
+
+    #[inline(always)]
+    unsafe fn issue<const D: usize>(
+        warp: u32,
+        j: u32,
+        k_src: *const u16,
+        v_src: *const u16,
+        valid_rows: u32,
+        lane: u32,
+    ) {
+        // K and V are read once per step: keep them from pushing other lines out of the L2.
+        let policy = l2_evict_first();
+        let k_dst = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
+        let mut i = 0;
+        while i < Tile::<D>::CHUNKS_PER_LANE {
+            let c = lane + i * WARP_SIZE;
+            let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
+            let src = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
+            let dst = k_dst + row * Tile::<D>::ROW_BYTES + chunk * 16;
+            // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is inside
+            // the stage (`row < 16`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
+            unsafe {
+                cp_async_16_with_policy(dst, k_src.add(src) as *const u8, policy);
+                cp_async_16_with_policy(
+                    dst + Tile::<D>::BYTES,
+                    v_src.add(src) as *const u8,
+                    policy,
+                );
+            }
+            i += 1;
+        }
     }
-    let (row, is_v) = (lane % DECODE_TILE_ROWS, lane / DECODE_TILE_ROWS);
-    let src = if is_v == 0 { k_src } else { v_src };
-    let dst = k_dst + is_v * Tile::<D>::BYTES + row * Tile::<D>::ROW_BYTES;
-    // SAFETY: the source row exists (`min(row, valid_rows - 1) < valid_rows`) and is 16-byte
-    // aligned; `ROW_COPY_BYTES` (128 or 256) is a multiple of 16; the destination row is inside
-    // the stage (`row < 16`) and 16-byte aligned (`ROW_BYTES` is a multiple of 16); the 32 copies
-    // add up to the `TILE_COPY_BYTES` lane 0 announced.
-    unsafe {
-        let from = src.add((row.min(valid_rows - 1) * D as u32) as usize);
-        bulk_copy_with_policy(
-            dst,
-            from as *const u8,
-            Tile::<D>::ROW_COPY_BYTES,
-            bar,
-            policy,
-        );
+
+    #[inline(always)]
+    fn commit() {
+        commit_group();
+    }
+
+    #[inline(always)]
+    unsafe fn wait<const D: usize>(_warp: u32, _j: u32) {
+        // Tile `j`'s group is older than the `DECODE_STAGES - 2` committed after it.
+        wait_group::<{ DECODE_STAGES - 2 }>();
+    }
+
+    #[inline(always)]
+    fn finish() {
+        wait_all();
+    }
+}
+
+/// Bulk copies (`cp.async.bulk`, the tensor memory accelerator): one K or V row per lane, counted
+/// in bytes on one `mbarrier` per stage (tile `j` is phase `j / DECODE_STAGES` of its stage's
+/// barrier). Fewer instructions and requests per byte than [`AsyncCopy`], more latency per tile.
+pub struct BulkCopy;
+
+impl TileCopy for BulkCopy {
+    #[inline(always)]
+    unsafe fn start<const D: usize>(warp: u32, lane: u32) {
+        // One barrier per stage, one arrival (lane 0's) per phase.
+        if lane == 0 {
+            let mut stage = 0;
+            while stage < DECODE_STAGES {
+                // SAFETY: the warp's own barrier words, after the stage area; nobody uses them
+                // yet.
+                unsafe { mbarrier_init(Tile::<D>::stage_barrier(warp, stage), 1) };
+                stage += 1;
+            }
+            fence_mbarrier_init();
+        }
+        // SAFETY: the whole warp is here (caller); the lanes see the barriers from now on.
+        unsafe { sync_warp() };
+    }
+
+    #[inline(always)]
+    unsafe fn issue<const D: usize>(
+        warp: u32,
+        j: u32,
+        k_src: *const u16,
+        v_src: *const u16,
+        valid_rows: u32,
+        lane: u32,
+    ) {
+        // K and V are read once per step: keep them from pushing other lines out of the L2.
+        let policy = l2_evict_first();
+        let stage = j % DECODE_STAGES;
+        let bar = Tile::<D>::stage_barrier(warp, stage);
+        if lane == 0 {
+            // SAFETY: tile `j` is the phase `j / STAGES` of its stage's barrier, which nobody has
+            // arrived on yet (the previous phase was waited for); 8 KiB < 2^20.
+            unsafe { mbarrier_arrive_expect_tx(bar, Tile::<D>::TILE_COPY_BYTES) };
+        }
+        let (row, is_v) = (lane % DECODE_TILE_ROWS, lane / DECODE_TILE_ROWS);
+        let src = if is_v == 0 { k_src } else { v_src };
+        let dst =
+            Tile::<D>::k_tile(warp, stage) + is_v * Tile::<D>::BYTES + row * Tile::<D>::ROW_BYTES;
+        // SAFETY: the source row exists (`min(row, valid_rows - 1) < valid_rows`) and is 16-byte
+        // aligned; `ROW_COPY_BYTES` (128 or 256) is a multiple of 16; the destination row is
+        // inside the stage (`row < 16`) and 16-byte aligned (`ROW_BYTES` is a multiple of 16);
+        // the 32 copies add up to the `TILE_COPY_BYTES` lane 0 announced.
+        unsafe {
+            let from = src.add((row.min(valid_rows - 1) * D as u32) as usize);
+            bulk_copy_with_policy(
+                dst,
+                from as *const u8,
+                Tile::<D>::ROW_COPY_BYTES,
+                bar,
+                policy,
+            );
+        }
+    }
+
+    #[inline(always)]
+    fn commit() {}
+
+    #[inline(always)]
+    unsafe fn wait<const D: usize>(warp: u32, j: u32) {
+        // SAFETY: the barrier was initialized by `start`; tile `j` (issued) is its phase
+        // `j / STAGES`: the current phase or, if it already completed, the one before.
+        unsafe {
+            mbarrier_wait_parity(
+                Tile::<D>::stage_barrier(warp, j % DECODE_STAGES),
+                (j / DECODE_STAGES) % 2,
+            )
+        };
+    }
+
+    #[inline(always)]
+    fn finish() {
+        // Every warp waited for each tile it issued.
     }
 }
 
