@@ -11,7 +11,9 @@
 //!   selected pages in the 50 MB L2 from one replay to the next, and would count the once-per-step
 //!   advance once per layer.)
 //! - `step/lserve`: both sparsities, timed the same way;
-//! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern);
+//! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern), timed per layer
+//!   of a step graph like `step/*` (so the once-per-step advance is shared by the layers, as in a
+//!   step, and the selector's cost compares with the rest of a step layer);
 //! - `kv/append`: the decode append alone (`append_kv`: one token's K/V per sequence of the
 //!   batch written into the cache, with the incremental `kmin`/`kmax` update), every head dense
 //!   (each KV head updates its statistics), the token at position `context - 1` (inside a
@@ -302,10 +304,12 @@ fn decode(c: &mut Criterion) {
                 if !selected(&case(group_name, name)) {
                     continue;
                 }
-                let layers = if group_name == "step" {
-                    step_layers(batch)
-                } else {
+                // Attention alone is one layer (a dense layer's cache is 1 GiB per sequence at
+                // 256K); selection is timed per layer of a step graph, like the steps.
+                let layers = if group_name == "attention" {
                     1
+                } else {
+                    step_layers(batch)
                 };
                 // The step's token is in the cache: `context + 1` tokens.
                 let made = bench_case(
