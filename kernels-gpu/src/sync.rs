@@ -16,6 +16,24 @@ pub unsafe fn sync_threads() {
     unsafe { asm!("bar.sync 0;", options(nostack)) };
 }
 
+/// [`sync_threads`] after reconverging the warp: `bar.warp.sync` (every lane waits for the
+/// others), then `bar.sync`. `bar.sync` is `.aligned`: every lane of a warp must execute it
+/// together, and after data-dependent per-thread loops or branches (a thread's share of a
+/// candidate list, `if t < 256`) the code rustc and ptxas produce does not always reconverge the
+/// warp first — compute-sanitizer's synccheck reported "divergent thread(s) in block" at the
+/// selector's barriers. Use this one after such code.
+///
+/// # Safety
+/// As [`sync_threads`]: every thread of the block reaches this same barrier.
+#[inline(always)]
+pub unsafe fn sync_threads_converged() {
+    // SAFETY: every lane of the warp arrives (the caller's block-uniform contract).
+    unsafe {
+        sync_warp();
+        sync_threads();
+    }
+}
+
 /// Warp-wide barrier (`bar.warp.sync 0xffffffff`): reconverges the warp and orders memory
 /// between its lanes.
 ///
