@@ -16,22 +16,21 @@ pub unsafe fn sync_threads() {
     unsafe { asm!("bar.sync 0;", options(nostack)) };
 }
 
-/// [`sync_threads`] after reconverging the warp: `bar.warp.sync` (every lane waits for the
-/// others), then `bar.sync`. `bar.sync` is `.aligned`: every lane of a warp must execute it
-/// together, and after data-dependent per-thread loops or branches (a thread's share of a
-/// candidate list, `if t < 256`) the code rustc and ptxas produce does not always reconverge the
-/// warp first — compute-sanitizer's synccheck reported "divergent thread(s) in block" at the
-/// selector's barriers. Use this one after such code.
+/// A block-wide barrier like [`sync_threads`], but without `.aligned` (`barrier.sync 0`):
+/// threads may reach it through different barrier instructions and with their warp diverged.
+/// `bar.sync` is `barrier.sync.aligned`, which requires every thread of the block to execute the
+/// *same* barrier instruction with its warp converged; rustc's LLVM may duplicate an inline-asm
+/// barrier into both arms of a preceding branch (as it did after the selector's block scan's
+/// `if warp == 0 { .. }`), and compute-sanitizer's synccheck then reports "divergent thread(s)
+/// in block". Use this one after data-dependent branches and per-thread loops.
 ///
 /// # Safety
-/// As [`sync_threads`]: every thread of the block reaches this same barrier.
+/// As [`sync_threads`]: every thread of the block reaches a `barrier.sync 0` of this kind, once.
 #[inline(always)]
-pub unsafe fn sync_threads_converged() {
-    // SAFETY: every lane of the warp arrives (the caller's block-uniform contract).
-    unsafe {
-        sync_warp();
-        sync_threads();
-    }
+pub unsafe fn sync_threads_any_path() {
+    // SAFETY: the caller guarantees every thread arrives. No `nomem`: a memory fence for the
+    // compiler too.
+    unsafe { asm!("barrier.sync 0;", options(nostack)) };
 }
 
 /// Warp-wide barrier (`bar.warp.sync 0xffffffff`): reconverges the warp and orders memory

@@ -23,7 +23,7 @@ use lserve_abi::select::{score_key, score_offset, selection_due, SelectParams, S
 
 use super::scan::block_inclusive_scan;
 use crate::smem::{dynamic_smem, shared_addr};
-use crate::sync::sync_threads_converged;
+use crate::sync::sync_threads_any_path;
 use crate::thread::{block_idx_x, thread_in_block};
 
 /// The buffers the selector reads and writes.
@@ -86,7 +86,7 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
             if t < 256 {
                 *hist.add(t as usize) = 0;
             }
-            sync_threads_converged();
+            sync_threads_any_path();
             let mut c = t;
             while c < n {
                 let key = score_key(*scores.add(c as usize));
@@ -95,7 +95,7 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
                 }
                 c += SELECT_THREADS;
             }
-            sync_threads_converged();
+            sync_threads_any_path();
             // Thread t < 256 counts digit 255 - t: the prefix sum is the keys with a digit >= it.
             let count = if t < 256 {
                 *hist.add(255 - t as usize)
@@ -107,7 +107,7 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
                 *broadcast = 255 - t;
                 *broadcast.add(1) = need - (at_least - count);
             }
-            sync_threads_converged();
+            sync_threads_any_path();
             let digit = *broadcast;
             need = *broadcast.add(1);
             prefix |= digit << shift;
@@ -160,7 +160,7 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     };
     // Every thread has read `held_len` before the selection below may rewrite it.
     // SAFETY: block-uniform (everything above is per block).
-    unsafe { sync_threads_converged() };
+    unsafe { sync_threads_any_path() };
 
     if !due {
         // Reuse: the held selection, plus the newest page if it is a new one.
