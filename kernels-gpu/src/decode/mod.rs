@@ -6,10 +6,11 @@
 //! the block, warp `w` takes every fourth tile of the split (`w, w + 4, ...`) and streams them
 //! through its own [`DECODE_STAGES`]-stage ring (no block barrier in the loop), filled by
 //! `cp.async` (`decode_attention_*`) or by bulk copies (`decode_attention_bulk_*`, for long
-//! splits; [`tiles::TileCopy`]). Per tile it computes `S = Q Kᵀ` and `O += P V` with `mma.sync` m16n8k16, the group's query heads
-//! being the rows of the products ([`tiles`]), with an online softmax per head in registers
-//! ([`online_softmax`]). At the end the warps' states merge through shared memory and the block
-//! writes one partial state per query head; [`combine`] merges the splits into the output.
+//! splits; [`tiles::TileCopy`]). Per tile it computes `S = Q Kᵀ` and `O += P V` with `mma.sync`
+//! m16n8k16, the group's query heads being the rows of the products ([`tiles`]), with an online
+//! softmax per head in registers ([`online_softmax`]). At the end the warps' states merge through
+//! shared memory and the block writes one partial state per query head; [`combine`] merges the
+//! splits into the output.
 
 pub mod combine;
 pub mod online_softmax;

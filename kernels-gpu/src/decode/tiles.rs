@@ -95,8 +95,7 @@ const _: () = assert!(2 * DECODE_TILE_ROWS == WARP_SIZE);
 /// The ring protocol: [`start`](TileCopy::start) once; per tile `j` [`issue`](TileCopy::issue)
 /// into stage `j % DECODE_STAGES`; one [`commit`](TileCopy::commit) per prologue slot and per
 /// loop step (whether or not a tile was issued); [`wait`](TileCopy::wait) for tile `j` before
-/// reading it; at the end
-/// [`finish`](TileCopy::finish) before the stage area is reused.
+/// reading it; at the end [`finish`](TileCopy::finish) before the stage area is reused.
 pub trait TileCopy {
     /// Prepares warp `warp`'s stages.
     ///
