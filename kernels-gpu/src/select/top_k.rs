@@ -12,10 +12,11 @@
 //! Each thread owns a contiguous run of candidates, so a block prefix sum of the per-thread
 //! counts of equal keys ranks them by index, and a second one over the selected counts gives
 //! every selected page its place: the held selection comes out in ascending page order, no
-//! sort needed. Candidates are read from the score workspace (global memory, L2-resident after
-//! the scorer) on each pass; nothing in shared memory grows with them, so there is no hard
-//! maximum: the work is `5 * candidates / SELECT_THREADS` loads per thread (16384 candidates,
-//! 1M tokens at 64-token pages: 160 loads per thread).
+//! sort needed. The radix passes keep the first [`HELD_KEYS`] x [`SELECT_THREADS`] candidates'
+//! keys in registers (4096: every candidate up to 256K tokens at 64-token pages), loaded once,
+//! all at the same time; candidates past them are re-read from the score workspace (global
+//! memory, L2-resident after the scorer) on each pass, so there is no hard maximum. The two
+//! passes over each thread's contiguous run load [`RUN_LOADS`] keys at a time.
 
 use core::arch::asm;
 
@@ -64,6 +65,28 @@ unsafe fn shared_increment(addr: u32) {
     unsafe { asm!("red.shared.add.u32 [{0}], 1;", in(reg32) addr, options(nostack)) };
 }
 
+/// Candidates per thread whose keys stay in registers through the radix passes (strided:
+/// candidate `t + i * SELECT_THREADS` for `i < HELD_KEYS`): 4096 per block, every candidate up to
+/// 256K tokens at 64-token pages. Candidates past them are re-read from the workspace (L2) on
+/// each pass.
+const HELD_KEYS: usize = 8;
+
+/// This thread's register-resident keys (zero past `n`, where [`radix_select`] does not count
+/// them), loaded together so that their L2 round trips overlap.
+///
+/// # Safety
+/// `scores` holds `n` values.
+#[inline(always)]
+unsafe fn held_keys(scores: *const f32, n: u32, t: u32) -> [u32; HELD_KEYS] {
+    let mut keys = [0u32; HELD_KEYS];
+    crate::unroll8!(i in 0..HELD_KEYS => {
+        let c = t + i as u32 * SELECT_THREADS;
+        // SAFETY: `c < n`.
+        keys[i] = if c < n { score_key(unsafe { *scores.add(c as usize) }) } else { 0 };
+    });
+    keys
+}
+
 /// The key of the K-th largest of `scores[0..n]` and how many keys equal to it belong to the
 /// top `k` (`1 <= k < n`).
 ///
@@ -76,6 +99,9 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
     let hist = dynamic_smem::<u32>(HIST * 4);
     let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
     let broadcast = dynamic_smem::<u32>(BROADCAST * 4);
+    // SAFETY: forwarded.
+    let keys = unsafe { held_keys(scores, n, t) };
+    let spilled_from = t + HELD_KEYS as u32 * SELECT_THREADS;
     let (mut prefix, mut mask, mut need) = (0u32, 0u32, k);
     let mut shift = 32;
     while shift > 0 {
@@ -87,12 +113,19 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
                 *hist.add(t as usize) = 0;
             }
             sync_threads_any_path();
-            let mut c = t;
-            while c < n {
-                let key = score_key(*scores.add(c as usize));
+            let count_key = |key: u32| {
                 if key & mask == prefix {
                     shared_increment(shared_addr(hist.add(((key >> shift) & 0xff) as usize)));
                 }
+            };
+            crate::unroll8!(i in 0..HELD_KEYS => {
+                if t + (i as u32) * SELECT_THREADS < n {
+                    count_key(keys[i]);
+                }
+            });
+            let mut c = spilled_from;
+            while c < n {
+                count_key(score_key(*scores.add(c as usize)));
                 c += SELECT_THREADS;
             }
             sync_threads_any_path();
@@ -116,6 +149,26 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
     }
     (prefix, need)
 }
+
+/// The keys of candidates `c .. min(c + RUN_LOADS, end)` (the rest zero), loaded before any is
+/// used: the loops over a thread's run store to global memory between uses, which would otherwise
+/// order each load after the previous store (one L2 round trip per candidate).
+///
+/// # Safety
+/// `scores` holds at least `end` values.
+#[inline(always)]
+unsafe fn run_keys(scores: *const f32, c: u32, end: u32) -> [u32; RUN_LOADS] {
+    let mut keys = [0u32; RUN_LOADS];
+    crate::unroll8!(u in 0..RUN_LOADS => {
+        let i = c + u as u32;
+        // SAFETY: `i < end`.
+        keys[u] = if i < end { score_key(unsafe { *scores.add(i as usize) }) } else { 0 };
+    });
+    keys
+}
+
+/// Candidates of a thread's contiguous run loaded at once by [`run_keys`].
+const RUN_LOADS: usize = 8;
 
 /// The selector body (see the module docs).
 ///
@@ -207,11 +260,15 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     let (mut above, mut equal) = (0u32, 0u32);
     let mut c = begin;
     while c < end {
-        // SAFETY: `c < candidates`.
-        let key = score_key(unsafe { *scores.add(c as usize) });
-        above += (key > threshold) as u32;
-        equal += (key == threshold) as u32;
-        c += 1;
+        // SAFETY: `end <= candidates`.
+        let keys = unsafe { run_keys(scores, c, end) };
+        crate::unroll8!(u in 0..RUN_LOADS => {
+            if c + (u as u32) < end {
+                above += (keys[u] > threshold) as u32;
+                equal += (keys[u] == threshold) as u32;
+            }
+        });
+        c += RUN_LOADS as u32;
     }
     let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
     // SAFETY: block-uniform.
@@ -226,20 +283,26 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     let mut equal_seen = equal_before;
     let mut c = begin;
     while c < end {
-        // SAFETY: `c < candidates`; `at < 1 + K <= held_capacity`; the page is the
-        // sequence's, so its block table entry exists.
-        unsafe {
-            let key = score_key(*scores.add(c as usize));
-            let take = key > threshold || (key == threshold && equal_seen < take_equal);
-            equal_seen += (key == threshold) as u32;
-            if take {
-                let page = first + c;
-                *held.add(at as usize) = page;
-                *index.add(at as usize) = *table.add(page as usize);
-                at += 1;
+        // SAFETY: `end <= candidates`.
+        let keys = unsafe { run_keys(scores, c, end) };
+        crate::unroll8!(u in 0..RUN_LOADS => {
+            let key = keys[u];
+            if c + (u as u32) < end {
+                let take = key > threshold || (key == threshold && equal_seen < take_equal);
+                equal_seen += (key == threshold) as u32;
+                if take {
+                    let page = first + c + u as u32;
+                    // SAFETY: `at < 1 + K <= held_capacity`; the page is the sequence's, so its
+                    // block table entry exists.
+                    unsafe {
+                        *held.add(at as usize) = page;
+                        *index.add(at as usize) = *table.add(page as usize);
+                    }
+                    at += 1;
+                }
             }
-        }
-        c += 1;
+        });
+        c += RUN_LOADS as u32;
     }
     if t == 0 {
         // SAFETY: positions below `K + 2 <= held_capacity` and the entry capacity.
