@@ -4,18 +4,21 @@
 //! The kernels need a pinned nightly (rustc's NVPTX back end, `-Zbuild-std=core`); the host
 //! crate does not. So whatever toolchain builds this crate (stable, for a consumer), this script
 //! runs `rustup run <pinned nightly> cargo build` in the kernel crate, in its own target dir under
-//! `OUT_DIR`, with the outer build's `CARGO*`/`RUST*` variables removed from its environment.
+//! `OUT_DIR`, with the outer build's `CARGO*`/`RUST*` variables removed from its environment
+//! (`kernel_build.rs`, which `cargo xtask ptx` shares).
 //!
 //! Environment:
 //! - `LSERVE_CUDA_ARCH` (default `sm_90`): the `-C target-cpu` the PTX is built for.
 //! - `LSERVE_PTX`: path of a prebuilt `.ptx` to embed instead (no nightly needed).
 
+#[path = "kernel_build.rs"]
+mod kernel_build;
+
 use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-const PTX_NAME: &str = "lserve_kernels.ptx";
+use kernel_build::{built_ptx, kernel_build_command, PTX_NAME};
 
 fn main() {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -49,27 +52,7 @@ fn main() {
 
     let toolchain = pinned_toolchain(&kernel_dir.join("rust-toolchain.toml"));
     let target_dir = out_dir.join("kernels-target");
-    let mut cmd = Command::new("rustup");
-    cmd.current_dir(&kernel_dir)
-        .args(["run", &toolchain, "cargo", "build", "--release", "--locked"])
-        .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
-        .arg("--target-dir")
-        .arg(&target_dir);
-    // The outer cargo's variables (toolchain, flags, jobserver) must not leak into the child.
-    for (key, _) in env::vars_os() {
-        let key = key.to_string_lossy().into_owned();
-        let keep = key == "CARGO_HOME" || key == "RUSTUP_HOME";
-        if !keep && (key.starts_with("CARGO") || key.starts_with("RUST")) {
-            cmd.env_remove(&key);
-        }
-    }
-    // PTX ISA 8.0 (CUDA 12.0 drivers and later): the decode kernel's bulk copies
-    // (`cp.async.bulk`, `mbarrier` transaction counts) need it; 7.8 is the back end's default.
-    cmd.env(
-        "CARGO_ENCODED_RUSTFLAGS",
-        format!("-Ctarget-cpu={arch}\x1f-Ctarget-feature=+ptx80"),
-    );
-
+    let mut cmd = kernel_build_command(&kernel_dir, &toolchain, &target_dir, &arch);
     let status = cmd.status().unwrap_or_else(|e| {
         panic!("lserve: could not run `rustup` to build the GPU kernels ({e}); install rustup, or set LSERVE_PTX to a prebuilt PTX file")
     });
@@ -81,9 +64,7 @@ fn main() {
              llvm-bitcode-linker-preview -c llvm-tools-preview`, or set LSERVE_PTX to a prebuilt PTX file"
         );
     }
-    let ptx = target_dir
-        .join("nvptx64-nvidia-cuda/release")
-        .join(PTX_NAME);
+    let ptx = built_ptx(&target_dir);
     fs::copy(&ptx, out_dir.join(PTX_NAME))
         .unwrap_or_else(|e| panic!("lserve: no PTX at {}: {e}", ptx.display()));
 }

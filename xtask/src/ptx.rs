@@ -6,7 +6,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const PTX_NAME: &str = "lserve_kernels.ptx";
+#[path = "../../host/kernel_build.rs"]
+mod kernel_build;
+
+use kernel_build::{built_ptx, kernel_build_command};
 
 /// What `ptxas -v` says about one function.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -116,25 +119,7 @@ fn check_toolchains(root: &Path, kernel_dir: &Path) -> Result<String, String> {
 /// Builds the kernel crate like `host/build.rs` does; returns the `.ptx` path.
 fn build_ptx(kernel_dir: &Path, channel: &str, arch: &str) -> Result<PathBuf, String> {
     let target_dir = kernel_dir.join("target");
-    let mut cmd = Command::new("rustup");
-    cmd.current_dir(kernel_dir)
-        .args(["run", channel, "cargo", "build", "--release", "--locked"])
-        .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
-        .arg("--target-dir")
-        .arg(&target_dir);
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy().into_owned();
-        let keep = key == "CARGO_HOME" || key == "RUSTUP_HOME";
-        if !keep && (key.starts_with("CARGO") || key.starts_with("RUST")) {
-            cmd.env_remove(&key);
-        }
-    }
-    // PTX ISA 8.0 (CUDA 12.0 drivers and later): the decode kernel's bulk copies
-    // (`cp.async.bulk`, `mbarrier` transaction counts) need it; 7.8 is the back end's default.
-    cmd.env(
-        "CARGO_ENCODED_RUSTFLAGS",
-        format!("-Ctarget-cpu={arch}\x1f-Ctarget-feature=+ptx80"),
-    );
+    let mut cmd = kernel_build_command(kernel_dir, channel, &target_dir, arch);
     let status = cmd.status().map_err(|e| format!("running rustup: {e}"))?;
     if !status.success() {
         return Err(format!(
@@ -142,9 +127,7 @@ fn build_ptx(kernel_dir: &Path, channel: &str, arch: &str) -> Result<PathBuf, St
              `rustup toolchain install` in kernels-gpu/ installs it with its components)"
         ));
     }
-    let ptx = target_dir
-        .join("nvptx64-nvidia-cuda/release")
-        .join(PTX_NAME);
+    let ptx = built_ptx(&target_dir);
     if ptx.is_file() {
         Ok(ptx)
     } else {
