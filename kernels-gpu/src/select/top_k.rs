@@ -12,11 +12,11 @@
 //! Each thread owns a contiguous run of candidates, so a block prefix sum of the per-thread
 //! counts of equal keys ranks them by index, and a second one over the selected counts gives
 //! every selected page its place: the held selection comes out in ascending page order, no
-//! sort needed. The radix passes keep the first [`HELD_KEYS`] x [`SELECT_THREADS`] candidates'
+//! sort needed. The radix passes keep the first [`KEY_BATCH`] x [`SELECT_THREADS`] candidates'
 //! keys in registers (4096: every candidate up to 256K tokens at 64-token pages), loaded once,
 //! all at the same time; candidates past them are re-read from the score workspace (global
 //! memory, L2-resident after the scorer) on each pass, so there is no hard maximum. The two
-//! passes over each thread's contiguous run load [`RUN_LOADS`] keys at a time.
+//! passes over each thread's contiguous run load [`KEY_BATCH`] keys at a time.
 
 use core::arch::asm;
 
@@ -65,24 +65,24 @@ unsafe fn shared_increment(addr: u32) {
     unsafe { asm!("red.shared.add.u32 [{0}], 1;", in(reg32) addr, options(nostack)) };
 }
 
-/// Candidates per thread whose keys stay in registers through the radix passes (strided:
-/// candidate `t + i * SELECT_THREADS` for `i < HELD_KEYS`): 4096 per block, every candidate up to
-/// 256K tokens at 64-token pages. Candidates past them are re-read from the workspace (L2) on
-/// each pass.
-const HELD_KEYS: usize = 8;
+/// Keys loaded at once: the radix passes' register-resident keys of a thread, and a batch of a
+/// thread's contiguous run.
+const KEY_BATCH: usize = 8;
 
-/// This thread's register-resident keys (zero past `n`, where [`radix_select`] does not count
-/// them), loaded together so that their L2 round trips overlap.
+/// The keys of candidates `first + i * step` for `i < KEY_BATCH` that are below `end` (the rest
+/// zero; callers skip them), all loaded before any is used, so that their L2 round trips
+/// overlap: the selector's loops do shared-memory increments or global stores between uses,
+/// which would otherwise order each load after the previous one.
 ///
 /// # Safety
-/// `scores` holds `n` values.
+/// `scores` holds at least `end` values.
 #[inline(always)]
-unsafe fn held_keys(scores: *const f32, n: u32, t: u32) -> [u32; HELD_KEYS] {
-    let mut keys = [0u32; HELD_KEYS];
-    crate::unroll8!(i in 0..HELD_KEYS => {
-        let c = t + i as u32 * SELECT_THREADS;
-        // SAFETY: `c < n`.
-        keys[i] = if c < n { score_key(unsafe { *scores.add(c as usize) }) } else { 0 };
+unsafe fn key_batch(scores: *const f32, first: u32, step: u32, end: u32) -> [u32; KEY_BATCH] {
+    let mut keys = [0u32; KEY_BATCH];
+    crate::unroll8!(i in 0..KEY_BATCH => {
+        let c = first + i as u32 * step;
+        // SAFETY: `c < end`.
+        keys[i] = if c < end { score_key(unsafe { *scores.add(c as usize) }) } else { 0 };
     });
     keys
 }
@@ -99,9 +99,12 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
     let hist = dynamic_smem::<u32>(HIST * 4);
     let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
     let broadcast = dynamic_smem::<u32>(BROADCAST * 4);
+    // The thread's first KEY_BATCH candidates (strided: 4096 per block, every candidate up to
+    // 256K tokens at 64-token pages) stay in registers through the passes; those past them are
+    // re-read from the workspace (L2) on each pass.
     // SAFETY: forwarded.
-    let keys = unsafe { held_keys(scores, n, t) };
-    let spilled_from = t + HELD_KEYS as u32 * SELECT_THREADS;
+    let keys = unsafe { key_batch(scores, t, SELECT_THREADS, n) };
+    let spilled_from = t + KEY_BATCH as u32 * SELECT_THREADS;
     let (mut prefix, mut mask, mut need) = (0u32, 0u32, k);
     let mut shift = 32;
     while shift > 0 {
@@ -118,7 +121,7 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
                     shared_increment(shared_addr(hist.add(((key >> shift) & 0xff) as usize)));
                 }
             };
-            crate::unroll8!(i in 0..HELD_KEYS => {
+            crate::unroll8!(i in 0..KEY_BATCH => {
                 if t + (i as u32) * SELECT_THREADS < n {
                     count_key(keys[i]);
                 }
@@ -149,26 +152,6 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
     }
     (prefix, need)
 }
-
-/// The keys of candidates `c .. min(c + RUN_LOADS, end)` (the rest zero), loaded before any is
-/// used: the loops over a thread's run store to global memory between uses, which would otherwise
-/// order each load after the previous store (one L2 round trip per candidate).
-///
-/// # Safety
-/// `scores` holds at least `end` values.
-#[inline(always)]
-unsafe fn run_keys(scores: *const f32, c: u32, end: u32) -> [u32; RUN_LOADS] {
-    let mut keys = [0u32; RUN_LOADS];
-    crate::unroll8!(u in 0..RUN_LOADS => {
-        let i = c + u as u32;
-        // SAFETY: `i < end`.
-        keys[u] = if i < end { score_key(unsafe { *scores.add(i as usize) }) } else { 0 };
-    });
-    keys
-}
-
-/// Candidates of a thread's contiguous run loaded at once by [`run_keys`].
-const RUN_LOADS: usize = 8;
 
 /// The selector body (see the module docs).
 ///
@@ -261,14 +244,14 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     let mut c = begin;
     while c < end {
         // SAFETY: `end <= candidates`.
-        let keys = unsafe { run_keys(scores, c, end) };
-        crate::unroll8!(u in 0..RUN_LOADS => {
+        let keys = unsafe { key_batch(scores, c, 1, end) };
+        crate::unroll8!(u in 0..KEY_BATCH => {
             if c + (u as u32) < end {
                 above += (keys[u] > threshold) as u32;
                 equal += (keys[u] == threshold) as u32;
             }
         });
-        c += RUN_LOADS as u32;
+        c += KEY_BATCH as u32;
     }
     let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
     // SAFETY: block-uniform.
@@ -284,8 +267,8 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     let mut c = begin;
     while c < end {
         // SAFETY: `end <= candidates`.
-        let keys = unsafe { run_keys(scores, c, end) };
-        crate::unroll8!(u in 0..RUN_LOADS => {
+        let keys = unsafe { key_batch(scores, c, 1, end) };
+        crate::unroll8!(u in 0..KEY_BATCH => {
             let key = keys[u];
             if c + (u as u32) < end {
                 let take = key > threshold || (key == threshold && equal_seen < take_equal);
@@ -302,7 +285,7 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
                 }
             }
         });
-        c += RUN_LOADS as u32;
+        c += KEY_BATCH as u32;
     }
     if t == 0 {
         // SAFETY: positions below `K + 2 <= held_capacity` and the entry capacity.
