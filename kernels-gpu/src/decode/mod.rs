@@ -274,10 +274,10 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: Til
     }
 }
 
-/// Declares one `extern "gpu-kernel"` entry point per (element type, head dim, group size), with
-/// the tile copy `$copy`.
-macro_rules! decode_kernels {
-    ($copy:ty; $($name:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
+/// Declares one `extern "gpu-kernel"` entry point `$name` for element type, head dim and group
+/// size, with the tile copy `$copy`.
+macro_rules! decode_kernel {
+    ($copy:ty, $name:ident: $elem:ty, $d:literal, $g:literal) => {
         /// Decode attention entry point (see the module docs); pointers as `decode_attention`.
         ///
         /// # Safety
@@ -302,53 +302,51 @@ macro_rules! decode_kernels {
         ) {
             // SAFETY: first thing in the kernel; the host launches it overlapped.
             unsafe { crate::sync::overlapped_entry() };
-            let bufs = CacheBuffers { k_pool, v_pool, k_stream, v_stream, block_tables, index_tables, index_lens };
+            let bufs = CacheBuffers {
+                k_pool,
+                v_pool,
+                k_stream,
+                v_stream,
+                block_tables,
+                index_tables,
+                index_lens,
+            };
             // SAFETY: forwarded launch contract.
             unsafe {
-                decode_attention::<$elem, $d, $g, $copy>(&p, q, &bufs, seq_len, seq_slot, head_map, part_acc, part_ml)
+                decode_attention::<$elem, $d, $g, $copy>(
+                    &p, q, &bufs, seq_len, seq_slot, head_map, part_acc, part_ml,
+                )
             }
         }
+    };
+}
+
+/// Declares, per (element type, head dim, group size), the entry point that fills its tiles by
+/// `cp.async` (`$name`: short splits, i.e. the sparse and streaming heads and short sequences)
+/// and the one that fills them by bulk copies (`$bulk`: long splits, the dense heads of long
+/// sequences); the host picks per launch.
+macro_rules! decode_kernels {
+    ($($name:ident, $bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
+        decode_kernel!(AsyncCopy, $name: $elem, $d, $g);
+        decode_kernel!(BulkCopy, $bulk: $elem, $d, $g);
     )*};
 }
 
-// Tiles by `cp.async` (short splits: the sparse and streaming heads, short sequences).
 decode_kernels! {
-    AsyncCopy;
-    decode_attention_bf16_d64_g1: Bf16, 64, 1;
-    decode_attention_bf16_d64_g2: Bf16, 64, 2;
-    decode_attention_bf16_d64_g4: Bf16, 64, 4;
-    decode_attention_bf16_d64_g8: Bf16, 64, 8;
-    decode_attention_bf16_d128_g1: Bf16, 128, 1;
-    decode_attention_bf16_d128_g2: Bf16, 128, 2;
-    decode_attention_bf16_d128_g4: Bf16, 128, 4;
-    decode_attention_bf16_d128_g8: Bf16, 128, 8;
-    decode_attention_f16_d64_g1: F16, 64, 1;
-    decode_attention_f16_d64_g2: F16, 64, 2;
-    decode_attention_f16_d64_g4: F16, 64, 4;
-    decode_attention_f16_d64_g8: F16, 64, 8;
-    decode_attention_f16_d128_g1: F16, 128, 1;
-    decode_attention_f16_d128_g2: F16, 128, 2;
-    decode_attention_f16_d128_g4: F16, 128, 4;
-    decode_attention_f16_d128_g8: F16, 128, 8;
-}
-
-// Tiles by bulk copies (long splits: dense heads of long sequences).
-decode_kernels! {
-    BulkCopy;
-    decode_attention_bulk_bf16_d64_g1: Bf16, 64, 1;
-    decode_attention_bulk_bf16_d64_g2: Bf16, 64, 2;
-    decode_attention_bulk_bf16_d64_g4: Bf16, 64, 4;
-    decode_attention_bulk_bf16_d64_g8: Bf16, 64, 8;
-    decode_attention_bulk_bf16_d128_g1: Bf16, 128, 1;
-    decode_attention_bulk_bf16_d128_g2: Bf16, 128, 2;
-    decode_attention_bulk_bf16_d128_g4: Bf16, 128, 4;
-    decode_attention_bulk_bf16_d128_g8: Bf16, 128, 8;
-    decode_attention_bulk_f16_d64_g1: F16, 64, 1;
-    decode_attention_bulk_f16_d64_g2: F16, 64, 2;
-    decode_attention_bulk_f16_d64_g4: F16, 64, 4;
-    decode_attention_bulk_f16_d64_g8: F16, 64, 8;
-    decode_attention_bulk_f16_d128_g1: F16, 128, 1;
-    decode_attention_bulk_f16_d128_g2: F16, 128, 2;
-    decode_attention_bulk_f16_d128_g4: F16, 128, 4;
-    decode_attention_bulk_f16_d128_g8: F16, 128, 8;
+    decode_attention_bf16_d64_g1, decode_attention_bulk_bf16_d64_g1: Bf16, 64, 1;
+    decode_attention_bf16_d64_g2, decode_attention_bulk_bf16_d64_g2: Bf16, 64, 2;
+    decode_attention_bf16_d64_g4, decode_attention_bulk_bf16_d64_g4: Bf16, 64, 4;
+    decode_attention_bf16_d64_g8, decode_attention_bulk_bf16_d64_g8: Bf16, 64, 8;
+    decode_attention_bf16_d128_g1, decode_attention_bulk_bf16_d128_g1: Bf16, 128, 1;
+    decode_attention_bf16_d128_g2, decode_attention_bulk_bf16_d128_g2: Bf16, 128, 2;
+    decode_attention_bf16_d128_g4, decode_attention_bulk_bf16_d128_g4: Bf16, 128, 4;
+    decode_attention_bf16_d128_g8, decode_attention_bulk_bf16_d128_g8: Bf16, 128, 8;
+    decode_attention_f16_d64_g1, decode_attention_bulk_f16_d64_g1: F16, 64, 1;
+    decode_attention_f16_d64_g2, decode_attention_bulk_f16_d64_g2: F16, 64, 2;
+    decode_attention_f16_d64_g4, decode_attention_bulk_f16_d64_g4: F16, 64, 4;
+    decode_attention_f16_d64_g8, decode_attention_bulk_f16_d64_g8: F16, 64, 8;
+    decode_attention_f16_d128_g1, decode_attention_bulk_f16_d128_g1: F16, 128, 1;
+    decode_attention_f16_d128_g2, decode_attention_bulk_f16_d128_g2: F16, 128, 2;
+    decode_attention_f16_d128_g4, decode_attention_bulk_f16_d128_g4: F16, 128, 4;
+    decode_attention_f16_d128_g8, decode_attention_bulk_f16_d128_g8: F16, 128, 8;
 }
