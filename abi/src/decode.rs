@@ -14,8 +14,8 @@ pub const DECODE_THREADS: u32 = 128;
 /// Rows (tokens) per tile: the unit of loading, of splitting and of the page size (pages are a
 /// whole number of tiles).
 pub const DECODE_TILE_ROWS: u32 = 16;
-/// `cp.async` stages per warp: each warp streams its own tiles (two in flight while it computes
-/// on a third).
+/// Copy stages per warp (`cp.async` or bulk copies): each warp streams its own tiles (two in
+/// flight while it computes on a third).
 pub const DECODE_STAGES: u32 = 3;
 /// Elements of padding after each K/V row in shared memory, so the eight 16-byte rows of an
 /// `ldmatrix` 8x8 load fall in distinct bank groups.

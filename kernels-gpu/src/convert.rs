@@ -12,9 +12,6 @@ use core::arch::asm;
 
 /// A 16-bit float type the tensor cores take (bf16 or f16), as a compile-time marker.
 pub trait Half16: Copy + 'static {
-    /// The `mma.sync` type name (`"bf16"` or `"f16"`), for documentation and debugging.
-    const PTX_NAME: &'static str;
-
     /// `x` rounded to nearest-even, as bits.
     fn from_f32(x: f32) -> u16;
 
@@ -40,8 +37,6 @@ pub struct Bf16;
 pub struct F16;
 
 impl Half16 for Bf16 {
-    const PTX_NAME: &'static str = "bf16";
-
     #[inline(always)]
     fn from_f32(x: f32) -> u16 {
         let bits: u16;
@@ -74,8 +69,6 @@ impl Half16 for Bf16 {
 }
 
 impl Half16 for F16 {
-    const PTX_NAME: &'static str = "f16";
-
     #[inline(always)]
     fn from_f32(x: f32) -> u16 {
         let bits: u16;

@@ -3,13 +3,19 @@
 //! Device primitives, the pieces every kernel is written in:
 //! - [`thread`]: thread / block / warp / lane indices;
 //! - [`smem`]: dynamic shared memory (generic pointers and 32-bit shared addresses);
-//! - [`sync`], barriers;
+//! - [`sync`]: barriers and overlapped-launch control;
 //! - [`warp`]: shuffles and warp / quad reductions;
 //! - [`convert`]: bf16 / f16 <-> f32 ([`convert::Bf16`], [`convert::F16`] markers);
 //! - [`mma`]: `mma.sync` m16n8k16 fragments and products;
 //! - [`ldmatrix`]: shared memory -> fragments;
 //! - [`cp_async`]: asynchronous global -> shared copies, commit / wait groups;
 //! - [`bulk_copy`]: bulk copies on the tensor memory accelerator, `mbarrier`s.
+//!
+//! The kernels, each module with a `NOTES.md` of its measurements:
+//! - [`kv_write`]: the cache writes (prefill rows, decode append) and key-statistics pooling;
+//! - [`prefill`]: block-sparse prefill attention;
+//! - [`select`]: the page scorer, the top-K selector and the decode step counters;
+//! - [`decode`]: paged sparse decode attention and its split combine.
 //!
 //! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`).
 #![no_std]

@@ -5,9 +5,6 @@
 
 use core::arch::asm;
 
-/// Every lane of the warp.
-pub const FULL_MASK: u32 = 0xffff_ffff;
-
 /// Returns the value of `x` held by lane `lane ^ lane_mask` (butterfly exchange).
 ///
 /// # Safety

@@ -43,7 +43,7 @@ use crate::convert::{Bf16, F16};
 use crate::cp_async::{commit_group, wait_all, wait_group};
 use crate::mma::{mma_m16n8k16, FragA, FragC, MmaElement};
 use crate::sync::sync_threads;
-use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block};
+use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block, WARP_SIZE};
 use block_iter::{TileBlocks, TileMask, Window};
 use softmax::RowSoftmax;
 use tiles::{
@@ -52,7 +52,7 @@ use tiles::{
 };
 
 /// Warps per launch block.
-const WARPS: u32 = PREFILL_THREADS / 32;
+const WARPS: u32 = PREFILL_THREADS / WARP_SIZE;
 /// Most `Q` fragments of a row tile (`D = 128`: 8 steps of 16 dims).
 const MAX_Q_STEPS: usize = 8;
 
