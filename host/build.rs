@@ -16,9 +16,9 @@ mod kernel_build;
 
 use std::env;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use kernel_build::{built_ptx, kernel_build_command, PTX_NAME};
+use kernel_build::{built_ptx, kernel_build_command, toolchain_channel, PTX_NAME};
 
 fn main() {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -50,7 +50,8 @@ fn main() {
         abi_dir.join("Cargo.toml").display()
     );
 
-    let toolchain = pinned_toolchain(&kernel_dir.join("rust-toolchain.toml"));
+    let toolchain = toolchain_channel(&kernel_dir.join("rust-toolchain.toml"))
+        .unwrap_or_else(|e| panic!("lserve: {e}"));
     let target_dir = out_dir.join("kernels-target");
     let mut cmd = kernel_build_command(&kernel_dir, &toolchain, &target_dir, &arch);
     let status = cmd.status().unwrap_or_else(|e| {
@@ -67,16 +68,4 @@ fn main() {
     let ptx = built_ptx(&target_dir);
     fs::copy(&ptx, out_dir.join(PTX_NAME))
         .unwrap_or_else(|e| panic!("lserve: no PTX at {}: {e}", ptx.display()));
-}
-
-/// The `channel = "..."` of the kernel crate's `rust-toolchain.toml`.
-fn pinned_toolchain(path: &Path) -> String {
-    let text = fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("lserve: cannot read {}: {e}", path.display()));
-    text.lines()
-        .filter_map(|line| line.trim().strip_prefix("channel"))
-        .filter_map(|rest| rest.trim().strip_prefix('='))
-        .map(|value| value.trim().trim_matches('"').to_string())
-        .next()
-        .unwrap_or_else(|| panic!("lserve: no channel in {}", path.display()))
 }

@@ -2,6 +2,7 @@
 //! the PTX) and `cargo xtask ptx` (which checks it with `ptxas`; it includes this file by path),
 //! so the PTX that is checked is built exactly like the PTX that ships.
 
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -45,4 +46,15 @@ pub fn built_ptx(target_dir: &Path) -> PathBuf {
     target_dir
         .join("nvptx64-nvidia-cuda/release")
         .join(PTX_NAME)
+}
+
+/// The `channel` of a `rust-toolchain.toml` (the kernel crate's pins its nightly there).
+pub fn toolchain_channel(path: &Path) -> Result<String, String> {
+    let text = fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    text.lines()
+        .filter_map(|line| line.trim().strip_prefix("channel"))
+        .filter_map(|rest| rest.trim().strip_prefix('='))
+        .map(|value| value.trim().trim_matches('"').to_string())
+        .next()
+        .ok_or_else(|| format!("no channel in {}", path.display()))
 }

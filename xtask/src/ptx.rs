@@ -9,7 +9,7 @@ use std::process::Command;
 #[path = "../../host/kernel_build.rs"]
 mod kernel_build;
 
-use kernel_build::{built_ptx, kernel_build_command};
+use kernel_build::{built_ptx, kernel_build_command, toolchain_channel};
 
 /// What `ptxas -v` says about one function.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -91,17 +91,6 @@ pub fn run(root: &Path, arch: &str) -> Result<(), String> {
             forbidden.join(", ")
         ))
     }
-}
-
-/// The `channel` of a `rust-toolchain.toml`.
-pub fn toolchain_channel(path: &Path) -> Result<String, String> {
-    let text = fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-    text.lines()
-        .filter_map(|line| line.trim().strip_prefix("channel"))
-        .filter_map(|rest| rest.trim().strip_prefix('='))
-        .map(|value| value.trim().trim_matches('"').to_string())
-        .next()
-        .ok_or_else(|| format!("no channel in {}", path.display()))
 }
 
 /// Both `rust-toolchain.toml` files must name the same channel; returns it.
