@@ -470,14 +470,8 @@ pub fn streaming_decode_tokens(
             reason: "must be > 0".into(),
         });
     }
-    let sinks = 0..sink_tokens.min(len);
-    let ring = sink_tokens.max(len.saturating_sub(local_tokens))..len;
-    debug_assert!(
-        StreamingStore::resident_positions(len, sink_tokens, local_tokens)
-            .eq(sinks.clone().chain(ring.clone()))
-    );
     Ok(StreamingDecodeTokens {
-        positions: sinks.chain(ring),
+        positions: StreamingStore::resident_positions(len, sink_tokens, local_tokens),
         sink_tokens,
         local_tokens,
     })
@@ -488,11 +482,7 @@ impl Iterator for StreamingDecodeTokens {
 
     fn next(&mut self) -> Option<StreamingToken> {
         let pos = self.positions.next()?;
-        let row = if pos < self.sink_tokens {
-            pos
-        } else {
-            self.sink_tokens + (pos - self.sink_tokens) % self.local_tokens
-        };
+        let row = StreamingStore::ring_row(pos, self.sink_tokens, self.local_tokens);
         Some(StreamingToken { pos, row })
     }
 }

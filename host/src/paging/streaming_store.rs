@@ -1,5 +1,8 @@
 //! The streaming heads' store: one slot per live sequence holding its sinks and local ring.
 
+use core::iter::Chain;
+use core::ops::Range;
+
 use lserve_abi::StreamingLayout;
 
 use crate::error::{LserveError, Result};
@@ -121,10 +124,17 @@ impl StreamingStore {
 
     /// The row token position `t` is stored at.
     pub fn row_of_token(&self, t: usize) -> usize {
-        if t < self.sink_tokens {
+        Self::ring_row(t, self.sink_tokens, self.local_tokens)
+    }
+
+    /// The row of token position `t` in a store of `sink_tokens` sinks and a ring of
+    /// `local_tokens` (`> 0`) rows: `t` for a sink, else its ring slot after the sinks (the
+    /// kernels' `StreamingLayout::row_of_token`, in host sizes).
+    pub fn ring_row(t: usize, sink_tokens: usize, local_tokens: usize) -> usize {
+        if t < sink_tokens {
             t
         } else {
-            self.sink_tokens + (t - self.sink_tokens) % self.local_tokens
+            sink_tokens + (t - sink_tokens) % local_tokens
         }
     }
 
@@ -138,7 +148,7 @@ impl StreamingStore {
         len: usize,
         sink_tokens: usize,
         local_tokens: usize,
-    ) -> impl Iterator<Item = usize> {
+    ) -> Chain<Range<usize>, Range<usize>> {
         let sinks = 0..sink_tokens.min(len);
         let ring = sink_tokens.max(len.saturating_sub(local_tokens))..len;
         sinks.chain(ring)
