@@ -153,6 +153,25 @@ impl SparsityConfig {
         }
     }
 
+    /// Pages a held selection holds at most: the `K` selected, the first page (when always
+    /// included) and the newest page at selection time (`K + 2`).
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// let c = SparsityConfig::default(); // budget 4096, 64-token pages: K = 64
+    /// assert_eq!(c.held_selection_pages(), 66);
+    /// assert_eq!(c.selection_entry_pages(), 67);
+    /// ```
+    pub const fn held_selection_pages(&self) -> usize {
+        self.pages_per_selection() + 2
+    }
+
+    /// Pages an index-table entry lists at most in selection mode: the held selection and, on a
+    /// reused step, a newer newest page (`K + 3`).
+    pub const fn selection_entry_pages(&self) -> usize {
+        self.held_selection_pages() + 1
+    }
+
     /// Logical pages per physical page (`g = N_P / N_L`).
     ///
     /// Returns 0 for a config with `logical_page_tokens == 0` (which `validate` rejects).

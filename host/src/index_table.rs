@@ -132,9 +132,7 @@ impl IndexTables {
     pub fn entry_capacity_for(config: &SparsityConfig, max_seq_len: usize) -> usize {
         let all = config.pages_for_len(max_seq_len);
         let dense = config.pages_for_len(config.dynamic_min_len.min(max_seq_len));
-        // The K selected pages, the first page, the newest page at selection time and, on a
-        // reused step, the current newest page.
-        let selected = config.pages_per_selection() + 3;
+        let selected = config.selection_entry_pages();
         dense.max(selected).min(all).max(1)
     }
 

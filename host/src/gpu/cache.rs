@@ -215,7 +215,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         }
         let stream = gpu.stream();
         let slots = manager.max_sequences();
-        let held_capacity = cfg.pages_per_selection() + 2;
+        let held_capacity = cfg.held_selection_pages();
         let geometry = *pattern.geometry();
         let mut layers = Vec::with_capacity(geometry.layers());
         for layer in 0..geometry.layers() {

@@ -158,7 +158,7 @@ pub fn decode_attention<E: DeviceElement>(
     // `dynamic_min_len`, at most a selection's pages above it (the K selected, the first, and the
     // newest at selection time and now: the index table's content, whatever its capacity).
     let page_tokens = l.paged.page_tokens;
-    let selected_rows = (cache.config.pages_per_selection() as u32 + 3) * page_tokens;
+    let selected_rows = cache.config.selection_entry_pages() as u32 * page_tokens;
     let max_rows = batch
         .host_lens
         .iter()

@@ -148,10 +148,9 @@ fn select_params<E: DeviceElement>(
             field: "reuse_interval",
             reason: format!("{} does not fit in u32", cfg.reuse_interval),
         })?;
-    // Held: K + the first page + the newest; index entry: that + a newer newest page (never
-    // more than the sequence's pages).
-    let held_needed = top_k + 2;
-    let entry_needed = (top_k + 3).min(cache.max_pages as usize);
+    // An index entry never lists more than the sequence's pages.
+    let held_needed = cfg.held_selection_pages();
+    let entry_needed = cfg.selection_entry_pages().min(cache.max_pages as usize);
     if (cache.held_capacity as usize) < held_needed
         || (cache.entry_capacity as usize) < entry_needed
     {

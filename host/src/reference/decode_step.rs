@@ -461,7 +461,7 @@ pub fn decode_step<E: Element>(
     for view in &views {
         let pages = view.block_table.len();
         let needed = match config.uses_page_selection(view.len) {
-            true => pages.min(config.pages_per_selection() + 3),
+            true => pages.min(config.selection_entry_pages()),
             false => pages,
         };
         if needed > capacity {
