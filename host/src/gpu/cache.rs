@@ -410,45 +410,21 @@ impl<E: DeviceElement> DeviceKvCache<E> {
 
     /// Layer `layer`'s buffers.
     pub(crate) fn layer(&self, layer: usize) -> Result<&DeviceLayer<E>> {
+        let n = self.layers.len();
         self.layers
             .get(layer)
-            .ok_or_else(|| LserveError::InvalidArgument {
-                what: "layer",
-                reason: format!("{layer} out of range ({} layers)", self.layers.len()),
-            })
+            .ok_or_else(|| layer_out_of_range(layer, n))
     }
 
     /// Layer `layer`'s buffers, mutable.
     pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<&mut DeviceLayer<E>> {
-        let n = self.layers.len();
-        self.layers
-            .get_mut(layer)
-            .ok_or_else(|| LserveError::InvalidArgument {
-                what: "layer",
-                reason: format!("{layer} out of range ({n} layers)"),
-            })
+        self.layer_parts_mut(layer).map(|(l, _, _)| l)
     }
 
-    /// Layer `layer`'s buffers, mutable, with the block tables (shared by all layers) to read:
-    /// what a kernel that writes the cache through the block tables takes.
-    pub(crate) fn layer_mut_and_tables(
-        &mut self,
-        layer: usize,
-    ) -> Result<(&mut DeviceLayer<E>, &CudaSlice<u32>)> {
-        let n = self.layers.len();
-        let l = self
-            .layers
-            .get_mut(layer)
-            .ok_or_else(|| LserveError::InvalidArgument {
-                what: "layer",
-                reason: format!("{layer} out of range ({n} layers)"),
-            })?;
-        Ok((l, &self.block_tables))
-    }
-
-    /// Layer `layer`'s buffers, mutable, with the block tables and the decode step counters to
-    /// read: what page selection takes.
-    pub(crate) fn layer_mut_tables_steps(
+    /// Layer `layer`'s buffers, mutable, with what every layer shares to read: the block tables
+    /// (what a kernel writing the cache through them takes) and the decode step counters (what
+    /// page selection takes).
+    pub(crate) fn layer_parts_mut(
         &mut self,
         layer: usize,
     ) -> Result<(&mut DeviceLayer<E>, &CudaSlice<u32>, &CudaSlice<u32>)> {
@@ -456,11 +432,16 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         let l = self
             .layers
             .get_mut(layer)
-            .ok_or_else(|| LserveError::InvalidArgument {
-                what: "layer",
-                reason: format!("{layer} out of range ({n} layers)"),
-            })?;
+            .ok_or_else(|| layer_out_of_range(layer, n))?;
         Ok((l, &self.block_tables, &self.decode_steps))
+    }
+}
+
+/// The error for a layer index past the cache's `n` layers.
+fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
+    LserveError::InvalidArgument {
+        what: "layer",
+        reason: format!("{layer} out of range ({n} layers)"),
     }
 }
 

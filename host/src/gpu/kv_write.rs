@@ -146,7 +146,7 @@ pub fn append_kv<E: DeviceElement>(
     check_len("k", b * hkv * d, k.len())?;
     check_len("v", b * hkv * d, v.len())?;
     let max_pages = cache.max_pages;
-    let (l, tables) = cache.layer_mut_and_tables(layer)?;
+    let (l, tables, _) = cache.layer_parts_mut(layer)?;
     let params = ByValue(AppendParams {
         batch: b as u32,
         cache: cache_layout(l, hkv, max_pages),
@@ -378,7 +378,7 @@ pub fn write_kv_rows<E: DeviceElement>(
     check_len("k", host.rows * hkv * d, k.len())?;
     check_len("v", host.rows * hkv * d, v.len())?;
     let (slots, max_pages) = (cache.slots, cache.max_pages);
-    let (l, tables) = cache.layer_mut_and_tables(layer)?;
+    let (l, tables, _) = cache.layer_parts_mut(layer)?;
     host.check_cache(slots, max_pages, l)?;
     let chunks = host.max_tokens as usize * hkv * d / CHUNK_ELEMS as usize;
     if chunks == 0 {
@@ -431,7 +431,7 @@ pub fn pool_key_stats<E: DeviceElement>(
     let hkv = cache.pattern().geometry().kv_heads();
     let host = &plan.plan;
     let (slots, max_pages) = (cache.slots, cache.max_pages);
-    let (l, tables) = cache.layer_mut_and_tables(layer)?;
+    let (l, tables, _) = cache.layer_parts_mut(layer)?;
     host.check_cache(slots, max_pages, l)?;
     let dense_heads = l.paged.heads as usize;
     let pages = host.max_logical_pages();

@@ -298,7 +298,7 @@ pub fn select_top_k<E: DeviceElement>(
         block_dim: (SELECT_THREADS, 1, 1),
         shared_mem_bytes: SELECT_SMEM_BYTES,
     };
-    let (l, block_tables, decode_steps) = cache.layer_mut_tables_steps(layer)?;
+    let (l, block_tables, decode_steps) = cache.layer_parts_mut(layer)?;
     let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
     launch
         .value(&params)
