@@ -293,21 +293,16 @@ fn prefill(c: &mut Criterion) {
     println!("device: {}", gpu.device_name().unwrap_or_default());
     announce_filter();
     let dense = [HeadKind::Dense; HKV];
-    let half: Vec<HeadKind> = (0..HKV)
-        .map(|h| {
-            if h % 2 == 1 {
-                HeadKind::Streaming
-            } else {
-                HeadKind::Dense
-            }
-        })
-        .collect();
+    // 50% streaming heads, interleaved (the odd KV heads), as the cache cases use.
+    let half_pattern = ModelGeometry::new(1, HQ, HKV, D)
+        .and_then(|g| HeadPattern::interleaved(g, 0.5))
+        .expect("a valid geometry");
+    let half = half_pattern.layer_kinds(0);
     for len in [4096usize, 16384, 32768, 65536, 131072] {
-        let patterns: Vec<(&str, &[HeadKind])> =
-            [("dense", &dense[..]), ("streaming50", &half[..])]
-                .into_iter()
-                .filter(|(name, _)| selected(&format!("prefill/{name}/{len}")))
-                .collect();
+        let patterns: Vec<(&str, &[HeadKind])> = [("dense", &dense[..]), ("streaming50", half)]
+            .into_iter()
+            .filter(|(name, _)| selected(&format!("prefill/{name}/{len}")))
+            .collect();
         if patterns.is_empty() {
             continue;
         }
