@@ -107,3 +107,11 @@ pub enum LserveError {
     },
     // New variants go above this line (helpers: append, do not reorder).
 }
+
+/// An [`LserveError::InvalidArgument`] for argument `what`, with `reason`.
+pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> LserveError {
+    LserveError::InvalidArgument {
+        what,
+        reason: reason.into(),
+    }
+}

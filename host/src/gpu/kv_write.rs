@@ -52,6 +52,7 @@ use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
 use super::launch::{ByValue, LaunchParams, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
+use crate::error::invalid;
 use crate::paging::{KvCacheManager, SeqId};
 use crate::{LserveError, Result};
 
@@ -68,13 +69,6 @@ const _: () = assert!(std::mem::size_of::<SeqRange>() == RANGE_WORDS * 4);
 const MAX_GRID_YZ: usize = 65_535;
 /// The largest `gridDim.x`.
 const MAX_GRID_X: usize = (1 << 31) - 1;
-
-fn invalid(what: &'static str, reason: impl Into<String>) -> LserveError {
-    LserveError::InvalidArgument {
-        what,
-        reason: reason.into(),
-    }
-}
 
 fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     if actual < expected {

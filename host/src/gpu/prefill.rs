@@ -23,6 +23,7 @@ use super::kv_write::{pool_key_stats, write_kv_rows, DeviceKvWritePlan};
 use super::launch::{ByValue, LaunchParams};
 use super::GpuContext;
 use crate::block_iter::{num_blocks, BlockMask};
+use crate::error::invalid;
 use crate::head_pattern::HeadKind;
 use crate::{LserveError, Result};
 
@@ -69,13 +70,6 @@ pub struct PrefillPlan {
     mask: CudaSlice<u32>,
     tokens: usize,
     head_dim: usize,
-}
-
-fn invalid(what: &'static str, reason: impl Into<String>) -> LserveError {
-    LserveError::InvalidArgument {
-        what,
-        reason: reason.into(),
-    }
 }
 
 fn to_u32(what: &'static str, x: usize) -> Result<u32> {
