@@ -38,7 +38,7 @@
 
 mod common;
 
-use common::{announce_filter, selected, timed};
+use common::{gpu_or_skip, selected, timed};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -276,15 +276,9 @@ fn copy(c: &mut Criterion, gpu: &GpuContext) {
 }
 
 fn decode(c: &mut Criterion) {
-    let gpu = match GpuContext::new(0) {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            println!("decode benchmarks skipped: no usable GPU ({e})");
-            return;
-        }
+    let Some(gpu) = gpu_or_skip("decode") else {
+        return;
     };
-    println!("device: {}", gpu.device_name().unwrap_or_default());
-    announce_filter();
     copy(c, &gpu);
     for &batch in &BATCHES {
         for &context in &CONTEXTS {

@@ -40,7 +40,7 @@
 
 mod common;
 
-use common::{announce_filter, selected, timed};
+use common::{gpu_or_skip, selected, timed};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -283,15 +283,9 @@ fn prefill_cache(c: &mut Criterion, gpu: &GpuContext) {
 }
 
 fn prefill(c: &mut Criterion) {
-    let gpu = match GpuContext::new(0) {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            println!("prefill benchmarks skipped: no usable GPU ({e})");
-            return;
-        }
+    let Some(gpu) = gpu_or_skip("prefill") else {
+        return;
     };
-    println!("device: {}", gpu.device_name().unwrap_or_default());
-    announce_filter();
     let dense = [HeadKind::Dense; HKV];
     // 50% streaming heads, interleaved (the odd KV heads), as the cache cases use.
     let half_pattern = ModelGeometry::new(1, HQ, HKV, D)

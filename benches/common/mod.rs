@@ -46,3 +46,19 @@ pub fn announce_filter() {
         }
     }
 }
+
+/// The GPU the `what` benchmarks run on, announced with the case filter; `None` (after saying
+/// why, so a run without a usable GPU shows the benchmarks as skipped) if there is none.
+pub fn gpu_or_skip(what: &str) -> Option<GpuContext> {
+    match GpuContext::new(0) {
+        Ok(gpu) => {
+            println!("device: {}", gpu.device_name().unwrap_or_default());
+            announce_filter();
+            Some(gpu)
+        }
+        Err(e) => {
+            println!("{what} benchmarks skipped: no usable GPU ({e})");
+            None
+        }
+    }
+}
