@@ -3,8 +3,9 @@
 //!
 //! - `attention/dense`: our paged decode with every head dense (the dense baseline);
 //! - `attention/static`: 50% streaming heads, the rest dense;
-//! - `step/dynamic`: every head dense with page selection (budget 4096, reuse 4): selection when
-//!   due + attention, per layer, averaged over steps (so selection counts 1 in 4). The graph
+//! - `step/dynamic`: every head dense with page selection (budget 4096, reuse 4): the append,
+//!   selection when due and attention, per layer, averaged over steps (so selection counts 1 in
+//!   4). The graph
 //!   holds a whole step of [`step_layers`] layers (8 at batch 1, 4 at batch 16), each with its
 //!   own cache, and the step advance once at the end, as an engine runs it; the time reported is
 //!   the graph's divided by the layers. (One layer replayed alone would keep its few MB of
@@ -322,7 +323,10 @@ fn decode(c: &mut Criterion) {
                         continue;
                     }
                 };
-                let bytes = l.step_bytes(run_select, run_attend);
+                let mut bytes = l.step_bytes(run_select, run_attend);
+                if group_name == "step" {
+                    bytes += l.append_bytes();
+                }
                 // One decode step (or selector run), as an engine runs it.
                 bench_captured(c, &gpu, group_name, id(name), bytes, layers, || {
                     let Bench {
@@ -332,9 +336,14 @@ fn decode(c: &mut Criterion) {
                         selection,
                         q,
                         out,
+                        k,
+                        v,
                         ..
                     } = &mut l;
                     for layer in 0..layers {
+                        if group_name == "step" {
+                            append_kv(&gpu, cache, layer, batch, k, v).expect("append");
+                        }
                         if run_select {
                             select_pages(&gpu, cache, layer, batch, q, selection).expect("select");
                         }
