@@ -23,8 +23,11 @@
 //!   every head dense), batch 1 only;
 //! - `copy`: a device-to-device copy, the bandwidth ceiling, in the same run.
 //!
-//! Each is captured once in a CUDA graph (as an engine runs a decode step) and timed with CUDA
-//! events around `iters` back-to-back replays (criterion's `iter_custom`). Throughput is the
+//! Each is captured in a CUDA graph (as an engine runs a decode step) and timed with CUDA
+//! events around `iters` back-to-back replays (criterion's `iter_custom`). A case with page
+//! selection is captured twice, with the selector and without (as `DecodeStep` launches it only
+//! on steps where `DecodeBatch::selection_due`), and each replay takes the graph its step needs:
+//! with reuse 4, one replay in four selects. Throughput is the
 //! bytes that must move (K and V of the rows visited, the key statistics the selector reads,
 //! amortized over the reuse interval; for `kv/append` the K/V activations read, the cache rows
 //! written and the statistics read and written; for `kv/pool` the dense heads' K rows read and
@@ -46,7 +49,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use half::bf16;
 use lserve::config::SparsityConfig;
 use lserve::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use lserve::cudarc::driver::CudaSlice;
+use lserve::cudarc::driver::{CudaGraph, CudaSlice};
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
     advance_decode_steps, append_kv, decode_attention, fill_random, pool_key_stats, select_pages,
@@ -224,6 +227,19 @@ impl Bench {
     }
 }
 
+/// What `launches` enqueues on the context's stream, captured in a CUDA graph.
+fn capture(gpu: &GpuContext, launches: impl FnOnce()) -> CudaGraph {
+    let stream = gpu.stream().clone();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("capture");
+    launches();
+    stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .expect("capture")
+        .expect("a non-empty graph")
+}
+
 /// Captures what `launches` enqueues on the context's stream in a CUDA graph (as an engine runs
 /// a decode step) and times back-to-back replays of it between two events, as `group/id`; the
 /// graph holds `layers` layers' worth of work and the time reported is per layer.
@@ -236,15 +252,22 @@ fn bench_captured(
     layers: usize,
     launches: impl FnOnce(),
 ) {
-    let stream = gpu.stream().clone();
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("capture");
-    launches();
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .expect("capture")
-        .expect("a non-empty graph");
+    let graph = capture(gpu, launches);
+    bench_replays(c, gpu, group_name, id, bytes, layers, |_| &graph);
+}
+
+/// Times back-to-back replays of the graph `graph_for(i)` for replay `i = 0, 1, 2, ..` (counted
+/// across criterion's calls), as `group/id`, per layer of the `layers` each graph holds.
+fn bench_replays<'g>(
+    c: &mut Criterion,
+    gpu: &GpuContext,
+    group_name: &str,
+    id: BenchmarkId,
+    bytes: u64,
+    layers: usize,
+    graph_for: impl Fn(u64) -> &'g CudaGraph,
+) {
+    let mut replays = 0u64;
     let mut group = c.benchmark_group(group_name);
     group
         .sample_size(10)
@@ -252,7 +275,12 @@ fn bench_captured(
         .measurement_time(Duration::from_millis(800));
     group.throughput(Throughput::Bytes(bytes));
     group.bench_function(id, |b| {
-        b.iter_custom(|iters| timed(gpu, iters, || graph.launch().expect("replay")) / layers as u32)
+        b.iter_custom(|iters| {
+            timed(gpu, iters, || {
+                graph_for(replays).launch().expect("replay");
+                replays += 1;
+            }) / layers as u32
+        })
     });
     group.finish();
 }
@@ -327,8 +355,12 @@ fn decode(c: &mut Criterion) {
                 if group_name == "step" {
                     bytes += l.append_bytes();
                 }
-                // One decode step (or selector run), as an engine runs it.
-                bench_captured(c, &gpu, group_name, id(name), bytes, layers, || {
+                // One decode step (or selector run), as an engine runs it: captured once with
+                // the selector and once without, and each replay takes the one the step's
+                // `SparsityConfig::selects_at` asks for (the device's step counters advance one
+                // per replay from 0, as the replays count them).
+                let (config, len) = (l.config, l.len);
+                let mut step = |select: bool| {
                     let Bench {
                         cache,
                         batch,
@@ -344,7 +376,7 @@ fn decode(c: &mut Criterion) {
                         if group_name == "step" {
                             append_kv(&gpu, cache, layer, batch, k, v).expect("append");
                         }
-                        if run_select {
+                        if select {
                             select_pages(&gpu, cache, layer, batch, q, selection).expect("select");
                         }
                         if run_attend {
@@ -355,7 +387,14 @@ fn decode(c: &mut Criterion) {
                     if run_select {
                         advance_decode_steps(&gpu, cache, batch).expect("advance");
                     }
-                });
+                };
+                let reusing = capture(&gpu, || step(false));
+                let selecting = run_select.then(|| capture(&gpu, || step(true)));
+                let graph_for = |replay: u64| match &selecting {
+                    Some(graph) if config.selects_at(len, replay) => graph,
+                    _ => &reusing,
+                };
+                bench_replays(c, &gpu, group_name, id(name), bytes, layers, graph_for);
             }
 
             // The append alone. Its replay is valid as is: `append_kv` changes no length or

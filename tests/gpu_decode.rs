@@ -469,6 +469,37 @@ proptest! {
     }
 }
 
+/// Steps that reuse their selection launch no selector: the append keeps the index entries.
+/// These sequences start a page on a reuse step (prompt 46: position 48 on step 2), start one on
+/// a selection step (prompt 60: position 64 on step 4), and cross `dynamic_min_len` between
+/// selection steps (prompt 30: length 41 on step 10, after a page start while still dense);
+/// every step is compared with the reference, eagerly and as captured graphs.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn reused_selections_follow_new_pages_without_the_selector() {
+    let gpu = gpu();
+    let case = Case {
+        head_dim: 64,
+        kv_heads: 2,
+        group: 2,
+        streaming: vec![false, true],
+        page_tokens: 16,
+        logical_per_page: 1,
+        top_k: 2,
+        sink: 4,
+        local: 16,
+        dynamic_min_len: 40,
+        reuse: 4,
+        prompts: vec![46, 60, 30],
+        steps: 12,
+        f16: false,
+        seed: 7,
+    };
+    for graph in [false, true] {
+        run_steps::<bf16>(&gpu, &case, graph).unwrap();
+    }
+}
+
 /// The `dynamic_min_len` profiler measures every requested length and recommends one of them:
 /// at 64K tokens selection (4096-token budget) reads ~16x fewer bytes than dense attention, so
 /// there it must win.

@@ -51,6 +51,12 @@ pub struct AppendParams {
     pub batch: u32,
     /// Where rows go.
     pub cache: CacheLayout,
+    /// Sequences longer than this select pages: when the token starts a new page, the append
+    /// adds that page to each dense head's index-table entry (after its held selection), so a
+    /// step that reuses its selection needs no selector launch.
+    pub dynamic_min_len: u32,
+    /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`).
+    pub entry_capacity: u32,
 }
 
 /// One sequence's token range for `write_kv_rows_*` and `pool_key_stats_*`: positions

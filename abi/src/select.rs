@@ -7,8 +7,9 @@
 //!    the pairs whose selection is due, into a workspace `[batch][dense_heads][max_pages]` of
 //!    `f32` ([`score_offset`]);
 //! 2. the selector, grid `pairs`, [`SELECT_THREADS`] threads, [`SELECT_SMEM_BYTES`] of dynamic
-//!    shared memory: the exact top-K of the due pairs into their held selection, then every
-//!    pair's index-table entry (held selection plus the newest page).
+//!    shared memory: the exact top-K of the due pairs into their held selection and their
+//!    index-table entry (held selection plus the newest page). Between selections the decode
+//!    append keeps the entries (`kv_write::AppendParams`).
 //!
 //! Both decide "due" with [`selection_due`] on the same state, so they agree.
 

@@ -221,6 +221,25 @@ impl SparsityConfig {
         };
         step % c == 0
     }
+
+    /// Whether a sequence of length `len` (after the step's token) selects pages at decode step
+    /// `step`: it uses page selection, and either `step` is a selection step or the previous
+    /// step's length did not use selection (nothing is held yet). This is the device's rule
+    /// (`lserve_abi::select::selection_due`) for a sequence that decodes one token per step from
+    /// step 0, as [`KvCacheManager`](crate::paging::KvCacheManager) counts them.
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// let c = SparsityConfig { dynamic_min_len: 100, reuse_interval: 4, ..Default::default() };
+    /// assert!(!c.selects_at(100, 0)); // dense decode
+    /// assert!(c.selects_at(101, 5)); // first step past dynamic_min_len
+    /// assert!(!c.selects_at(102, 6)); // reuse
+    /// assert!(c.selects_at(103, 8)); // every 4th step
+    /// ```
+    pub const fn selects_at(&self, len: usize, step: u64) -> bool {
+        self.uses_page_selection(len)
+            && (self.is_selection_step(step) || !self.uses_page_selection(len.saturating_sub(1)))
+    }
 }
 
 fn invalid(field: &'static str, reason: String) -> LserveError {

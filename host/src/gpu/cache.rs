@@ -456,6 +456,8 @@ pub struct DecodeBatch {
     pub(crate) host_lens: Vec<u32>,
     /// The slots, as last set (checked against a cache before each launch).
     pub(crate) host_slots: Vec<u32>,
+    /// Whether some sequence selects pages on this step (as last set).
+    selection_due: bool,
 }
 
 impl DecodeBatch {
@@ -470,6 +472,7 @@ impl DecodeBatch {
             len: 0,
             host_lens: Vec::with_capacity(max_batch),
             host_slots: Vec::with_capacity(max_batch),
+            selection_due: false,
         })
     }
 
@@ -492,6 +495,7 @@ impl DecodeBatch {
         }
         let mut slots = Vec::with_capacity(seqs.len());
         let mut lens = Vec::with_capacity(seqs.len());
+        let mut selection_due = false;
         for (i, &s) in seqs.iter().enumerate() {
             if seqs[..i].contains(&s) {
                 return Err(LserveError::InvalidArgument {
@@ -503,6 +507,7 @@ impl DecodeBatch {
             if len == 0 {
                 return Err(LserveError::Empty("sequence"));
             }
+            selection_due |= manager.config().selects_at(len, manager.decode_step(s)?);
             slots.push(manager.slot(s)?);
             lens.push(len as u32);
         }
@@ -512,7 +517,17 @@ impl DecodeBatch {
         self.len = seqs.len();
         self.host_lens = lens;
         self.host_slots = slots;
+        self.selection_due = selection_due;
         Ok(())
+    }
+
+    /// Whether some sequence of the batch selects pages on this step
+    /// ([`SparsityConfig::selects_at`](crate::config::SparsityConfig::selects_at) with the
+    /// manager's decode step counters, as last [`set`](Self::set)). [`DecodeStep`](super::DecodeStep)
+    /// launches the selector only then; a captured step replays correctly on steps with the same
+    /// value (an engine captures one step with selection and one without).
+    pub fn selection_due(&self) -> bool {
+        self.selection_due
     }
 
     /// Sequences in the batch.

@@ -118,7 +118,10 @@ fn blocks_for(chunks: usize) -> Result<u32> {
 /// their logical page's `kmin`/`kmax` (the key itself if the token starts the logical page, else
 /// the per-channel min/max with it: exactly `reference::decode_step::update_key_stats`);
 /// streaming KV heads write their sink or ring row. The block tables on the device must map the
-/// token's page (reserve, then [`DeviceKvCache::sync_tables`]).
+/// token's page (reserve, then [`DeviceKvCache::sync_tables`]). For a sequence past
+/// `dynamic_min_len` whose token starts a page, each dense head's index-table entry gets that
+/// page right after its held selection: between the steps that select, the entries stay
+/// current without a selector launch (see [`select_pages`](super::select_pages)).
 ///
 /// Enqueued on the context's stream; allocates nothing and does not synchronize (it runs inside
 /// a captured decode step).
@@ -140,10 +143,13 @@ pub fn append_kv<E: DeviceElement>(
     check_len("k", b * hkv * d, k.len())?;
     check_len("v", b * hkv * d, v.len())?;
     let max_pages = cache.max_pages;
+    let (dynamic_min_len, entry_capacity) = (cache.dynamic_min_len, cache.entry_capacity);
     let (l, tables, _) = cache.layer_parts_mut(layer)?;
     let params = ByValue(AppendParams {
         batch: b as u32,
         cache: cache_layout(l, hkv, max_pages),
+        dynamic_min_len,
+        entry_capacity,
     });
     let f = gpu.function(kernel::<E>("append_kv_bf16", "append_kv_f16"))?;
     let cfg = LaunchConfig {
@@ -165,10 +171,14 @@ pub fn append_kv<E: DeviceElement>(
         .buf(tables)
         .buf(&l.head_map)
         .buf(&batch.seq_slot)
-        .buf(&batch.seq_len);
+        .buf(&batch.seq_len)
+        .buf(&l.held_lens)
+        .buf_mut(&mut l.index_pages)
+        .buf_mut(&mut l.index_lens);
     // SAFETY: the arguments match `append_kv_*` (kernels-gpu/src/kv_write/mod.rs) in order and
     // type. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
-    // elements (checked), the cache buffers have the layouts in `params` (taken from them), the
+    // elements (checked), the cache buffers have the layouts in `params` (taken from them; the
+    // held selections, written by the selector, are shorter than `entry_capacity`), the
     // batch holds distinct live slots of lengths in `1..=max_pages * N_P` (checked; the manager
     // set them), and the block tables hold page ids below the capacity (the manager's).
     // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).

@@ -2,10 +2,12 @@
 //! the step counters. No allocation, no host synchronization: a step can be captured in a CUDA
 //! graph and replayed (the batch description is rewritten in place before each replay).
 //!
-//! A captured step keeps the launch shapes of its capture: the batch size, and the number of
-//! splits per (sequence, KV head), which was sized for the lengths at capture time. Lengths may
-//! grow between replays (the kernels read them, and every split takes a share of the rows
-//! found on the device); a different batch size needs another capture.
+//! A captured step keeps the launch shapes of its capture: whether it selects
+//! ([`DecodeBatch::selection_due`]: capture one step of each kind and replay the one the batch
+//! asks for), the batch size, and the number of splits per (sequence, KV head), which was sized
+//! for the lengths at capture time. Lengths may grow between replays (the kernels read them, and
+//! every split takes a share of the rows found on the device); a different batch size needs
+//! another capture.
 
 use cudarc::driver::CudaSlice;
 
@@ -71,7 +73,9 @@ impl DecodeStep {
     /// One layer of the step: writes the new token's `k`, `v` `[B][Hkv][D]` into the cache
     /// (statistics updated), selects pages for the dense heads whose selection is due (sequences
     /// longer than `dynamic_min_len`; every `reuse_interval` steps, else the held selection plus
-    /// the newest page), and attends: `q [B][Hq][D]` -> `out [B][Hq][D]`.
+    /// the newest page), and attends: `q [B][Hq][D]` -> `out [B][Hq][D]`. The selector is
+    /// launched only when [`DecodeBatch::selection_due`]: a step that reuses every selection is
+    /// the append and the attention alone.
     #[allow(clippy::too_many_arguments)]
     pub fn layer<E: DeviceElement>(
         &mut self,
@@ -85,7 +89,9 @@ impl DecodeStep {
         out: &mut CudaSlice<E>,
     ) -> Result<()> {
         append_kv(gpu, cache, layer, batch, k, v)?;
-        select_pages(gpu, cache, layer, batch, q, &mut self.selection)?;
+        if batch.selection_due() {
+            select_pages(gpu, cache, layer, batch, q, &mut self.selection)?;
+        }
         decode_attention(gpu, cache, layer, batch, q, out, &mut self.attention)
     }
 

@@ -6,6 +6,13 @@
 //! the statistics of its logical page: the key itself if the token starts the logical page, else
 //! the running per-channel min/max ([`Bounds::include`]). A streaming head writes its sink or
 //! ring row (the newest token is always held).
+//!
+//! **Index entries between selections.** A dense head's index-table entry is its held selection
+//! (physical ids, written by the selector on the steps it selects) followed by the newest page
+//! if that page is not in it. The newest page changes only when a token starts a page, so the
+//! append keeps the entry: the token that starts a page puts it right after the held selection.
+//! Steps that reuse their selection then need no selector launch at all. (On a step that
+//! selects, the selector rewrites the entry after the append.)
 
 use lserve_abi::kv_write::{AppendParams, CHUNK_ELEMS, KV_WRITE_THREADS};
 
@@ -14,19 +21,32 @@ use super::target::{chunk_at, load, store, write_chunk, CacheBuffers, RowTarget}
 use crate::convert::Half16;
 use crate::thread::{block_idx_x, thread_idx_x};
 
+/// The layer's selection state the append keeps up to date between selections.
+#[derive(Clone, Copy)]
+pub struct IndexEntries {
+    /// `[slots][dense_heads]` held selection lengths (0: nothing held yet).
+    pub held_lens: *const u32,
+    /// `[slots][dense_heads][entry_capacity]` index tables (physical page ids).
+    pub pages: *mut u32,
+    /// `[slots][dense_heads]` index table lengths.
+    pub lens: *mut u32,
+}
+
 /// The append body for element type `E`.
 ///
 /// # Safety
 /// Launched with the grid above and `KV_WRITE_THREADS` threads; `k`, `v` hold `batch` rows of
 /// `[kv_heads][head_dim]`; `seq_slot`, `seq_len` hold `batch` distinct live slots and lengths
 /// `>= 1` whose block-table rows map the page of position `len - 1`; the buffers hold the
-/// layouts in `p` and `head_dim % 8 == 0`.
+/// layouts in `p` and `head_dim % 8 == 0`; `index` holds `[slots][dense_heads]` lengths and
+/// entries of `p.entry_capacity` pages, each held selection shorter than that capacity.
 #[inline(always)]
 pub unsafe fn append_kv<E: Half16>(
     p: &AppendParams,
     k: *const u16,
     v: *const u16,
     bufs: &CacheBuffers,
+    index: &IndexEntries,
     seq_slot: *const u32,
     seq_len: *const u32,
 ) {
@@ -55,6 +75,10 @@ pub unsafe fn append_kv<E: Half16>(
     unsafe { write_chunk(c, bufs, target, slot, chunk, key, value) };
 
     if let RowTarget::Dense { page, head, token } = target {
+        if chunk == 0 && token == 0 && len > p.dynamic_min_len {
+            // SAFETY: the pair's entry exists (`slot` live, `head < dense_heads`).
+            unsafe { extend_index_entry(p, index, slot * c.paged.heads + head, page) };
+        }
         let n_l = c.paged.logical_tokens;
         let offset = chunk_at(c.paged.stats_row(page, head, token / n_l), chunk);
         // SAFETY: the statistics row of the token's logical page, inside `kmin`/`kmax`; no other
@@ -73,6 +97,28 @@ pub unsafe fn append_kv<E: Half16>(
             };
             store(lo, bounds.lo);
             store(hi, bounds.hi);
+        }
+    }
+}
+
+/// Puts `page` (a page the token just started) right after the held selection of index entry
+/// `entry`. Nothing while the pair holds no selection (its first selection writes the entry),
+/// nor when the held selection already ends with `page` (it was selected with this token: the
+/// same step appended again, as a replayed graph does).
+///
+/// # Safety
+/// `entry` is a `[slots][dense_heads]` index of `index`'s buffers whose first `held` pages are
+/// written; held lengths are below `p.entry_capacity`.
+#[inline(always)]
+unsafe fn extend_index_entry(p: &AppendParams, index: &IndexEntries, entry: u32, page: u32) {
+    // SAFETY: forwarded; `0 < held < entry_capacity`, so positions `held - 1` and `held` are
+    // inside the entry.
+    unsafe {
+        let held = *index.held_lens.add(entry as usize);
+        let pages = index.pages.add((entry * p.entry_capacity) as usize);
+        if held != 0 && *pages.add(held as usize - 1) != page {
+            *pages.add(held as usize) = page;
+            *index.lens.add(entry as usize) = held + 1;
         }
     }
 }

@@ -52,6 +52,9 @@ macro_rules! kv_write_kernels {
             head_map: *const u32,
             seq_slot: *const u32,
             seq_len: *const u32,
+            held_lens: *const u32,
+            index_pages: *mut u32,
+            index_lens: *mut u32,
         ) {
             // SAFETY: first thing in the kernel; the host launches it overlapped.
             unsafe { crate::sync::overlapped_entry() };
@@ -65,8 +68,13 @@ macro_rules! kv_write_kernels {
                 block_tables,
                 head_map,
             };
+            let index = append::IndexEntries {
+                held_lens,
+                pages: index_pages,
+                lens: index_lens,
+            };
             // SAFETY: forwarded launch contract.
-            unsafe { append::append_kv::<$elem>(&p, k, v, &bufs, seq_slot, seq_len) }
+            unsafe { append::append_kv::<$elem>(&p, k, v, &bufs, &index, seq_slot, seq_len) }
         }
 
         /// Writes the tokens of a ragged batch into the cache (see [`rows`]).

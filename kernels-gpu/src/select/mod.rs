@@ -5,9 +5,10 @@
 //!   every physical page: logical-page bounds `Σ_i max(q_h[i]·kmax[i], q_h[i]·kmin[i])` for each
 //!   query head of the group, aggregated over the group (max or mean), max over the physical
 //!   page's logical pages. Reads only the key statistics, spread over many blocks.
-//! - [`top_k`]: for each pair past `dynamic_min_len`: if due, the exact top-K candidates (ties
-//!   to the lower page) become the held selection; then the index-table entry is the held
-//!   selection plus the newest page, in physical ids.
+//! - [`top_k`]: for each due pair, the exact top-K candidates (ties to the lower page) become
+//!   the held selection, and the index-table entry is the held selection plus the newest page,
+//!   in physical ids. Between selections the decode append keeps the entry (it adds each new
+//!   page after the held selection), so a step on which no pair is due launches neither kernel.
 //!
 //! [`steps`] advances the per-sequence decode step counters once per model step; the counters
 //! and the held selections live on the device, so no step waits for the host.

@@ -1,5 +1,6 @@
 //! The selector: exact top-K pages of each due (sequence, dense KV head) pair into its held
-//! selection, then every pair's index-table entry.
+//! selection and its index-table entry. Pairs that reuse their selection are left alone: the
+//! decode append keeps their entries (`kv_write::append`).
 //!
 //! Grid `pairs`, [`SELECT_THREADS`] threads, [`SELECT_SMEM_BYTES`] of shared memory.
 //!
@@ -183,7 +184,9 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
             *bufs.held_lens.add(entry),
         )
     };
-    let due = selection_due(len, p.dynamic_min_len, step, p.reuse_interval, held_len);
+    if !selection_due(len, p.dynamic_min_len, step, p.reuse_interval, held_len) {
+        return; // reuse: the append keeps the entry (held selection, then the newest page)
+    }
     let newest = len.div_ceil(p.paged.page_tokens) - 1;
     let t = thread_in_block();
     // SAFETY (pointer offsets): the pair's rows of each table.
@@ -197,28 +200,6 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     // Every thread has read `held_len` before the selection below may rewrite it.
     // SAFETY: block-uniform (everything above is per block).
     unsafe { sync_threads_any_path() };
-
-    if !due {
-        // Reuse: the held selection, plus the newest page if it is a new one.
-        // SAFETY: `held_len >= 1` (not due), entries below it are pages of the sequence; the
-        // index entry has room for `held_len + 1` pages (capacities).
-        unsafe {
-            let mut i = t;
-            while i < held_len {
-                *index.add(i as usize) = *table.add(*held.add(i as usize) as usize);
-                i += SELECT_THREADS;
-            }
-            if t == 0 {
-                let mut n = held_len;
-                if *held.add(held_len as usize - 1) != newest {
-                    *index.add(n as usize) = *table.add(newest as usize);
-                    n += 1;
-                }
-                *bufs.index_lens.add(entry) = n;
-            }
-        }
-        return;
-    }
 
     // Candidates: pages first..newest (page 0 is not one when it is always included).
     let first = p.always_include_first.min(newest);
