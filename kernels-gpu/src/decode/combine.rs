@@ -5,9 +5,10 @@
 //! spread over the threads for `M` and the weights (block reductions), so no thread walks them
 //! one dependent load at a time. For the sums the block is cut into *slices* of `D / 4` threads,
 //! each thread owning 4 consecutive dimensions (one 16-byte load per split): slice `k` sums splits
-//! `k, k + slices, ...` with eight loads in flight, and the slices meet in shared memory. A
-//! thread thus waits for `splits / (8 · slices)` rounds of loads (64 splits at D 128: 2), not
-//! `splits / 4`.
+//! `k, k + slices, ...`, and the slices meet in shared memory. A thread loads its first 16 splits'
+//! accumulators before anything else, so that their round trip overlaps the loads and reductions
+//! of `M` and the weights (at D 128 that is every split up to 64); further splits follow with
+//! eight loads in flight.
 
 use lserve_abi::decode::{CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
@@ -22,6 +23,8 @@ use crate::warp::{warp_max_f32, warp_sum_f32};
 const WARPS: u32 = COMBINE_THREADS / WARP_SIZE;
 /// Split states each thread loads at once when summing.
 const IN_FLIGHT: u32 = 8;
+/// Split states each thread loads first thing, before the weights (64 splits at D 128).
+const EARLY: usize = 16;
 
 /// Reduces `x` over the block with `warp_op` inside warps and `op` across them, through
 /// `scratch` (`WARPS` words of shared memory); every thread gets the result.
@@ -78,6 +81,28 @@ unsafe fn combine<E: Half16>(
     let scratch = dynamic_smem::<f32>(MAX_SPLITS as usize * 4);
     let tid = thread_in_block();
 
+    // This thread's share of the sums: slices of `D / 4` threads, 4 dimensions each.
+    let lanes = p.head_dim / 4;
+    let slices = COMBINE_THREADS / lanes;
+    let (slice, dims) = (tid / lanes, 4 * (tid % lanes) as usize);
+    let d_stride = p.head_dim as usize;
+    // Split `s`'s 4 accumulators of this thread.
+    let acc = |s: u32| -> [f32; 4] {
+        // SAFETY: `s < splits`, `dims + 4 <= head_dim`; the row start is 16-byte aligned (the
+        // buffer is, and `head_dim` is a multiple of 4).
+        unsafe { (*(part_acc.add(state(s) * d_stride + dims) as *const Vec16)).0 }
+            .map(f32::from_bits)
+    };
+    // The first EARLY of the thread's splits are loaded now, before the weights are known, so
+    // that their round trip overlaps the loads and reductions of `M` and the weights below.
+    let mut early = [[0.0f32; 4]; EARLY];
+    crate::unroll16!(k in 0..EARLY => {
+        let s = slice + k as u32 * slices;
+        if s < p.splits {
+            early[k] = acc(s);
+        }
+    });
+
     // M, the largest split maximum.
     let mut m_max = f32::NEG_INFINITY;
     let mut s = tid;
@@ -105,22 +130,23 @@ unsafe fn combine<E: Half16>(
     // SAFETY: as above; its barriers also publish the weights.
     let den = unsafe { block_reduce(den, scratch, warp_sum_f32, |a, b| a + b) };
 
-    // The sums, per slice.
-    let lanes = p.head_dim / 4;
-    let slices = COMBINE_THREADS / lanes;
-    let (slice, dims) = (tid / lanes, 4 * (tid % lanes) as usize);
-    let d_stride = p.head_dim as usize;
-    let load = |s: u32| -> ([f32; 4], f32) {
-        // SAFETY: `s < splits`, `dims + 4 <= head_dim`; the row start is 16-byte aligned (the
-        // buffer is, and `head_dim` is a multiple of 4); the weight was written before the last
-        // barrier of `block_reduce`.
-        unsafe {
-            let v = *(part_acc.add(state(s) * d_stride + dims) as *const Vec16);
-            (v.0.map(f32::from_bits), *weights.add(s as usize))
-        }
-    };
+    // The sums, per slice: the early splits, then the rest with IN_FLIGHT loads at a time.
+    // SAFETY (weights): written before the last barrier of `block_reduce`, `s < splits`.
+    let weight = |s: u32| unsafe { *weights.add(s as usize) };
+    let load = |s: u32| -> ([f32; 4], f32) { (acc(s), weight(s)) };
     let mut num = [0.0f32; 4];
-    let mut s = slice;
+    crate::unroll16!(k in 0..EARLY => {
+        let s = slice + k as u32 * slices;
+        if s < p.splits {
+            let w = weight(s);
+            let mut i = 0;
+            while i < 4 {
+                num[i] = fma(w, early[k][i], num[i]);
+                i += 1;
+            }
+        }
+    });
+    let mut s = slice + EARLY as u32 * slices;
     while s + (IN_FLIGHT - 1) * slices < p.splits {
         let mut parts = [([0.0f32; 4], 0.0f32); IN_FLIGHT as usize];
         let mut k = 0;
