@@ -187,6 +187,11 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: Til
             *head_map.add(kv_head as usize),
         )
     };
+    // Overlapped with the kernel before (the append or the selector): the batch description
+    // and the head map above are copies from the host, complete before that kernel started;
+    // the index tables, the cache rows and `q` may be its outputs.
+    // SAFETY: before this block's first read of anything the previous kernel writes.
+    unsafe { crate::sync::overlapped_entry() };
     // SAFETY: the host validated slot, lengths and tables.
     let src = unsafe { RowSource::new(p, bufs, entry, slot, len) };
 
@@ -300,8 +305,6 @@ macro_rules! decode_kernel {
             part_acc: *mut f32,
             part_ml: *mut f32,
         ) {
-            // SAFETY: first thing in the kernel; the host launches it overlapped.
-            unsafe { crate::sync::overlapped_entry() };
             let bufs = CacheBuffers {
                 k_pool,
                 v_pool,
@@ -311,7 +314,7 @@ macro_rules! decode_kernel {
                 index_tables,
                 index_lens,
             };
-            // SAFETY: forwarded launch contract.
+            // SAFETY: forwarded launch contract (the body waits for the kernel before).
             unsafe {
                 decode_attention::<$elem, $d, $g, $copy>(
                     &p, q, &bufs, seq_len, seq_slot, head_map, part_acc, part_ml,

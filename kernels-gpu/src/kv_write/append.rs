@@ -59,18 +59,23 @@ pub unsafe fn append_kv<E: Half16>(
     let (b, in_token) = (i / per_token, i % per_token);
     let chunks_per_head = c.paged.head_dim / CHUNK_ELEMS;
     let (kv_head, chunk) = (in_token / chunks_per_head, in_token % chunks_per_head);
-    // SAFETY: `b < batch`; activation chunk `i` is inside `[batch][kv_heads][head_dim]`.
-    let (slot, len, key, value) = unsafe {
+    // SAFETY: `b < batch`.
+    let (slot, len) = unsafe { (*seq_slot.add(b as usize), *seq_len.add(b as usize)) };
+    let pos = len - 1;
+    // SAFETY: `kv_head < kv_heads`, `pos < len`, the block table maps `pos`'s page.
+    let target = unsafe { RowTarget::of(c, bufs, kv_head, slot, pos, len) };
+    // Overlapped with the kernel before: the batch description, head map and block tables read
+    // so far are copies from the host, complete before that kernel started; `k`, `v`, the cache
+    // and the selection state may be its outputs.
+    // SAFETY: before this thread's first read of anything the previous kernel writes.
+    unsafe { crate::sync::overlapped_entry() };
+    // SAFETY: activation chunk `i` is inside `[batch][kv_heads][head_dim]`.
+    let (key, value) = unsafe {
         (
-            *seq_slot.add(b as usize),
-            *seq_len.add(b as usize),
             load(k.add((i * CHUNK_ELEMS) as usize)),
             load(v.add((i * CHUNK_ELEMS) as usize)),
         )
     };
-    let pos = len - 1;
-    // SAFETY: `kv_head < kv_heads`, `pos < len`, the block table maps `pos`'s page.
-    let target = unsafe { RowTarget::of(c, bufs, kv_head, slot, pos, len) };
     // SAFETY: `target` is this sequence's, `chunk < D / 8`.
     unsafe { write_chunk(c, bufs, target, slot, chunk, key, value) };
 

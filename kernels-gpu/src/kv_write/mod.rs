@@ -56,8 +56,6 @@ macro_rules! kv_write_kernels {
             index_pages: *mut u32,
             index_lens: *mut u32,
         ) {
-            // SAFETY: first thing in the kernel; the host launches it overlapped.
-            unsafe { crate::sync::overlapped_entry() };
             let bufs = CacheBuffers {
                 k_pool,
                 v_pool,
@@ -73,7 +71,7 @@ macro_rules! kv_write_kernels {
                 pages: index_pages,
                 lens: index_lens,
             };
-            // SAFETY: forwarded launch contract.
+            // SAFETY: forwarded launch contract (the body waits for the kernel before).
             unsafe { append::append_kv::<$elem>(&p, k, v, &bufs, &index, seq_slot, seq_len) }
         }
 
