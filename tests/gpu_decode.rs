@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{f16_or_bf16, gpu, head_pattern, random_vec, tolerance};
+use common::{check_selection, f16_or_bf16, gpu, head_pattern, random_vec, tolerance};
 use half::{bf16, f16};
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
@@ -317,32 +317,6 @@ fn long_dense_sequence_uses_many_splits() {
     run_case_with_splits::<f16>(&gpu, &case, 1).unwrap();
 }
 
-/// Whether the GPU's index-table entry `got` may stand for the reference's `want` (both physical
-/// ids in ascending logical order): equal, or differing only on pages whose reference score is
-/// within a relative `1e-4` of the K-th best candidate score (DESIGN.md §2's near-tie rule).
-fn same_or_near_tie(
-    got: &[u32],
-    want: &[u32],
-    block_table: &[u32],
-    scores: &[f64],
-    k: usize,
-) -> bool {
-    if got == want {
-        return true;
-    }
-    let logical = |phys: &u32| block_table.iter().position(|p| p == phys);
-    let mut sorted: Vec<f64> = scores[..scores.len() - 1].to_vec(); // the newest is no candidate
-    sorted.sort_by(|a, b| b.total_cmp(a));
-    let Some(&kth) = sorted.get(k.saturating_sub(1)) else {
-        return false;
-    };
-    let tol = 1e-4 * kth.abs().max(1.0);
-    got.iter()
-        .filter(|p| !want.contains(p))
-        .chain(want.iter().filter(|p| !got.contains(p)))
-        .all(|p| logical(p).is_some_and(|l| (scores[l] - kth).abs() <= tol))
-}
-
 /// Whole decode steps on the device (append, select when due, attend, advance), several in a
 /// row with reuse, against the reference decode step. Where the GPU's selection differs from the
 /// reference on a near-tie, that step is checked against the reference attending over the GPU's
@@ -434,9 +408,27 @@ fn run_steps<E: DeviceElement>(
                         .map(|x| x.to_f32())
                         .collect();
                     let sel = select_from_cache(&p.host, 0, &view, h, &q_group).unwrap();
+                    // The entries differ only where the held selections do, i.e. first on a
+                    // selecting step, where the entry is the selection (logical pages below).
+                    let logical: Vec<u32> = got_pages
+                        .iter()
+                        .map(|&x| {
+                            view.block_table
+                                .pages()
+                                .iter()
+                                .position(|&y| y == x)
+                                .unwrap_or(usize::MAX) as u32
+                        })
+                        .collect();
+                    let near_tie = check_selection(
+                        &logical,
+                        &sel,
+                        p.config.pages_per_selection(),
+                        p.config.always_include_first_page,
+                    );
                     prop_assert!(
-                        same_or_near_tie(&got_pages, &want_pages, view.block_table.pages(), &sel.physical_scores, p.config.pages_per_selection()),
-                        "step {step}, seq {b}, head {h}: GPU pages {got_pages:?}, reference {want_pages:?}"
+                        near_tie.is_ok(),
+                        "step {step}, seq {b}, head {h}: GPU pages {got_pages:?}, reference {want_pages:?}: {near_tie:?}"
                     );
                     diverged = true;
                 }

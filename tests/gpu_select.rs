@@ -22,7 +22,7 @@
 
 mod common;
 
-use common::{f16_or_bf16, gpu, head_pattern, random_vec};
+use common::{check_selection, f16_or_bf16, gpu, head_pattern, random_vec};
 use std::collections::BTreeMap;
 
 use half::bf16;
@@ -38,7 +38,6 @@ use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId, SequenceView};
 use lserve::reference::decode_step::{select_from_cache, write_tokens};
-use lserve::reference::Selection;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use rand::rngs::StdRng;
@@ -161,54 +160,6 @@ fn poison_missing_stats<E: Element>(host: &mut HostKvCache<E>, layer: usize, vie
             hi.iter_mut().for_each(|x| *x = E::from_f32(50.0));
         }
     }
-}
-
-/// Checks a GPU selection (logical pages) against the reference: same rules, same size, and
-/// differences only on near-ties of the K-th candidate score.
-fn check_selection(
-    got: &[u32],
-    want: &Selection,
-    top_k: usize,
-    always_first: bool,
-) -> Result<(), String> {
-    let scores = &want.physical_scores;
-    let pages = scores.len() as u32;
-    let newest = pages - 1;
-    if got.windows(2).any(|w| w[0] >= w[1]) || got.iter().any(|&p| p >= pages) {
-        return Err(format!("not ascending pages of the sequence: {got:?}"));
-    }
-    if got.last() != Some(&newest) || (always_first && got[0] != 0) {
-        return Err(format!("missing the newest or first page: {got:?}"));
-    }
-    if got.len() != want.pages.len() {
-        return Err(format!("{} pages, reference {:?}", got.len(), want.pages));
-    }
-    let first = u32::from(always_first).min(newest);
-    let mut candidates: Vec<f64> = (first..newest).map(|p| scores[p as usize]).collect();
-    if candidates.len() <= top_k {
-        return if got == want.pages.as_slice() {
-            Ok(())
-        } else {
-            Err(format!("took all candidates: {got:?} vs {:?}", want.pages))
-        };
-    }
-    candidates.sort_by(|a, b| b.total_cmp(a));
-    let kth = candidates[top_k - 1];
-    let scale = scores.iter().fold(0.0f64, |m, s| m.max(s.abs()));
-    for &p in got
-        .iter()
-        .filter(|p| !want.pages.contains(p))
-        .chain(want.pages.iter().filter(|p| !got.contains(p)))
-    {
-        let s = scores[p as usize];
-        if (s - kth).abs() > TOL * scale.max(f64::MIN_POSITIVE) {
-            return Err(format!(
-                "page {p} (score {s}) differs, K-th score {kth}: {got:?} vs {:?}",
-                want.pages
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Checks the raw scores of a due pair (`row` is its `max_pages` scores).

@@ -7,6 +7,7 @@ use lserve::geometry::ModelGeometry;
 use lserve::gpu::GpuContext;
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::HostKvCache;
+use lserve::reference::Selection;
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -93,3 +94,56 @@ macro_rules! f16_or_bf16 {
 }
 #[allow(unused_imports)] // as the macro: not every test file dispatches on the element type
 pub(crate) use f16_or_bf16;
+
+/// Relative tolerance of a near-tie in page selection (DESIGN.md §2).
+pub const SELECTION_TOL: f64 = 1e-4;
+
+/// Checks a GPU selection (logical pages) against the reference: same rules, same size, and
+/// differences only on near-ties of the K-th candidate score (DESIGN.md §2): pages whose reference
+/// score is within [`SELECTION_TOL`] of it, relative to the pair's largest score magnitude. The
+/// candidates are the pages below the newest, without page 0 when it is always included.
+pub fn check_selection(
+    got: &[u32],
+    want: &Selection,
+    top_k: usize,
+    always_first: bool,
+) -> Result<(), String> {
+    let scores = &want.physical_scores;
+    let pages = scores.len() as u32;
+    let newest = pages - 1;
+    if got.windows(2).any(|w| w[0] >= w[1]) || got.iter().any(|&p| p >= pages) {
+        return Err(format!("not ascending pages of the sequence: {got:?}"));
+    }
+    if got.last() != Some(&newest) || (always_first && got[0] != 0) {
+        return Err(format!("missing the newest or first page: {got:?}"));
+    }
+    if got.len() != want.pages.len() {
+        return Err(format!("{} pages, reference {:?}", got.len(), want.pages));
+    }
+    let first = u32::from(always_first).min(newest);
+    let mut candidates: Vec<f64> = (first..newest).map(|p| scores[p as usize]).collect();
+    if candidates.len() <= top_k {
+        return if got == want.pages.as_slice() {
+            Ok(())
+        } else {
+            Err(format!("took all candidates: {got:?} vs {:?}", want.pages))
+        };
+    }
+    candidates.sort_by(|a, b| b.total_cmp(a));
+    let kth = candidates[top_k - 1];
+    let scale = scores.iter().fold(0.0f64, |m, s| m.max(s.abs()));
+    for &p in got
+        .iter()
+        .filter(|p| !want.pages.contains(p))
+        .chain(want.pages.iter().filter(|p| !got.contains(p)))
+    {
+        let s = scores[p as usize];
+        if (s - kth).abs() > SELECTION_TOL * scale.max(f64::MIN_POSITIVE) {
+            return Err(format!(
+                "page {p} (score {s}) differs, K-th score {kth}: {got:?} vs {:?}",
+                want.pages
+            ));
+        }
+    }
+    Ok(())
+}
