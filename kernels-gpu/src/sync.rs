@@ -2,34 +2,25 @@
 
 use core::arch::asm;
 
-/// Block-wide barrier (`bar.sync 0`, CUDA's `__syncthreads()`): waits until every thread of the
-/// block arrives, and makes shared- and global-memory writes made before it by any thread of the
-/// block visible to all threads of the block after it.
+/// Block-wide barrier (`barrier.sync 0`, CUDA's `__syncthreads()`): waits until every thread of
+/// the block arrives, and makes shared- and global-memory writes made before it by any thread of
+/// the block visible to all threads of the block after it.
+///
+/// Deliberately not `bar.sync`, which is `barrier.sync.aligned`: that form requires every thread
+/// of the block to execute the *same* barrier instruction with its warp converged, and rustc's
+/// LLVM may duplicate an inline-asm barrier into both arms of a preceding branch (it did in the
+/// selector, after its block scan's `if warp == 0 { .. }`; compute-sanitizer's synccheck then
+/// reported "divergent thread(s) in block"). Without `.aligned` threads may arrive through
+/// different barrier instructions and diverged, so source that is correct stays correct whatever
+/// LLVM does to the branches around it. Measured no slower (select/NOTES.md, prefill/NOTES.md).
 ///
 /// # Safety
-/// Every thread of the block must reach this same barrier (not under divergent control flow
-/// that some threads skip), or the block deadlocks / behaves undefined.
+/// Every thread of the block must arrive at a `barrier.sync 0` once per use (not skipped by
+/// some threads under divergent control flow), or the block deadlocks / behaves undefined.
 #[inline(always)]
 pub unsafe fn sync_threads() {
-    // SAFETY: the caller guarantees block-uniform control flow. No `nomem`: this is a memory
-    // fence for the compiler too.
-    unsafe { asm!("bar.sync 0;", options(nostack)) };
-}
-
-/// A block-wide barrier like [`sync_threads`], but without `.aligned` (`barrier.sync 0`):
-/// threads may reach it through different barrier instructions and with their warp diverged.
-/// `bar.sync` is `barrier.sync.aligned`, which requires every thread of the block to execute the
-/// *same* barrier instruction with its warp converged; rustc's LLVM may duplicate an inline-asm
-/// barrier into both arms of a preceding branch (as it did after the selector's block scan's
-/// `if warp == 0 { .. }`), and compute-sanitizer's synccheck then reports "divergent thread(s)
-/// in block". Use this one after data-dependent branches and per-thread loops.
-///
-/// # Safety
-/// As [`sync_threads`]: every thread of the block reaches a `barrier.sync 0` of this kind, once.
-#[inline(always)]
-pub unsafe fn sync_threads_any_path() {
-    // SAFETY: the caller guarantees every thread arrives. No `nomem`: a memory fence for the
-    // compiler too.
+    // SAFETY: the caller guarantees every thread arrives. No `nomem`: this is a memory fence for
+    // the compiler too.
     unsafe { asm!("barrier.sync 0;", options(nostack)) };
 }
 

@@ -1,7 +1,7 @@
 //! Block-wide prefix sums of `u32` (warp shuffles, then one partial sum per warp in shared
 //! memory).
 
-use crate::sync::sync_threads_any_path;
+use crate::sync::sync_threads;
 use crate::thread::{lane, thread_in_block, WARP_SIZE};
 use crate::warp::shfl_idx_u32;
 
@@ -43,7 +43,7 @@ pub unsafe fn block_inclusive_scan(x: u32, warp_sums: *mut u32, threads: u32) ->
         if lane() == WARP_SIZE - 1 {
             *warp_sums.add(warp as usize) = within;
         }
-        sync_threads_any_path();
+        sync_threads();
         if warp == 0 {
             let total = if lane() < warps {
                 *warp_sums.add(lane() as usize)
@@ -55,7 +55,7 @@ pub unsafe fn block_inclusive_scan(x: u32, warp_sums: *mut u32, threads: u32) ->
                 *warp_sums.add(lane() as usize) = scanned;
             }
         }
-        sync_threads_any_path();
+        sync_threads();
         let before = if warp > 0 {
             *warp_sums.add(warp as usize - 1)
         } else {
@@ -63,7 +63,7 @@ pub unsafe fn block_inclusive_scan(x: u32, warp_sums: *mut u32, threads: u32) ->
         };
         let total = *warp_sums.add(warps as usize - 1);
         // Every thread has read `warp_sums` before anyone may reuse it.
-        sync_threads_any_path();
+        sync_threads();
         (within + before, total)
     }
 }

@@ -25,7 +25,7 @@ use lserve_abi::select::{score_key, score_offset, selection_due, SelectParams, S
 
 use super::scan::block_inclusive_scan;
 use crate::smem::{dynamic_smem, shared_addr};
-use crate::sync::sync_threads_any_path;
+use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, thread_in_block};
 
 /// The buffers the selector reads and writes.
@@ -116,7 +116,7 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
             if t < 256 {
                 *hist.add(t as usize) = 0;
             }
-            sync_threads_any_path();
+            sync_threads();
             let count_key = |key: u32| {
                 if key & mask == prefix {
                     shared_increment(shared_addr(hist.add(((key >> shift) & 0xff) as usize)));
@@ -132,7 +132,7 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
                 count_key(score_key(*scores.add(c as usize)));
                 c += SELECT_THREADS;
             }
-            sync_threads_any_path();
+            sync_threads();
             // Thread t < 256 counts digit 255 - t: the prefix sum is the keys with a digit >= it.
             let count = if t < 256 {
                 *hist.add(255 - t as usize)
@@ -144,7 +144,7 @@ unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
                 *broadcast = 255 - t;
                 *broadcast.add(1) = need - (at_least - count);
             }
-            sync_threads_any_path();
+            sync_threads();
             let digit = *broadcast;
             need = *broadcast.add(1);
             prefix |= digit << shift;
@@ -199,7 +199,7 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     };
     // Every thread has read `held_len` before the selection below may rewrite it.
     // SAFETY: block-uniform (everything above is per block).
-    unsafe { sync_threads_any_path() };
+    unsafe { sync_threads() };
 
     // Candidates: pages first..newest (page 0 is not one when it is always included).
     let first = p.always_include_first.min(newest);
