@@ -15,7 +15,8 @@
 //! query tile of `items[x]` for query head `h` (GQA: KV head `h / G`):
 //!
 //! 1. the query rows go to shared memory;
-//! 2. the KV blocks to visit come from [`block_iter::TileBlocks`] (per query block the head's
+//! 2. the KV blocks to visit come from [`block_iter::TileSpan`] (unmasked: arithmetic in the
+//!    block counter) or [`block_iter::TileBlocks`] (masked: a bitset walk) (per query block the head's
 //!    pattern — causal or Λ — intersected with the caller block mask in the masked kernel, the
 //!    diagonal kept; the tile visits the union); K/V tiles stream through a
 //!    [`PREFILL_STAGES`]-stage `cp.async` ring, one block ahead of the computation;
@@ -41,13 +42,15 @@ use lserve_abi::prefill::{
 
 use crate::convert::{Bf16, F16};
 use crate::cp_async::{commit_group, wait_all, wait_group};
+use crate::math::{opaque, opaque_u32};
 use crate::mma::{mma_m16n8k16, FragA, FragC, MmaElement};
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block, WARP_SIZE};
-use block_iter::{TileBlocks, TileMask, Window};
+use crate::warp::shfl_idx_u32;
+use block_iter::{TileBlocks, TileMask, TileSpan, Window};
 use softmax::RowSoftmax;
 use tiles::{
-    load_k_fragments, load_q_fragment, load_tile_async, load_v_fragments, p_fragment, SmemLayout,
+    load_k_fragments, load_q_fragment, load_tiles_async, load_v_fragments, p_fragment, SmemLayout,
     Tile, MAX_O_TILES, S_TILES,
 };
 
@@ -70,6 +73,12 @@ const _: () = assert!(
 type Scores<const ROW_TILES: usize> = [[FragC; S_TILES]; ROW_TILES];
 /// `O` of a warp: per row tile, `D / 8` accumulators of 8 dims.
 type Output<const ROW_TILES: usize> = [[FragC; MAX_O_TILES]; ROW_TILES];
+
+// The loads and products below are in program order, each `ldmatrix` just before the products
+// that use it: `ptxas` schedules the loop itself and ignores the PTX order of `ldmatrix` and
+// `mma` (a source-level software pipeline, fragments loaded one step ahead into a second set of
+// registers, gave byte-identical SASS). How far ahead of its products it issues a load depends on
+// the registers it has to spare (see NOTES.md, version 4).
 
 /// `S = Q Kᵀ` for this warp's rows and the 64 keys of the K tile at `k_tile`; `q(m, kk)` is the
 /// `Q` fragment of row tile `m`, dims `16 kk .. + 16` (from registers or shared memory). Each K
@@ -130,22 +139,6 @@ unsafe fn accumulate_pv<E: MmaElement, const D: usize, const ROW_TILES: usize>(
     });
 }
 
-/// `x`, computed where this is called: the compiler can neither hoist it nor what is derived
-/// from it out of the KV loop. Used for the K/V load addresses, which are cheap to recompute once
-/// per block, so that LLVM does not keep them live across the loop beside the `S` and `O`
-/// accumulators. Measured effect on ptxas's spills at D 128 in version 2: none (48 bytes with or
-/// without, see NOTES.md); kept because the kernels measured on the GPU have it.
-#[inline(always)]
-fn opaque(x: usize) -> usize {
-    let y: u64;
-    // SAFETY: a register move; not `pure`, so it stays inside the loop.
-    unsafe {
-        core::arch::asm!("mov.b64 {0}, {1};", out(reg64) y, in(reg64) x as u64,
-                         options(nomem, nostack));
-    }
-    y as usize
-}
-
 /// The global tensors of a launch (`u16` = bf16 or f16 bits).
 #[derive(Clone, Copy)]
 struct Tensors {
@@ -184,8 +177,16 @@ unsafe fn prefill_attention<
     let warp_rows = 16 * ROW_TILES as u32;
     let tile_rows = warp_rows * WARPS;
     let q_resident = ROW_TILES == 1;
+    // The masked kernel is the one-row-tile kernel (its walk and `Q` handling below rely on it).
+    const { assert!(MASKED == (ROW_TILES == 1)) };
 
-    let (thread, warp, lane) = (thread_in_block(), warp_in_block(), lane());
+    let (thread, lane) = (thread_in_block(), lane());
+    // The warp index broadcast from lane 0: ptxas then knows it (and what derives from it: the
+    // warp's rows, query block and walk bounds) is warp-uniform and keeps those values in
+    // uniform registers, beside the 255 per thread rather than among them (CUTLASS's
+    // `canonical_warp_idx_sync` does the same).
+    // SAFETY: the whole warp is here (no divergence before this point).
+    let warp = unsafe { shfl_idx_u32(warp_in_block(), 0) };
     let head = block_idx_y();
     let kv_head = head / p.group;
     // SAFETY: `block_idx_x < items`, `kv_head < kv_heads` by the grid and the host's checks.
@@ -207,12 +208,6 @@ unsafe fn prefill_attention<
     let q_first = item.q_block * BLOCK_Q;
     // Query blocks of the tile that exist (the last tile of a sequence may be short).
     let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(ROW_TILES as u32);
-    let tile_mask = TileMask {
-        // The unmasked kernel has no mask at compile time: no mask code in its loop.
-        words: if MASKED { mask } else { core::ptr::null() },
-        row: item.mask_row + head * item.mask_head_stride,
-        row_words: mask_words_per_row(seq_len),
-    };
     let (q_stride, kv_stride) = (p.q_heads as usize * D, p.kv_heads as usize * D);
 
     // The query tile, into shared memory (its own `cp.async` group).
@@ -223,11 +218,17 @@ unsafe fn prefill_attention<
         let src =
             t.q.add((seq_start + q_first as usize) * q_stride + head as usize * D);
         if ROW_TILES == 1 {
-            load_tile_async::<D, BLOCK_Q>(SmemLayout::<D>::q(), src, q_stride, q_rows, thread);
-        } else {
-            load_tile_async::<D, { 2 * BLOCK_Q }>(
+            load_tiles_async::<D, BLOCK_Q, 1>(
                 SmemLayout::<D>::q(),
-                src,
+                [src],
+                q_stride,
+                q_rows,
+                thread,
+            );
+        } else {
+            load_tiles_async::<D, { 2 * BLOCK_Q }, 1>(
+                SmemLayout::<D>::q(),
+                [src],
                 q_stride,
                 q_rows,
                 thread,
@@ -236,12 +237,6 @@ unsafe fn prefill_attention<
     }
     commit_group();
 
-    // One walk over the blocks, one block ahead of the computation: with two stages, block
-    // `i + 1` loads while block `i` is computed.
-    // SAFETY: every mask row holds `mask_words_per_row(seq_len)` words, one per 32 KV blocks of
-    // the sequence, and the tile's query blocks are below that count.
-    let mut walk =
-        unsafe { TileBlocks::<ROW_TILES>::new(window, item.q_block, tile_blocks, tile_mask) };
     // Elements from `k` / `v` to this head's first row of the sequence.
     let kv_offset = seq_start * kv_stride + kv_head as usize * D;
     let load_kv = |kv_block: u32, stage: u32| {
@@ -250,85 +245,68 @@ unsafe fn prefill_attention<
         let offset = opaque(kv_offset) + k_first as usize * kv_stride;
         // SAFETY: `kv_block` is at most the tile's last diagonal block, a block of the
         // sequence, so its rows `0 .. rows` exist in `k` and `v`.
+        // The V tile follows the K tile (`SmemLayout`).
         unsafe {
-            load_tile_async::<D, BLOCK_KV>(
+            load_tiles_async::<D, BLOCK_KV, 2>(
                 SmemLayout::<D>::k(stage),
-                t.k.add(offset),
+                [t.k.add(offset), t.v.add(offset)],
                 kv_stride,
                 rows,
                 thread,
-            );
-            load_tile_async::<D, BLOCK_KV>(
-                SmemLayout::<D>::v(stage),
-                t.v.add(offset),
-                kv_stride,
-                rows,
-                thread,
-            );
+            )
         }
     };
-    let mut current = walk.next();
-    if let Some(block) = current {
-        load_kv(block.kv_block, 0);
-    }
-    commit_group();
-    let mut ahead = walk.next();
 
     // This warp's query block (in the tile) and rows.
-    let my_block = (warp * warp_rows / BLOCK_Q) as usize;
-    let my_q_block = item.q_block + my_block as u32;
+    let my_block = warp * warp_rows / BLOCK_Q;
+    let my_q_block = item.q_block + my_block;
     let q_first_warp = q_first + warp_rows * warp;
     let q_rows_smem = SmemLayout::<D>::q() + warp_rows * warp * Tile::<D>::ROW_BYTES;
-
-    // With one row tile, the warp's `Q` fragments are loaded once, here (the query tile's group
-    // is the older of the two in flight), and stay in registers.
-    let mut q_regs = [[FragA::<E>::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES];
-    if q_resident {
-        wait_group::<1>();
-        // SAFETY: block-uniform; the query tile has landed for everyone after it.
-        unsafe { sync_threads() };
-        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
-            // SAFETY: the whole warp, after the barrier that follows the query tile's arrival.
-            q_regs[0][kk] = unsafe { load_q_fragment::<E, D>(q_rows_smem, 0, kk as u32, lane) };
-        });
-    }
-    let q_fragment = |m: usize, kk: usize| {
-        if q_resident {
-            q_regs[m][kk]
-        } else {
-            // SAFETY: called by the whole warp inside `scores`, after the barrier that follows
-            // the query tile's arrival.
-            unsafe { load_q_fragment::<E, D>(q_rows_smem, m as u32, kk as u32, lane) }
-        }
-    };
 
     let mut o = [[FragC::default(); MAX_O_TILES]; ROW_TILES];
     let mut softmax: [RowSoftmax; ROW_TILES] =
         core::array::from_fn(|_| RowSoftmax::new(p.scale_log2));
-    let mut i = 0;
-    while let Some(block) = current {
-        // Block `i` (and, the first time, the query tile) has landed (for everyone after the
-        // barrier), and everyone is done reading the stage the next load overwrites (it held
-        // block `i - 1`).
-        wait_group::<0>();
-        // SAFETY: the iterator is block-uniform, so every thread runs the same iterations.
-        unsafe { sync_threads() };
-        if let Some(next) = ahead {
-            load_kv(next.kv_block, (i + 1) % PREFILL_STAGES);
-        }
-        commit_group();
-
-        // Warp-uniform: the warps of a query block that does not visit this KV block skip it
-        // (never in the masked kernel: its tile is one query block).
-        if block.visited_by(my_block) {
+    // One KV block: block `i` of the walk, `kv_block`, whose tiles were loaded into stage
+    // `i % PREFILL_STAGES` one block earlier; starts the load of the walk's next block `next`
+    // into the other stage, then, if this warp's query block visits the block (warp-uniform),
+    // computes it (`q_regs`: the warp's `Q` fragments if they are resident).
+    type QRegs<E, const ROW_TILES: usize> = [[FragA<E>; MAX_Q_STEPS]; ROW_TILES];
+    // Inlined into each walk's loop below (LLVM otherwise calls it, with `O` in local memory).
+    let mut step =
+        #[inline(always)]
+        |i: u32, kv_block: u32, next: Option<u32>, visited: bool, q_regs: &QRegs<E, ROW_TILES>| {
+            // Block `i` (and, the first time, the query tile) has landed (for everyone after the
+            // barrier), and everyone is done reading the stage the next load overwrites (it held
+            // block `i - 1`).
+            wait_group::<0>();
+            // SAFETY: the walk is block-uniform, so every thread runs the same iterations.
+            unsafe { sync_threads() };
+            if let Some(next) = next {
+                load_kv(next, (i + 1) % PREFILL_STAGES);
+            }
+            commit_group();
+            if !visited {
+                return;
+            }
+            let q_fragment = |m: usize, kk: usize| {
+                if q_resident {
+                    q_regs[m][kk]
+                } else {
+                    // SAFETY: called by the whole warp inside `scores`, after the barrier that
+                    // follows the query tile's arrival.
+                    unsafe { load_q_fragment::<E, D>(q_rows_smem, m as u32, kk as u32, lane) }
+                }
+            };
             let stage = i % PREFILL_STAGES;
             // SAFETY: the whole warp, after the barrier that follows the tiles' arrival.
             let mut s =
                 unsafe { scores::<E, D, ROW_TILES>(&q_fragment, SmemLayout::<D>::k(stage), lane) };
-            if window.needs_mask(my_q_block, block.kv_block, seq_len) {
+            if window.needs_mask(my_q_block, kv_block, seq_len) {
+                // The rows recomputed here, on the rare masked blocks, rather than kept live.
+                let q_first_warp = opaque_u32(q_first_warp);
                 crate::unroll8!(m in 0..ROW_TILES => {
                     let rows = q_first_warp + 16 * m as u32;
-                    mask::apply(&mut s[m], window, rows, block.kv_block * BLOCK_KV, lane);
+                    mask::apply(&mut s[m], window, rows, kv_block * BLOCK_KV, lane);
                 });
             }
             crate::unroll8!(m in 0..ROW_TILES => {
@@ -339,9 +317,63 @@ unsafe fn prefill_attention<
             unsafe {
                 accumulate_pv::<E, D, ROW_TILES>(&s, SmemLayout::<D>::v(stage), &mut o, lane)
             };
+        };
+
+    // The walk, one block ahead of the computation: with two stages, block `i + 1` loads while
+    // block `i` is computed.
+    if MASKED {
+        // One query block (`Q` in registers), the caller mask: the bitset walk.
+        // SAFETY: every mask row holds `mask_words_per_row(seq_len)` words, one per 32 KV
+        // blocks of the sequence, and the tile's query block is below that count.
+        let mut walk = unsafe {
+            let mask = TileMask {
+                words: mask,
+                row: item.mask_row + head * item.mask_head_stride,
+                row_words: mask_words_per_row(seq_len),
+            };
+            TileBlocks::<ROW_TILES>::new(window, item.q_block, tile_blocks, mask)
+        };
+        let mut current = walk.next();
+        if let Some(block) = current {
+            load_kv(block.kv_block, 0);
         }
-        (current, ahead) = (ahead, walk.next());
-        i += 1;
+        commit_group();
+        let mut ahead = walk.next();
+        let mut q_regs = [[FragA::<E>::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES];
+        // The warp's `Q` fragments, loaded once, here (the query tile's group is the older of
+        // the two in flight).
+        wait_group::<1>();
+        // SAFETY: block-uniform; the query tile has landed for everyone after it.
+        unsafe { sync_threads() };
+        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+            // SAFETY: the whole warp, after the barrier that follows the query tile's arrival.
+            q_regs[0][kk] = unsafe { load_q_fragment::<E, D>(q_rows_smem, 0, kk as u32, lane) };
+        });
+        let mut i = 0;
+        while let Some(block) = current {
+            step(i, block.kv_block, ahead.map(|b| b.kv_block), true, &q_regs);
+            (current, ahead) = (ahead, walk.next());
+            i += 1;
+        }
+    } else {
+        // Two query blocks, no caller mask: block `i` of the walk is arithmetic in `i`.
+        let span = TileSpan::new(window, item.q_block, tile_blocks);
+        let visitor = span.visitor(window, my_q_block, my_block < tile_blocks);
+        load_kv(span.kv_block(0), 0);
+        commit_group();
+        let mut i = 0;
+        while i < span.len() {
+            let kv_block = span.kv_block(i);
+            let next = (i + 1 < span.len()).then(|| span.kv_block(i + 1));
+            step(
+                i,
+                kv_block,
+                next,
+                visitor.visits(&span, kv_block),
+                &[[FragA::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES],
+            );
+            i += 1;
+        }
     }
     wait_all();
 
