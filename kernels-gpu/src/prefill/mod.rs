@@ -15,10 +15,10 @@
 //! query tile of `items[x]` for query head `h` (GQA: KV head `h / G`):
 //!
 //! 1. the query rows go to shared memory;
-//! 2. the KV blocks to visit come from [`block_iter::TileSpan`] (unmasked: arithmetic in the
-//!    block counter) or [`block_iter::TileBlocks`] (masked: a bitset walk) (per query block the head's
-//!    pattern — causal or Λ — intersected with the caller block mask in the masked kernel, the
-//!    diagonal kept; the tile visits the union); K/V tiles stream through a
+//! 2. the KV blocks to visit (per query block the head's pattern — causal or Λ — intersected
+//!    with the caller block mask in the masked kernel, the diagonal kept; the tile visits the
+//!    union) come from [`block_iter::TileSpan`] (unmasked: arithmetic in the block counter) or
+//!    [`block_iter::TileBlocks`] (masked: a bitset walk); K/V tiles stream through a
 //!    [`PREFILL_STAGES`]-stage `cp.async` ring, one block ahead of the computation;
 //! 3. per block, in the warps whose query block visits it: `S = Q Kᵀ` ([`scores`]), element
 //!    masks where the block is partially visible ([`mask`]), online softmax in registers
