@@ -19,7 +19,12 @@
 //!
 //! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`).
 #![no_std]
-#![feature(abi_gpu_kernel, stdarch_nvptx, asm_experimental_arch)]
+#![feature(
+    abi_gpu_kernel,
+    stdarch_nvptx,
+    asm_experimental_arch,
+    stmt_expr_attributes
+)]
 // Kernels take their scalar launch parameters as `#[repr(C)]` structs from `lserve-abi`, by
 // value. rustc passes them as `.param .align A .b8 name[size]` in C layout (checked in the PTX),
 // which is exactly the bytes the host's launch copies; the GPU tests exercise every such kernel.

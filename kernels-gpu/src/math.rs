@@ -29,6 +29,33 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     d
 }
 
+/// `x`, computed where this is called: the compiler can neither hoist it nor what is derived
+/// from it out of a loop, nor reassociate a sum through it. Used for addresses that are cheap to
+/// recompute per iteration of the prefill KV loop, so that LLVM does not keep their
+/// loop-invariant parts live across the loop beside the `S` and `O` accumulators. (Its effect on
+/// the K/V global addresses in prefill version 2 was none on ptxas's spills; kept because the
+/// kernels measured on the GPU have it.)
+#[inline(always)]
+pub fn opaque(x: usize) -> usize {
+    let y: u64;
+    // SAFETY: a register move; not `pure`, so it stays where it is called.
+    unsafe {
+        asm!("mov.b64 {0}, {1};", out(reg64) y, in(reg64) x as u64, options(nomem, nostack));
+    }
+    y as usize
+}
+
+/// [`opaque`] for a 32-bit value (a shared-window address).
+#[inline(always)]
+pub fn opaque_u32(x: u32) -> u32 {
+    let y: u32;
+    // SAFETY: as `opaque`.
+    unsafe {
+        asm!("mov.b32 {0}, {1};", out(reg32) y, in(reg32) x, options(nomem, nostack));
+    }
+    y
+}
+
 /// 16 bytes (eight 16-bit elements), aligned so a load or store of it is one vector access.
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]

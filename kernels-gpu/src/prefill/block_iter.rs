@@ -11,11 +11,15 @@
 //! is always kept ([`BlockSet`]).
 //!
 //! A kernel computes a *query tile* of `N` consecutive query blocks per launch block (two for
-//! the unmasked kernel, one for the masked one). [`TileBlocks`] walks the union of the tile's
-//! sets as a bitset, 32 blocks per word, yielding the set bits in ascending order together with
-//! which query blocks visit each: blocks outside the union are never produced (the gap between
-//! the ranges is jumped over); the warps of a query block that does not visit a yielded block
-//! skip its arithmetic.
+//! the unmasked kernel, one for the masked one), and walks the union of the tile's sets:
+//! - with a caller mask, [`TileBlocks`] walks it as a bitset, 32 blocks per word, yielding the
+//!   set bits in ascending order together with which query blocks visit each: blocks outside the
+//!   union are never produced (the gap between the ranges is jumped over);
+//! - without one, the union is again two ranges ([`TileSpan`]), so block `i` of the walk is
+//!   arithmetic in `i`: the KV loop keeps a counter instead of the bitset walk's state (words,
+//!   bits, sets, the block ahead), which leaves registers to the fragment loads.
+//!
+//! The warps of a query block that does not visit a yielded block skip its arithmetic.
 
 use lserve_abi::prefill::{BLOCK_KV, BLOCK_Q};
 
@@ -276,5 +280,83 @@ impl<const N: usize> Iterator for TileBlocks<N> {
             // SAFETY: `next <= last_word`.
             unsafe { self.load_word(next) };
         }
+    }
+}
+
+/// The KV blocks a query tile of `blocks` consecutive query blocks visits without a caller mask:
+/// the union of their sets, the sink blocks `0 .. sink_end` of the last query block, then the
+/// local range from the first query block's `local_start` (not below `sink_end`) to the last
+/// diagonal. (Consecutive query blocks' local ranges overlap or touch: the next block's first
+/// local key is 64 further, one KV block, and every range ends at its diagonal.)
+///
+/// Block `i` of the walk is `i`, plus the gap between the ranges once `i` reaches `sink_end`.
+#[derive(Clone, Copy)]
+pub struct TileSpan {
+    /// Walk positions below this are the sink blocks, `i` itself.
+    sink_end: u32,
+    /// Added to walk positions from `sink_end` on: the local range's first block minus `sink_end`.
+    gap: u32,
+    /// Blocks in the walk (at least one: the first query block's diagonal).
+    len: u32,
+}
+
+impl TileSpan {
+    /// The walk of the tile of query blocks `q_block .. q_block + blocks` (`blocks >= 1`) of a
+    /// head with pattern `window`.
+    #[inline(always)]
+    pub fn new(window: Window, q_block: u32, blocks: u32) -> Self {
+        let first = BlockSet::new(window, q_block);
+        let last = BlockSet::new(window, q_block + blocks - 1);
+        let local_first = first.local_start.max(last.sink_end);
+        Self {
+            sink_end: last.sink_end,
+            gap: local_first - last.sink_end,
+            len: last.sink_end + (last.q_block + 1 - local_first),
+        }
+    }
+
+    /// Blocks in the walk.
+    #[inline(always)]
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+
+    /// The KV block at position `i < len` of the walk (ascending in `i`).
+    #[inline(always)]
+    pub fn kv_block(&self, i: u32) -> u32 {
+        if i < self.sink_end {
+            i
+        } else {
+            i + self.gap
+        }
+    }
+
+    /// Which of the walk's blocks query block `q_block` (of the tile) visits; `exists` false for
+    /// a query block past the sequence's end (it visits none).
+    #[inline(always)]
+    pub fn visitor(&self, window: Window, q_block: u32, exists: bool) -> SpanVisitor {
+        SpanVisitor {
+            end: if exists { q_block + 1 } else { 0 },
+            local_start: BlockSet::new(window, q_block).local_start,
+        }
+    }
+}
+
+/// Which blocks of a [`TileSpan`] one query block of its tile visits: two registers per warp.
+#[derive(Clone, Copy)]
+pub struct SpanVisitor {
+    /// Its diagonal plus one (0: a query block that does not exist).
+    end: u32,
+    /// Its local range's first block.
+    local_start: u32,
+}
+
+impl SpanVisitor {
+    /// Whether it visits `kv_block`, a block of `span`: up to its diagonal, a sink block of the
+    /// span or one of its own local range. (The tile's sink blocks below its own diagonal are its
+    /// own sink blocks: a query block's sink range ends only at its diagonal.)
+    #[inline(always)]
+    pub fn visits(&self, span: &TileSpan, kv_block: u32) -> bool {
+        kv_block < self.end && (kv_block < span.sink_end || kv_block >= self.local_start)
     }
 }

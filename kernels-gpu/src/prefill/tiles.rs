@@ -25,6 +25,7 @@ use lserve_abi::prefill::{
 
 use crate::cp_async::cp_async_16_zfill;
 use crate::ldmatrix::{load_a_row_major, load_b_pair_k_major, load_b_pair_n_major};
+use crate::math::opaque_u32;
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr};
 
@@ -86,6 +87,9 @@ const _: () = {
 /// comes from `src + r * row_stride`, rows past the end are zero-filled (finite; the kernel masks
 /// them out).
 ///
+/// Version 3's copy, used by the masked kernel (`prefill_attention_v3`, kept as it was); the
+/// unmasked kernel uses [`load_tiles_async`].
+///
 /// Thread `t` copies chunk `t % CHUNKS_PER_ROW` of rows `t / CHUNKS_PER_ROW + i * ROW_STEP`: its
 /// addresses are one base plus multiples of a constant step, and whether a row exists is one
 /// compare against a per-call count, so a copy costs an address and a select.
@@ -139,6 +143,74 @@ pub unsafe fn load_tile_async<const D: usize, const ROWS: u32>(
         next = next.wrapping_add(step);
         i += 1;
     }
+}
+
+/// Starts the asynchronous copy of `ROWS` rows into each of the `N` consecutive tiles from
+/// `dst` (tile `j` at `dst + j * ROWS * ROW_BYTES`): its row `r < valid_rows` comes from
+/// `src[j] + r * row_stride`, rows past the end are zero-filled (finite; the kernel masks them
+/// out). The query tile is one tile of 64 or 128 rows, a KV block two (K, then V) of 64 rows
+/// with the same stride and row count.
+///
+/// Thread `t` copies chunk `t % CHUNKS_PER_ROW` of rows `t / CHUNKS_PER_ROW + i * ROW_STEP` of
+/// every tile: its addresses are one element offset added to each source, plus multiples of a
+/// constant step, and whether a row exists is one compare against a per-call count, so a copy
+/// costs an address and a select.
+///
+/// # Safety
+/// All [`PREFILL_THREADS`] threads call it; `dst` is a tile of this layout followed by `N - 1`
+/// more, each of `ROWS` rows (64 or 128); `1 <= valid_rows`, and `valid_rows` rows of `D`
+/// elements at `src[j] + r * row_stride` are readable, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_tiles_async<const D: usize, const ROWS: u32, const N: usize>(
+    dst: u32,
+    src: [*const u16; N],
+    row_stride: usize,
+    valid_rows: u32,
+    thread: u32,
+) {
+    let row_step = PREFILL_THREADS / Tile::<D>::CHUNKS_PER_ROW;
+    let (row, chunk) = (
+        thread / Tile::<D>::CHUNKS_PER_ROW,
+        thread % Tile::<D>::CHUNKS_PER_ROW,
+    );
+    let dst = dst + row * Tile::<D>::ROW_BYTES + chunk * 16;
+    // Rows `row + i * row_step` exist for `i * row_step < rows_left`.
+    let rows_left = valid_rows.saturating_sub(row);
+    // This thread's first row that exists (its own, or the last one: a source for the
+    // zero-filled copies, which read nothing), as an element offset from every source. The
+    // chunk's part is opaque to LLVM: otherwise it adds it to the K and V base pointers outside
+    // the kernel's KV loop and keeps the two 64-bit sums live across the loop (the 128-row D 128
+    // kernel then spilled; NOTES.md, version 4).
+    let first = opaque_u32(chunk * 8) as usize + row.min(valid_rows - 1) as usize * row_stride;
+    // A running pointer rather than `first + i * step`: the products `i * step` would be loop
+    // invariants of the kernel's KV loop, hoisted out of it into eight live registers.
+    let step = row_step as usize * row_stride;
+    crate::unroll8!(j in 0..N => {
+        // SAFETY: row `min(row, valid_rows - 1) < valid_rows` exists and `chunk * 8 + 8 <= D`.
+        let first = unsafe { src[j].add(first) };
+        let mut next = first;
+        let mut i = 0;
+        while i < ROWS / row_step {
+            let (from, bytes) = if i * row_step < rows_left {
+                (next, 16)
+            } else {
+                (first, 0)
+            };
+            // SAFETY: `from` is a readable 16-byte chunk (row `row + i * row_step < valid_rows`,
+            // as `first` is row `row` then), or nothing is read; the destination is inside tile
+            // `j` (`row + i * row_step < ROWS`), 16-byte aligned (`ROW_BYTES` is a multiple of
+            // 16).
+            unsafe {
+                cp_async_16_zfill(
+                    dst + (j as u32 * ROWS + i * row_step) * Tile::<D>::ROW_BYTES,
+                    from as *const u8,
+                    bytes,
+                )
+            };
+            next = next.wrapping_add(step);
+            i += 1;
+        }
+    });
 }
 
 /// The `Q` fragment of row tile `m` of the warp whose rows start at shared address `rows`
