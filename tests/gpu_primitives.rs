@@ -549,3 +549,26 @@ fn cp_async_multi_stage_pipeline() {
         }
     }
 }
+
+/// Every kernel of the module, as this GPU's driver compiled it, uses no local memory (no spill
+/// slots, no stack). `cargo xtask ptx` checks the same with the toolkit's `ptxas`; the PTX that
+/// runs is compiled by the driver's, which may allocate differently (the prefill kernels sit at
+/// 255 registers).
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn no_kernel_uses_local_memory() {
+    let gpu = gpu();
+    let names = lserve::gpu::GpuContext::kernel_names();
+    assert!(names.len() > 50, "{} kernels in the PTX", names.len());
+    let mut spilling = Vec::new();
+    for name in names {
+        let r = gpu.kernel_resources(name).unwrap();
+        if r.local_bytes > 0 {
+            spilling.push(format!(
+                "{name}: {} local bytes, {} registers",
+                r.local_bytes, r.registers
+            ));
+        }
+    }
+    assert!(spilling.is_empty(), "{spilling:#?}");
+}

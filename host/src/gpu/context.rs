@@ -95,6 +95,40 @@ impl GpuContext {
         self.sm_count
     }
 
+    /// The names of the kernels in the embedded PTX (its `.entry` symbols), in PTX order.
+    ///
+    /// ```
+    /// let names = lserve::gpu::GpuContext::kernel_names();
+    /// assert!(names.contains(&"decode_combine_bf16"));
+    /// ```
+    pub fn kernel_names() -> Vec<&'static str> {
+        PTX.lines()
+            .filter_map(|line| line.trim_start().strip_prefix(".visible .entry "))
+            .map(|rest| rest.split('(').next().unwrap_or(rest).trim())
+            .collect()
+    }
+
+    /// What the driver compiled kernel `name` into on this GPU (the PTX is compiled when the
+    /// module loads, by the driver's own `ptxas`): registers and local memory per thread. Local
+    /// memory is spill slots and stack; every kernel lserve ships has none, which
+    /// `cargo xtask ptx` checks with the toolkit's `ptxas` and a GPU test checks here.
+    ///
+    /// ```no_run
+    /// let gpu = lserve::gpu::GpuContext::new(0)?;
+    /// let r = gpu.kernel_resources("prefill_attention_bf16_d128")?;
+    /// assert_eq!(r.local_bytes, 0);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn kernel_resources(&self, name: &str) -> Result<KernelResources> {
+        let f = self.function(name)?;
+        Ok(KernelResources {
+            registers: f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)? as u32,
+            local_bytes: f
+                .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?
+                as u32,
+        })
+    }
+
     /// A kernel of the embedded module by its symbol name.
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
         self.function_with_smem(name, 0)
@@ -126,6 +160,15 @@ impl GpuContext {
         }
         Ok(kernel.function.clone())
     }
+}
+
+/// Per-thread resources of a kernel as the driver compiled it ([`GpuContext::kernel_resources`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelResources {
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes of local memory per thread (spills and stack).
+    pub local_bytes: u32,
 }
 
 /// Whether `libcuda` can be loaded. cudarc panics on first use when it cannot, so every entry

@@ -14,7 +14,7 @@ mod select;
 mod step;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-pub use context::{driver_present, GpuContext, PTX, PTX_ARCH};
+pub use context::{driver_present, GpuContext, KernelResources, PTX, PTX_ARCH};
 pub use decode::{decode_attention, DecodeWorkspace, MAX_SPLITS};
 pub use kv_write::{
     append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, DeviceKvWritePlan,
