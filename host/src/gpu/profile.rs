@@ -118,10 +118,16 @@ pub fn profile_dynamic_min_len<E: DeviceElement>(
     })
 }
 
-/// One configured layer with its decode step captured in a graph. The graph holds the buffers'
-/// addresses, so they live (and are freed) with it.
+/// One configured layer with its decode step captured in a graph: with selection, once with the
+/// selector and once without, replayed as `DecodeStep` launches them (the selector only on the
+/// steps `SparsityConfig::selects_at` names). The graphs hold the buffers' addresses, so they
+/// live (and are freed) with them.
 struct Variant<E> {
     graph: cudarc::driver::CudaGraph,
+    /// With selection: the step without the selector, and which replays select.
+    reusing: Option<(cudarc::driver::CudaGraph, SparsityConfig, usize)>,
+    /// Replays so far (the device's step counters advance once per replay, from 0).
+    replays: std::cell::Cell<u64>,
     _buffers: (
         DeviceKvCache<E>,
         DecodeBatch,
@@ -175,43 +181,64 @@ impl<E: DeviceElement> Variant<E> {
         let mut select_ws = SelectWorkspace::new(gpu, &cache, batch)?;
         gpu.stream().synchronize()?;
 
-        let stream = gpu.stream();
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let captured = (|| -> Result<()> {
-            if selection {
-                select_pages(gpu, &mut cache, 0, &b, &q, &mut select_ws)?;
-            }
-            decode_attention(gpu, &cache, 0, &b, &q, &mut out, &mut attention)?;
-            if selection {
-                advance_decode_steps(gpu, &mut cache, &b)?;
-            }
-            Ok(())
-        })();
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
-        captured?;
-        let graph = graph.ok_or_else(|| LserveError::InvalidArgument {
-            what: "profile",
-            reason: "the captured step was empty".into(),
-        })?;
+        let mut capture = |select: bool| -> Result<cudarc::driver::CudaGraph> {
+            let stream = gpu.stream();
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let captured = (|| -> Result<()> {
+                if select {
+                    select_pages(gpu, &mut cache, 0, &b, &q, &mut select_ws)?;
+                }
+                decode_attention(gpu, &cache, 0, &b, &q, &mut out, &mut attention)?;
+                if selection {
+                    advance_decode_steps(gpu, &mut cache, &b)?;
+                }
+                Ok(())
+            })();
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+            captured?;
+            graph.ok_or_else(|| LserveError::InvalidArgument {
+                what: "profile",
+                reason: "the captured step was empty".into(),
+            })
+        };
+        let graph = capture(selection)?;
+        let reusing = if selection {
+            Some((capture(false)?, config, context))
+        } else {
+            None
+        };
         Ok(Self {
             graph,
+            reusing,
+            replays: std::cell::Cell::new(0),
             _buffers: (cache, b, attention, select_ws),
             _tensors: (q, out),
         })
+    }
+
+    /// Replays the step the next decode step needs.
+    fn replay(&self) -> Result<()> {
+        let i = self.replays.get();
+        self.replays.set(i + 1);
+        match &self.reusing {
+            Some((reusing, config, len)) if !config.selects_at(*len, i) => reusing.launch()?,
+            _ => self.graph.launch()?,
+        }
+        Ok(())
     }
 
     /// Median over `REPEATS` of the mean time of `REPLAYS` back-to-back replays, in µs.
     fn median_us(&self, gpu: &GpuContext) -> Result<f64> {
         let stream = gpu.stream();
         for _ in 0..REPLAYS {
-            self.graph.launch()?; // warm-up
+            self.replay()?; // warm-up
         }
         let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
         let mut times = Vec::with_capacity(REPEATS);
         for _ in 0..REPEATS {
             let start = stream.record_event(flags)?;
             for _ in 0..REPLAYS {
-                self.graph.launch()?;
+                self.replay()?;
             }
             let end = stream.record_event(flags)?;
             times.push(start.elapsed_ms(&end)? as f64 * 1e3 / REPLAYS as f64);
