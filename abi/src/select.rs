@@ -21,9 +21,9 @@ pub const SCORE_THREADS: u32 = 256;
 /// Threads per block of the selector (16 warps).
 pub const SELECT_THREADS: u32 = 512;
 
-/// Dynamic shared memory of the selector, in bytes: a 256-bin histogram, one partial sum per
-/// warp (room for 32) and 8 broadcast words, all `u32`.
-pub const SELECT_SMEM_BYTES: u32 = (256 + 32 + 8) * 4;
+/// Dynamic shared memory of the selector, in bytes: one 256-bin histogram per radix pass (4),
+/// then two partial sums per warp (room for 32 warps), all `u32`.
+pub const SELECT_SMEM_BYTES: u32 = (4 * 256 + 2 * 32) * 4;
 
 /// Threads per block of the decode step counter kernel.
 pub const STEP_THREADS: u32 = 128;

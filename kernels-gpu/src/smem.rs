@@ -40,3 +40,23 @@ pub fn shared_addr<T>(ptr: *const T) -> u32 {
     // The shared window is below 4 GiB (at most 228 KiB on sm_90): the truncation is exact.
     window as u32
 }
+
+/// Four consecutive `u32` of shared memory at shared-window address `addr` (one `ld.shared.v4`).
+///
+/// # Safety
+/// `addr` is 16-byte aligned and `addr..addr + 16` lies inside the block's shared memory; no
+/// other thread writes those bytes concurrently (order with a barrier).
+#[inline(always)]
+pub unsafe fn ld_shared_v4_u32(addr: u32) -> [u32; 4] {
+    let v: [u32; 4];
+    // SAFETY: the caller guarantees the address. Reads memory, so it stays ordered after earlier
+    // barriers and shared atomics (inline asm without `nomem`).
+    unsafe {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        asm!("ld.shared.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];",
+             out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg32) addr,
+             options(nostack, readonly));
+        v = [a, b, c, d];
+    }
+    v
+}

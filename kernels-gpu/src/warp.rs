@@ -130,3 +130,18 @@ pub unsafe fn group_sum_f32(mut x: f32, lanes: u32) -> f32 {
     }
     x
 }
+
+/// The lanes whose `pred` is true, one bit per lane (`vote.sync.ballot.b32`, full member mask).
+///
+/// # Safety
+/// All 32 lanes call it.
+#[inline(always)]
+pub unsafe fn ballot(pred: bool) -> u32 {
+    let mask: u32;
+    // SAFETY: caller guarantees the whole warp participates; no memory is touched.
+    unsafe {
+        asm!("{{ .reg .pred p; setp.ne.u32 p, {1}, 0; vote.sync.ballot.b32 {0}, p, -1; }}",
+             out(reg32) mask, in(reg32) pred as u32, options(nomem, nostack));
+    }
+    mask
+}

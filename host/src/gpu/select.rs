@@ -316,8 +316,11 @@ pub fn select_top_k<E: DeviceElement>(
     // capacities were checked (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3,
     // max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair owns its
     // held state and index entry; the workspace rows were written by the scorer for the due
-    // pairs of this batch (the only rows the selector reads).
-    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
+    // pairs of this batch (the only rows whose scores the selector uses; it may load a not-due
+    // pair's row before deciding, harmlessly: the workspace is allocated, zeroed, for
+    // `max_batch`). Overlapped: the kernel reads `seq_len`, `seq_slot` and the block tables
+    // (host copies, enqueued before the previous kernel) before it waits for the previous
+    // kernel (`overlapped_entry`), everything else after.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

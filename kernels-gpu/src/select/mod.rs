@@ -96,8 +96,8 @@ pub unsafe extern "gpu-kernel" fn select_pages(
     index_pages: *mut u32,
     index_lens: *mut u32,
 ) {
-    // SAFETY: first thing in the kernel; the host launches it overlapped.
-    unsafe { crate::sync::overlapped_entry() };
+    // Overlapped with the scorer: the body waits for it (`overlapped_entry`) after reading the
+    // host-written batch description and block tables.
     let bufs = SelectBuffers {
         scores,
         block_tables,

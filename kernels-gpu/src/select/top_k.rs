@@ -6,27 +6,38 @@
 //!
 //! **Top-K, ties to the lower index.** Scores become order-preserving `u32` keys
 //! ([`score_key`]). A radix select finds the key `T` of the K-th largest candidate in four
-//! passes of 8 bits (a 256-bin shared histogram of the keys that match the digits fixed so far;
-//! a prefix sum over the bins from the top finds the digit holding the K-th key), and how many
-//! keys equal to `T` the top-K holds (`take_equal`). A candidate is selected iff its key is
-//! above `T`, or equal to `T` and among the first `take_equal` such candidates by page index.
-//! Each thread owns a contiguous run of candidates, so a block prefix sum of the per-thread
-//! counts of equal keys ranks them by index, and a second one over the selected counts gives
-//! every selected page its place: the held selection comes out in ascending page order, no
-//! sort needed. The radix passes keep the first [`KEY_BATCH`] x [`SELECT_THREADS`] candidates'
-//! keys in registers (4096: every candidate up to 256K tokens at 64-token pages), loaded once,
-//! all at the same time; candidates past them are re-read from the score workspace (global
-//! memory, L2-resident after the scorer) on each pass, so there is no hard maximum. The two
-//! passes over each thread's contiguous run load [`KEY_BATCH`] keys at a time.
+//! passes of 8 bits (each pass counts the keys that match the digits fixed so far into a 256-bin
+//! shared histogram of its own; after one barrier every warp sums the bins from the top itself
+//! to find the digit holding the K-th key, so no result is broadcast), and how many keys equal to
+//! `T` the top-K holds (`take_equal`). A candidate is selected iff its key is above `T`, or equal
+//! to `T` and among the first `take_equal` such candidates by page index. Each thread owns a
+//! contiguous run of candidates, the runs ascending with the thread index, so one block prefix
+//! sum of the per-thread counts of keys above and equal to `T` ranks the equal keys by index and
+//! gives every selected page its place: the held selection comes out in ascending page order, no
+//! sort needed.
+//!
+//! **Where the keys live.** Up to [`KEY_BATCH`] x [`SELECT_THREADS`] candidates (4096 less the
+//! up to 3 of the alignment [`ResidentRun`] describes: every candidate up to 256K tokens at
+//! 64-token pages), each thread's run is [`KEY_BATCH`] slots, loaded once (16-byte loads) and kept
+//! in registers through the radix passes and the placement, and the block-table entries of its
+//! candidates are loaded before the kernel waits for the scorer. After the wait two global round
+//! trips remain: the step counter and held length (is the pair due?), then the keys.
+//! With more candidates ([`select_streamed`]) the radix passes keep the first 4096 (strided) in
+//! registers and re-read the others from the score workspace (L2-resident after the scorer) on
+//! each pass, and the two passes over each thread's run load [`KEY_BATCH`] keys at a time: no
+//! hard maximum. `NOTES.md` counts the round trips and barriers of both.
 
 use core::arch::asm;
 
-use lserve_abi::select::{score_key, score_offset, selection_due, SelectParams, SELECT_THREADS};
+use lserve_abi::select::{
+    score_key, score_offset, selection_due, SelectParams, SELECT_SMEM_BYTES, SELECT_THREADS,
+};
 
-use super::scan::block_inclusive_scan;
-use crate::smem::{dynamic_smem, shared_addr};
-use crate::sync::sync_threads;
-use crate::thread::{block_idx_x, thread_in_block};
+use super::scan::{block_inclusive_scan_pair, warp_inclusive_scan};
+use crate::smem::{dynamic_smem, ld_shared_v4_u32, shared_addr};
+use crate::sync::{overlapped_entry, sync_threads};
+use crate::thread::{block_idx_x, lane, thread_in_block};
+use crate::warp::{ballot, shfl_idx_u32};
 
 /// The buffers the selector reads and writes.
 #[derive(Clone, Copy)]
@@ -51,10 +62,22 @@ pub struct SelectBuffers {
     pub index_lens: *mut u32,
 }
 
-/// Shared memory, in `u32` words.
-const HIST: usize = 0;
-const WARP_SUMS: usize = 256;
-const BROADCAST: usize = 256 + 32;
+/// Radix passes of 8 bits over the 32-bit keys.
+const RADIX_PASSES: usize = 4;
+/// Bins of a pass's histogram.
+const BINS: usize = 256;
+
+/// Shared memory, in `u32` words: one histogram per radix pass, all zeroed once before the
+/// passes (so no pass zeroes one, or waits for that), then the block scan's two partial sums
+/// per warp. Each region is written in one phase and read in the next, never reused.
+const HISTS: usize = 0;
+const WARP_SUMS: usize = HISTS + RADIX_PASSES * BINS;
+const _: () = assert!((WARP_SUMS + 2 * 32) * 4 <= SELECT_SMEM_BYTES as usize);
+const _: () = assert!(RADIX_PASSES * BINS == 2 * SELECT_THREADS as usize);
+
+/// Keys a thread holds at once: a resident run, the radix passes' strided keys of a streamed
+/// selection, and a batch of a streamed run.
+const KEY_BATCH: usize = 8;
 
 /// Adds 1 to the shared `u32` at window address `addr`.
 ///
@@ -66,9 +89,20 @@ unsafe fn shared_increment(addr: u32) {
     unsafe { asm!("red.shared.add.u32 [{0}], 1;", in(reg32) addr, options(nostack)) };
 }
 
-/// Keys loaded at once: the radix passes' register-resident keys of a thread, and a batch of a
-/// thread's contiguous run.
-const KEY_BATCH: usize = 8;
+/// 16 bytes at a 16-byte aligned address: what one vector load reads.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct F32x4([f32; 4]);
+
+/// `p[0..4]` in one 16-byte load.
+///
+/// # Safety
+/// `p` is 16-byte aligned and `p[0..4]` readable.
+#[inline(always)]
+unsafe fn load_f32x4(p: *const f32) -> [f32; 4] {
+    // SAFETY: forwarded.
+    unsafe { p.cast::<F32x4>().read().0 }
+}
 
 /// The keys of candidates `first + i * step` for `i < KEY_BATCH` that are below `end` (the rest
 /// zero; callers skip them), all loaded before any is used, so that their L2 round trips
@@ -88,84 +122,456 @@ unsafe fn key_batch(scores: *const f32, first: u32, step: u32, end: u32) -> [u32
     keys
 }
 
-/// The key of the K-th largest of `scores[0..n]` and how many keys equal to it belong to the
-/// top `k` (`1 <= k < n`).
-///
-/// # Safety
-/// Every thread of the block calls it; `scores` holds `n` values; shared memory as laid out
-/// above.
-#[inline(always)]
-unsafe fn radix_select(scores: *const f32, n: u32, k: u32) -> (u32, u32) {
-    let t = thread_in_block();
-    let hist = dynamic_smem::<u32>(HIST * 4);
-    let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
-    let broadcast = dynamic_smem::<u32>(BROADCAST * 4);
-    // The thread's first KEY_BATCH candidates (strided: 4096 per block, every candidate up to
-    // 256K tokens at 64-token pages) stay in registers through the passes; those past them are
-    // re-read from the workspace (L2) on each pass.
-    // SAFETY: forwarded.
-    let keys = unsafe { key_batch(scores, t, SELECT_THREADS, n) };
-    let spilled_from = t + KEY_BATCH as u32 * SELECT_THREADS;
-    let (mut prefix, mut mask, mut need) = (0u32, 0u32, k);
-    let mut shift = 32;
-    while shift > 0 {
-        shift -= 8;
-        // SAFETY (all shared accesses): inside the layout above, ordered by the barriers;
-        // (barriers, scans): block-uniform control flow.
-        unsafe {
-            if t < 256 {
-                *hist.add(t as usize) = 0;
-            }
-            sync_threads();
-            let count_key = |key: u32| {
-                if key & mask == prefix {
-                    shared_increment(shared_addr(hist.add(((key >> shift) & 0xff) as usize)));
-                }
-            };
-            crate::unroll8!(i in 0..KEY_BATCH => {
-                if t + (i as u32) * SELECT_THREADS < n {
-                    count_key(keys[i]);
-                }
-            });
-            let mut c = spilled_from;
-            while c < n {
-                count_key(score_key(*scores.add(c as usize)));
-                c += SELECT_THREADS;
-            }
-            sync_threads();
-            // Thread t < 256 counts digit 255 - t: the prefix sum is the keys with a digit >= it.
-            let count = if t < 256 {
-                *hist.add(255 - t as usize)
-            } else {
-                0
-            };
-            let (at_least, _) = block_inclusive_scan(count, warp_sums, SELECT_THREADS);
-            if t < 256 && at_least >= need && at_least - count < need {
-                *broadcast = 255 - t;
-                *broadcast.add(1) = need - (at_least - count);
-            }
-            sync_threads();
-            let digit = *broadcast;
-            need = *broadcast.add(1);
-            prefix |= digit << shift;
-            mask |= 0xff << shift;
-        }
-    }
-    (prefix, need)
+/// A thread's run of candidates when every candidate's key fits in registers. The runs tile a
+/// frame that starts at the 16-byte boundary at or below candidate 0 (`lead` scores before it):
+/// thread `t` owns frame slots `KEY_BATCH * t .. KEY_BATCH * (t + 1)`, so each 4-slot chunk of a
+/// run is one aligned 16-byte load, and the runs ascend with `t`. Slot `i` is candidate
+/// `origin + i`, one of the pair's iff bit `i` of `valid` is set.
+#[derive(Clone, Copy)]
+struct ResidentRun {
+    /// The candidate of slot 0 (wrapping: thread 0's first `lead` slots precede candidate 0).
+    origin: u32,
+    /// Bit `i`: slot `i` is a candidate.
+    valid: u32,
 }
 
-/// The selector body (see the module docs).
+impl ResidentRun {
+    /// Thread `t`'s run, or `None` when the candidates do not fit the frame. `scores` points at
+    /// candidate 0's score (4-byte aligned).
+    #[inline(always)]
+    fn new(scores: *const f32, candidates: u32, t: u32) -> Option<Self> {
+        let lead = (scores as usize / 4 % 4) as u32;
+        if candidates + lead > KEY_BATCH as u32 * SELECT_THREADS {
+            return None;
+        }
+        let start = KEY_BATCH as u32 * t;
+        // Slots of this run below frame slot `n`.
+        let below = |n: u32| (1u32 << n.saturating_sub(start).min(KEY_BATCH as u32)) - 1;
+        Some(Self {
+            origin: start.wrapping_sub(lead),
+            // Frame slots `lead .. lead + candidates` are the candidates.
+            valid: below(lead + candidates) & !below(lead),
+        })
+    }
+
+    /// Whether slot `i` is a candidate.
+    #[inline(always)]
+    fn holds(self, i: usize) -> bool {
+        self.valid >> i & 1 != 0
+    }
+
+    /// The candidate of slot `i` (meaningful if [`Self::holds`] it).
+    #[inline(always)]
+    fn candidate(self, i: usize) -> u32 {
+        self.origin.wrapping_add(i as u32)
+    }
+
+    /// The physical page ids of the run's candidates (page `first + candidate`; 0 in the other
+    /// slots), all loads issued before any is used.
+    ///
+    /// # Safety
+    /// `table` is the sequence's block table row and the candidates are its pages.
+    #[inline(always)]
+    unsafe fn page_ids(self, table: *const u32, first: u32) -> [u32; KEY_BATCH] {
+        let mut ids = [0u32; KEY_BATCH];
+        crate::unroll8!(i in 0..KEY_BATCH => {
+            if self.holds(i) {
+                // SAFETY: a page of the sequence.
+                ids[i] = unsafe { *table.add((first + self.candidate(i)) as usize) };
+            }
+        });
+        ids
+    }
+
+    /// The scores of the run's candidates (0 in the other slots), all loads issued before any
+    /// is used: a whole chunk of 4 candidates in one 16-byte load, a chunk at either end of the
+    /// candidates one score at a time. Scores, not keys: converted inside this function, ptxas
+    /// would wait for a chunk's load before issuing the next chunk's.
+    ///
+    /// # Safety
+    /// `scores` points at candidate 0's score and holds every candidate's.
+    #[inline(always)]
+    unsafe fn scores(self, scores: *const f32) -> [f32; KEY_BATCH] {
+        let mut raw = [0f32; KEY_BATCH];
+        crate::unroll8!(chunk in 0..KEY_BATCH / 4 => {
+            let s = 4 * chunk;
+            if self.valid >> s & 0xf == 0xf {
+                // SAFETY: four candidates' scores; the chunk starts at a frame slot that is a
+                // multiple of 4, so at a 16-byte boundary.
+                let v = unsafe { load_f32x4(scores.add(self.candidate(s) as usize)) };
+                raw[s..s + 4].copy_from_slice(&v);
+            } else {
+                crate::unroll8!(u in 0..4 => {
+                    if self.holds(s + u) {
+                        // SAFETY: a candidate's score.
+                        raw[s + u] = unsafe { *scores.add(self.candidate(s + u) as usize) };
+                    }
+                });
+            }
+        });
+        raw
+    }
+}
+
+/// Zeroes the radix passes' histograms, two words per thread. A barrier must separate it from
+/// the first pass.
+///
+/// # Safety
+/// Every thread of the block calls it (or the histograms are not all zero); shared memory as
+/// laid out above, not in use.
+#[inline(always)]
+unsafe fn zero_histograms(t: u32) {
+    let hists = dynamic_smem::<u32>(HISTS * 4);
+    // SAFETY: words `2t` and `2t + 1` of the `2 * SELECT_THREADS` histogram words.
+    unsafe {
+        *hists.add(2 * t as usize) = 0;
+        *hists.add(2 * t as usize + 1) = 0;
+    }
+}
+
+/// One radix pass: its histogram and the digits fixed by the passes before it.
+#[derive(Clone, Copy)]
+struct RadixPass {
+    /// Shared-window address of the pass's histogram.
+    hist: u32,
+    prefix: u32,
+    mask: u32,
+    shift: u32,
+}
+
+impl RadixPass {
+    /// Counts `key` in its digit's bin if it matches the digits fixed so far.
+    ///
+    /// # Safety
+    /// Called inside [`radix_select`]'s pass (its `count_all`).
+    #[inline(always)]
+    unsafe fn count(self, key: u32) {
+        if key & self.mask == self.prefix {
+            // SAFETY: a bin of the pass's histogram.
+            unsafe { shared_increment(self.hist + 4 * ((key >> self.shift) & 0xff)) };
+        }
+    }
+}
+
+/// The digit of the `need`-th largest key counted in the 256-bin histogram at `hist`, and the
+/// rank of that key among the keys with that digit (`need` less the keys with a higher digit).
+/// Every warp runs it on the same histogram and gets the same answer, so nothing is broadcast.
+///
+/// # Safety
+/// All 32 lanes call it; the histogram is complete (a barrier after its last increment) and
+/// holds at least `need >= 1` keys.
+#[inline(always)]
+unsafe fn find_digit(hist: u32, need: u32) -> (u32, u32) {
+    // Lane `l` holds digits `base .. base + 8`, lane 0 the top eight.
+    let base = BINS as u32 - 8 - 8 * lane();
+    // SAFETY: 32-byte aligned, inside the histogram; complete (caller).
+    let bins = unsafe {
+        let [a, b, c, d] = ld_shared_v4_u32(hist + 4 * base);
+        let [e, f, g, h] = ld_shared_v4_u32(hist + 4 * (base + 4));
+        [a, b, c, d, e, f, g, h]
+    };
+    let sum = bins.iter().sum::<u32>();
+    // Keys with a digit >= `base`: the counts of lanes `0..=l`, growing with the lane.
+    // SAFETY: the whole warp calls.
+    let [through] = unsafe { warp_inclusive_scan([sum]) };
+    // The lane whose digits hold the `need`-th key: the first whose running count reaches it.
+    // SAFETY: the whole warp calls.
+    let holder = unsafe { ballot(through < need) }.count_ones();
+    // On every lane, the digit at which its running count crosses `need`, if any.
+    let mut above = through - sum;
+    let (mut digit, mut rank) = (0, 0);
+    crate::unroll8!(i in 0..8 => {
+        let j = 7 - i;
+        let higher = above;
+        above += bins[j];
+        if higher < need && above >= need {
+            digit = base + j as u32;
+            rank = need - higher;
+        }
+    });
+    // SAFETY: the whole warp calls; `holder < 32` as the histogram holds `need` keys.
+    unsafe { (shfl_idx_u32(digit, holder), shfl_idx_u32(rank, holder)) }
+}
+
+/// The top K as the radix select leaves it: every key above `threshold`, and the first
+/// `take_equal` keys equal to it by page index.
+#[derive(Clone, Copy)]
+struct Cut {
+    threshold: u32,
+    take_equal: u32,
+}
+
+impl Cut {
+    /// Every candidate (every key is >= 0).
+    const ALL: Cut = Cut {
+        threshold: 0,
+        take_equal: u32::MAX,
+    };
+
+    /// Adds `key` to a thread's counts of keys above and equal to the threshold.
+    #[inline(always)]
+    fn tally(self, key: u32, above: &mut u32, equal: &mut u32) {
+        *above += (key > self.threshold) as u32;
+        *equal += (key == self.threshold) as u32;
+    }
+}
+
+/// The cut of the top `k` of the candidates each thread counts with `count_all`
+/// (`1 <= k < candidates`): four passes, one barrier each.
+///
+/// # Safety
+/// Every thread of the block calls it (block-uniform); the histograms zeroed by
+/// [`zero_histograms`] with a barrier since, and not used since.
+#[inline(always)]
+unsafe fn radix_select(k: u32, count_all: impl Fn(RadixPass)) -> Cut {
+    let hists = shared_addr(dynamic_smem::<u32>(HISTS * 4));
+    let (mut prefix, mut mask, mut need) = (0u32, 0u32, k);
+    for pass in 0..RADIX_PASSES as u32 {
+        let shift = 24 - 8 * pass;
+        let hist = hists + pass * BINS as u32 * 4;
+        count_all(RadixPass {
+            hist,
+            prefix,
+            mask,
+            shift,
+        });
+        // Every increment of the pass is done before any warp reads its histogram. The next
+        // pass counts into a histogram of its own, so nothing orders these reads before it.
+        // SAFETY: block-uniform control flow; the histogram then holds every matching key, at
+        // least `need` of them.
+        let (digit, rank) = unsafe {
+            sync_threads();
+            find_digit(hist, need)
+        };
+        prefix |= digit << shift;
+        mask |= 0xff << shift;
+        need = rank;
+    }
+    Cut {
+        threshold: prefix,
+        take_equal: need,
+    }
+}
+
+/// Where a thread's selected candidates go in the held selection and the index entry.
+struct Placement {
+    cut: Cut,
+    /// The next position to write.
+    at: u32,
+    /// Keys equal to the threshold before the thread's next candidate.
+    equal_seen: u32,
+    /// Candidates the block selects.
+    total: u32,
+}
+
+impl Placement {
+    /// From the thread's counts of keys above and equal to `cut`'s threshold; `offset`
+    /// positions precede the selected candidates. One block scan (one barrier).
+    ///
+    /// # Safety
+    /// Every thread of the block calls it (block-uniform), once per launch (it uses the scan's
+    /// shared words).
+    #[inline(always)]
+    unsafe fn new(cut: Cut, above: u32, equal: u32, offset: u32) -> Self {
+        let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
+        // SAFETY: forwarded; the scan's words are used by this call only.
+        let ([equal_through, above_through], [equal_total, above_total]) =
+            unsafe { block_inclusive_scan_pair([equal, above], warp_sums, SELECT_THREADS) };
+        let (equal_before, above_before) = (equal_through - equal, above_through - above);
+        // Runs ascend with the thread: the equal keys taken are the first `take_equal` of the
+        // block's, and the threads before this one hold `equal_before` of them.
+        Self {
+            cut,
+            at: offset + above_before + equal_before.min(cut.take_equal),
+            equal_seen: equal_before,
+            total: above_total + equal_total.min(cut.take_equal),
+        }
+    }
+
+    /// Whether the thread's next candidate, with key `key`, is selected. Called once for each
+    /// candidate of the run, in order.
+    #[inline(always)]
+    fn take(&mut self, key: u32) -> bool {
+        let equal = key == self.cut.threshold;
+        let take = key > self.cut.threshold || (equal && self.equal_seen < self.cut.take_equal);
+        self.equal_seen += equal as u32;
+        take
+    }
+
+    /// Writes a selected page (logical number and physical id) at the next position.
+    ///
+    /// # Safety
+    /// `held` and `index` are the pair's rows, with room for the selection.
+    #[inline(always)]
+    unsafe fn put(&mut self, held: *mut u32, index: *mut u32, page: u32, id: u32) {
+        // SAFETY: `at < 1 + K <= held_capacity`, and below the entry capacity.
+        unsafe {
+            *held.add(self.at as usize) = page;
+            *index.add(self.at as usize) = id;
+        }
+        self.at += 1;
+    }
+}
+
+/// The pair's rows the selection writes, and where its candidates are.
+#[derive(Clone, Copy)]
+struct Rows {
+    /// Candidate 0's score (the workspace row from the first candidate on).
+    scores: *const f32,
+    /// The sequence's block table.
+    table: *const u32,
+    held: *mut u32,
+    index: *mut u32,
+    /// The page of candidate 0.
+    first: u32,
+    candidates: u32,
+    /// Held positions before the first selected candidate (page 0 when always included).
+    offset: u32,
+}
+
+/// Selects from resident runs (`keys` and `ids` loaded by `run`); returns how many candidates
+/// the block selects.
+///
+/// # Safety
+/// Every thread of the block calls it, each with its own run (block-uniform); histograms as
+/// [`radix_select`] needs; rows as [`select_pages`] sets them up.
+#[inline(always)]
+unsafe fn select_resident(
+    k: u32,
+    rows: Rows,
+    run: ResidentRun,
+    keys: [u32; KEY_BATCH],
+    ids: [u32; KEY_BATCH],
+) -> u32 {
+    let cut = if rows.candidates > k {
+        // SAFETY: forwarded; `1 <= k < candidates`.
+        unsafe {
+            radix_select(k, |pass| {
+                crate::unroll8!(i in 0..KEY_BATCH => {
+                    if run.holds(i) {
+                        pass.count(keys[i]);
+                    }
+                });
+            })
+        }
+    } else {
+        Cut::ALL
+    };
+    let (mut above, mut equal) = (0u32, 0u32);
+    crate::unroll8!(i in 0..KEY_BATCH => {
+        if run.holds(i) {
+            cut.tally(keys[i], &mut above, &mut equal);
+        }
+    });
+    // SAFETY: forwarded.
+    let mut place = unsafe { Placement::new(cut, above, equal, rows.offset) };
+    // Stores only: the block-table entries were loaded before the wait.
+    crate::unroll8!(i in 0..KEY_BATCH => {
+        if run.holds(i) && place.take(keys[i]) {
+            let page = rows.first + run.candidate(i);
+            // SAFETY: the pair's rows.
+            unsafe { place.put(rows.held, rows.index, page, ids[i]) };
+        }
+    });
+    place.total
+}
+
+/// Selects when the candidates do not fit in registers (see the module docs); returns how many
+/// candidates the block selects.
+///
+/// # Safety
+/// As [`select_resident`].
+#[inline(always)]
+unsafe fn select_streamed(k: u32, rows: Rows) -> u32 {
+    let t = thread_in_block();
+    let (scores, n) = (rows.scores, rows.candidates);
+    let cut = if n > k {
+        // The thread's first KEY_BATCH candidates (strided: 4096 per block) stay in registers
+        // through the passes; those past them are re-read from the workspace on each pass.
+        // SAFETY: the workspace holds the candidates' scores.
+        let keys = unsafe { key_batch(scores, t, SELECT_THREADS, n) };
+        let spilled_from = t + KEY_BATCH as u32 * SELECT_THREADS;
+        // SAFETY: forwarded; `1 <= k < candidates`; the workspace holds the candidates' scores.
+        unsafe {
+            radix_select(k, |pass| {
+                crate::unroll8!(i in 0..KEY_BATCH => {
+                    if t + (i as u32) * SELECT_THREADS < n {
+                        pass.count(keys[i]);
+                    }
+                });
+                let mut c = spilled_from;
+                while c < n {
+                    pass.count(score_key(*scores.add(c as usize)));
+                    c += SELECT_THREADS;
+                }
+            })
+        }
+    } else {
+        Cut::ALL
+    };
+
+    // This thread's contiguous run of candidates, and what it holds of the top-K.
+    let per_thread = n.div_ceil(SELECT_THREADS);
+    let begin = (t * per_thread).min(n);
+    let end = (begin + per_thread).min(n);
+    let (mut above, mut equal) = (0u32, 0u32);
+    let mut c = begin;
+    while c < end {
+        // SAFETY: `end <= candidates`.
+        let keys = unsafe { key_batch(scores, c, 1, end) };
+        crate::unroll8!(u in 0..KEY_BATCH => {
+            if c + (u as u32) < end {
+                cut.tally(keys[u], &mut above, &mut equal);
+            }
+        });
+        c += KEY_BATCH as u32;
+    }
+    // SAFETY: forwarded.
+    let mut place = unsafe { Placement::new(cut, above, equal, rows.offset) };
+    let mut c = begin;
+    while c < end {
+        // SAFETY: `end <= candidates`.
+        let keys = unsafe { key_batch(scores, c, 1, end) };
+        // The batch's block-table loads first, then its stores, so that the loads overlap.
+        let (mut taken, mut ids) = (0u32, [0u32; KEY_BATCH]);
+        crate::unroll8!(u in 0..KEY_BATCH => {
+            if c + (u as u32) < end && place.take(keys[u]) {
+                taken |= 1 << u;
+                // SAFETY: a page of the sequence.
+                ids[u] = unsafe { *rows.table.add((rows.first + c + u as u32) as usize) };
+            }
+        });
+        crate::unroll8!(u in 0..KEY_BATCH => {
+            if taken >> u & 1 != 0 {
+                // SAFETY: the pair's rows.
+                unsafe { place.put(rows.held, rows.index, rows.first + c + u as u32, ids[u]) };
+            }
+        });
+        c += KEY_BATCH as u32;
+    }
+    place.total
+}
+
+/// The selector body (see the module docs). Waits for the kernel before itself
+/// ([`overlapped_entry`]) after reading what the host wrote.
 ///
 /// # Safety
 /// Launched with grid `p.batch * p.paged.heads`, [`SELECT_THREADS`] threads and
-/// `SELECT_SMEM_BYTES` of dynamic shared memory, after the scorer on the same batch and state;
-/// buffers as [`SelectBuffers`] documents, capacities as `p` states (`held_capacity >= K + 2`,
-/// `entry_capacity >= min(K + 3, max_pages)`), slots live and distinct.
+/// `SELECT_SMEM_BYTES` of dynamic shared memory, after the scorer on the same batch and state
+/// (overlapped or not); buffers as [`SelectBuffers`] documents, capacities as `p` states
+/// (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3, max_pages)`), slots live and
+/// distinct; `seq_len`, `seq_slot` and the block tables written by host copies enqueued before
+/// the previous kernel, not by a kernel.
 #[inline(always)]
 pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     let pair = block_idx_x();
     let dense_heads = p.paged.heads;
     let (b, dense_head) = (pair / dense_heads, pair % dense_heads);
+    let t = thread_in_block();
+    // Overlapped with the kernel before (the scorer): the batch description and the block tables
+    // are copies from the host, complete before that kernel started, so they are read before the
+    // wait; the scores, the step counters and the held selections may be outputs of the kernels
+    // before: read after it.
     // SAFETY: `b < batch` by the grid.
     let (len, slot) = unsafe {
         (
@@ -173,10 +579,54 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
             *bufs.seq_slot.add(b as usize),
         )
     };
-    if len <= p.dynamic_min_len {
-        return; // dense decode: attention reads the block table
-    }
+    // Otherwise dense decode: attention reads the block table.
+    let selecting = len > p.dynamic_min_len;
+    let newest = len.div_ceil(p.paged.page_tokens).saturating_sub(1);
+    // Candidates: pages first..newest (page 0 is not one when it is always included).
+    let first = p.always_include_first.min(newest);
+    let always_first = p.always_include_first != 0;
     let entry = (slot * dense_heads + dense_head) as usize;
+    // SAFETY (pointer offsets): the pair's rows of each table, its workspace row from the first
+    // candidate on.
+    let rows = unsafe {
+        Rows {
+            scores: bufs
+                .scores
+                .add(score_offset(b, dense_head, dense_heads, p.max_pages) + first as usize),
+            table: bufs.block_tables.add((slot * p.max_pages) as usize),
+            held: bufs.held_pages.add(entry * p.held_capacity as usize),
+            index: bufs.index_pages.add(entry * p.entry_capacity as usize),
+            first,
+            candidates: newest - first,
+            offset: always_first as u32,
+        }
+    };
+    let resident = ResidentRun::new(rows.scores, rows.candidates, t);
+    // Block-table entries whose addresses depend on the length only: the resident run's, and
+    // page 0's and the newest page's (thread 0 writes those two last).
+    let (mut ids, mut ends) = ([0u32; KEY_BATCH], [0u32; 2]);
+    if selecting {
+        if let Some(run) = resident {
+            // SAFETY: the sequence's table row; candidates are its pages.
+            ids = unsafe { run.page_ids(rows.table, first) };
+        }
+        if t == 0 {
+            // SAFETY: pages 0 and `newest` are the sequence's (`len >= 1` when selecting).
+            ends = unsafe { [*rows.table, *rows.table.add(newest as usize)] };
+        }
+    }
+    // SAFETY: every thread, block-uniform; the barrier separates the zeroing from the passes.
+    unsafe {
+        zero_histograms(t);
+        sync_threads();
+    }
+    // Every block waits, even one with nothing to do: a kernel that completed before the one it
+    // overlaps could let the next kernel (which waits only for this one) start early.
+    // SAFETY: before this block's first read of anything a kernel before it writes.
+    unsafe { overlapped_entry() };
+    if !selecting {
+        return;
+    }
     // SAFETY: the slot is live: its counter and held state exist.
     let (step, held_len) = unsafe {
         (
@@ -187,98 +637,35 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     if !selection_due(len, p.dynamic_min_len, step, p.reuse_interval, held_len) {
         return; // reuse: the append keeps the entry (held selection, then the newest page)
     }
-    let newest = len.div_ceil(p.paged.page_tokens) - 1;
-    let t = thread_in_block();
-    // SAFETY (pointer offsets): the pair's rows of each table.
-    let (table, held, index) = unsafe {
-        (
-            bufs.block_tables.add((slot * p.max_pages) as usize),
-            bufs.held_pages.add(entry * p.held_capacity as usize),
-            bufs.index_pages.add(entry * p.entry_capacity as usize),
-        )
+    // Not loaded with the counters above, which would save a round trip when due: when not
+    // due (3 steps in 4 at reuse 4) the block could not exit before they arrived, from HBM if
+    // the workspace row has left the L2 since the last selection.
+    let keys = match resident {
+        // SAFETY: the workspace row holds every candidate's score.
+        Some(run) => unsafe { run.scores(rows.scores) }.map(score_key),
+        None => [0; KEY_BATCH],
     };
-    // Every thread has read `held_len` before the selection below may rewrite it.
-    // SAFETY: block-uniform (everything above is per block).
-    unsafe { sync_threads() };
-
-    // Candidates: pages first..newest (page 0 is not one when it is always included).
-    let first = p.always_include_first.min(newest);
-    let always_first = p.always_include_first != 0;
-    let candidates = newest - first;
-    // SAFETY: the pair's workspace row, from the first candidate on.
-    let scores = unsafe {
-        bufs.scores
-            .add(score_offset(b, dense_head, dense_heads, p.max_pages) + first as usize)
+    // Every thread reads `held_len` above before thread 0 rewrites it below: the block scan of
+    // both paths (a barrier) lies between.
+    let total = match resident {
+        // SAFETY: block-uniform (`resident` depends on the pair only); as set up above.
+        Some(run) => unsafe { select_resident(p.top_k, rows, run, keys, ids) },
+        // SAFETY: as above.
+        None => unsafe { select_streamed(p.top_k, rows) },
     };
-    let (threshold, take_equal) = if candidates > p.top_k {
-        // SAFETY: block-uniform; `1 <= top_k < candidates`.
-        unsafe { radix_select(scores, candidates, p.top_k) }
-    } else {
-        (0, u32::MAX) // every key is >= 0: take them all
-    };
-
-    // This thread's contiguous run of candidates, and what it holds of the top-K.
-    let per_thread = candidates.div_ceil(SELECT_THREADS);
-    let begin = (t * per_thread).min(candidates);
-    let end = (begin + per_thread).min(candidates);
-    let (mut above, mut equal) = (0u32, 0u32);
-    let mut c = begin;
-    while c < end {
-        // SAFETY: `end <= candidates`.
-        let keys = unsafe { key_batch(scores, c, 1, end) };
-        crate::unroll8!(u in 0..KEY_BATCH => {
-            if c + (u as u32) < end {
-                above += (keys[u] > threshold) as u32;
-                equal += (keys[u] == threshold) as u32;
-            }
-        });
-        c += KEY_BATCH as u32;
-    }
-    let warp_sums = dynamic_smem::<u32>(WARP_SUMS * 4);
-    // SAFETY: block-uniform.
-    let (equal_through, _) = unsafe { block_inclusive_scan(equal, warp_sums, SELECT_THREADS) };
-    let equal_before = equal_through - equal;
-    let taken = above + equal.min(take_equal.saturating_sub(equal_before));
-    // SAFETY: block-uniform.
-    let (taken_through, total) = unsafe { block_inclusive_scan(taken, warp_sums, SELECT_THREADS) };
 
     // Held selection: [0 if always included] ++ selected candidates (ascending) ++ [newest].
-    let mut at = always_first as u32 + taken_through - taken;
-    let mut equal_seen = equal_before;
-    let mut c = begin;
-    while c < end {
-        // SAFETY: `end <= candidates`.
-        let keys = unsafe { key_batch(scores, c, 1, end) };
-        crate::unroll8!(u in 0..KEY_BATCH => {
-            let key = keys[u];
-            if c + (u as u32) < end {
-                let take = key > threshold || (key == threshold && equal_seen < take_equal);
-                equal_seen += (key == threshold) as u32;
-                if take {
-                    let page = first + c + u as u32;
-                    // SAFETY: `at < 1 + K <= held_capacity`; the page is the sequence's, so its
-                    // block table entry exists.
-                    unsafe {
-                        *held.add(at as usize) = page;
-                        *index.add(at as usize) = *table.add(page as usize);
-                    }
-                    at += 1;
-                }
-            }
-        });
-        c += KEY_BATCH as u32;
-    }
     if t == 0 {
         // SAFETY: positions below `K + 2 <= held_capacity` and the entry capacity.
         unsafe {
             let mut n = always_first as u32 + total;
             if always_first {
-                *held = 0;
-                *index = *table;
+                *rows.held = 0;
+                *rows.index = ends[0];
             }
             if !(always_first && newest == 0) {
-                *held.add(n as usize) = newest;
-                *index.add(n as usize) = *table.add(newest as usize);
+                *rows.held.add(n as usize) = newest;
+                *rows.index.add(n as usize) = ends[1];
                 n += 1;
             }
             *bufs.held_lens.add(entry) = n;
