@@ -325,11 +325,19 @@ fn run_steps<E: DeviceElement>(
     gpu: &GpuContext,
     case: &Case,
     graph: bool,
+    first_step: u64,
 ) -> Result<(), TestCaseError> {
     use lserve::gpu::DecodeStep;
     use lserve::reference::decode_step::{decode_attention_tables, select_from_cache};
 
     let mut p = prompted::<E>(case);
+    // Start at decode step `first_step` (the cache is uploaded holding no selection: the first
+    // step selects whatever the counter says, on the device and in the reference).
+    for _ in 0..first_step {
+        for &s in &p.seqs {
+            p.mgr.advance_decode_step(s).unwrap();
+        }
+    }
     let g = *p.mgr.geometry();
     let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
     let mut cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
@@ -457,7 +465,7 @@ proptest! {
     #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
     fn decode_steps_match_reference(case in case_strategy(), graph in any::<bool>()) {
         let gpu = gpu();
-        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph))?;
+        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph, 0))?;
     }
 }
 
@@ -465,7 +473,8 @@ proptest! {
 /// These sequences start a page on a reuse step (prompt 46: position 48 on step 2), start one on
 /// a selection step (prompt 60: position 64 on step 4), and cross `dynamic_min_len` between
 /// selection steps (prompt 30: length 41 on step 10, after a page start while still dense);
-/// every step is compared with the reference, eagerly and as captured graphs.
+/// every step is compared with the reference, eagerly and as captured graphs, and once more with
+/// the cache uploaded at step 1 (holding no selection, so the first step must select).
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn reused_selections_follow_new_pages_without_the_selector() {
@@ -488,8 +497,11 @@ fn reused_selections_follow_new_pages_without_the_selector() {
         seed: 7,
     };
     for graph in [false, true] {
-        run_steps::<bf16>(&gpu, &case, graph).unwrap();
+        run_steps::<bf16>(&gpu, &case, graph, 0).unwrap();
     }
+    // Uploaded mid-decode (step 1 of reuse 4): the cache holds no selection, so the first step
+    // selects although its counter is not a multiple of 4 (`DecodeStep::selects`).
+    run_steps::<bf16>(&gpu, &case, false, 1).unwrap();
 }
 
 /// The `dynamic_min_len` profiler measures every requested length and recommends one of them:

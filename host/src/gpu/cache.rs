@@ -82,6 +82,10 @@ pub struct DeviceKvCache<E> {
     /// The sequence each slot held at the last [`sync_tables`](Self::sync_tables) (host side):
     /// a slot that changed hands gets its selection state reset.
     slot_owners: Vec<Option<SeqId>>,
+    /// Per slot (host side): no selection held since the cache was made or the slot's selection
+    /// state was reset, so the device selects at the slot's next step whatever its counter says
+    /// (`DecodeStep` then launches the selector; cleared once a step selected).
+    selection_pending: Vec<bool>,
     /// Sequences up to this length decode densely (`SparsityConfig::dynamic_min_len`).
     pub(crate) dynamic_min_len: u32,
     /// Softmax scale of the attention (`SparsityConfig::softmax_scale_for`).
@@ -288,6 +292,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             decode_steps: upload(stream, &step_counters(manager))?,
             slots: tables.slots as u32,
             slot_owners: slot_owners(manager),
+            selection_pending: vec![true; tables.slots],
             dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
             softmax_scale: cfg.softmax_scale_for(pattern_head_dim),
             config: *cfg,
@@ -424,6 +429,32 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     /// Layer `layer`'s buffers, mutable, with what every layer shares to read: the block tables
     /// (what a kernel writing the cache through them takes) and the decode step counters (what
     /// page selection takes).
+    /// Whether a slot of `batch` holds no selection yet (see `selection_pending`).
+    pub(crate) fn selection_pending(&self, batch: &DecodeBatch) -> bool {
+        batch.host_slots.iter().any(|&s| {
+            self.selection_pending
+                .get(s as usize)
+                .copied()
+                .unwrap_or(true)
+        })
+    }
+
+    /// Marks `slot`'s selection state as reset (the next step selects).
+    pub(crate) fn mark_selection_pending(&mut self, slot: u32) {
+        if let Some(p) = self.selection_pending.get_mut(slot as usize) {
+            *p = true;
+        }
+    }
+
+    /// Marks the slots of `batch` as holding a selection (a step with the selector ran for them).
+    pub(crate) fn clear_selection_pending(&mut self, batch: &DecodeBatch) {
+        for &s in &batch.host_slots {
+            if let Some(p) = self.selection_pending.get_mut(s as usize) {
+                *p = false;
+            }
+        }
+    }
+
     pub(crate) fn layer_parts_mut(
         &mut self,
         layer: usize,
@@ -521,11 +552,10 @@ impl DecodeBatch {
         Ok(())
     }
 
-    /// Whether some sequence of the batch selects pages on this step
+    /// Whether some sequence of the batch selects pages on this step by the step counters
     /// ([`SparsityConfig::selects_at`](crate::config::SparsityConfig::selects_at) with the
-    /// manager's decode step counters, as last [`set`](Self::set)). [`DecodeStep`](super::DecodeStep)
-    /// launches the selector only then; a captured step replays correctly on steps with the same
-    /// value (an engine captures one step with selection and one without).
+    /// manager's, as last [`set`](Self::set)). [`DecodeStep::selects`](super::DecodeStep::selects)
+    /// adds the slots that hold no selection yet.
     pub fn selection_due(&self) -> bool {
         self.selection_due
     }

@@ -386,6 +386,7 @@ pub fn reset_selection_state<E: DeviceElement>(
     }
     let stream = gpu.stream().clone();
     let s = slot as usize;
+    cache.mark_selection_pending(slot);
     stream.memset_zeros(&mut cache.decode_steps.slice_mut(s..s + 1))?;
     for layer in 0..cache.layers() {
         let l = cache.layer_mut(layer)?;

@@ -3,8 +3,8 @@
 //! graph and replayed (the batch description is rewritten in place before each replay).
 //!
 //! A captured step keeps the launch shapes of its capture: whether it selects
-//! ([`DecodeBatch::selection_due`]: capture one step of each kind and replay the one the batch
-//! asks for), the batch size, and the number of splits per (sequence, KV head), which was sized
+//! ([`DecodeStep::selects`]: capture one step of each kind and replay the one it names; a step
+//! captured with the selector is correct on every step), the batch size, and the number of splits per (sequence, KV head), which was sized
 //! for the lengths at capture time. Lengths may grow between replays (the kernels read them, and
 //! every split takes a share of the rows found on the device); a different batch size needs
 //! another capture.
@@ -54,6 +54,8 @@ use crate::Result;
 pub struct DecodeStep {
     attention: DecodeWorkspace,
     selection: SelectWorkspace,
+    /// Whether a layer of the current step launched the selector.
+    selected: bool,
 }
 
 impl DecodeStep {
@@ -67,15 +69,25 @@ impl DecodeStep {
         Ok(Self {
             attention: DecodeWorkspace::new(gpu, max_batch, g.kv_heads(), g.group(), g.head_dim())?,
             selection: SelectWorkspace::new(gpu, cache, max_batch)?,
+            selected: false,
         })
+    }
+
+    /// Whether a step of `batch` launches the selector: when some sequence's selection is due
+    /// by the step counters ([`DecodeBatch::selection_due`]), or a slot of the batch holds no
+    /// selection yet (the cache was uploaded, or the slot's selection state reset, since its
+    /// last selecting step). An engine that replays captured steps captures one with the
+    /// selector and one without and replays the one this names.
+    pub fn selects<E: DeviceElement>(cache: &DeviceKvCache<E>, batch: &DecodeBatch) -> bool {
+        batch.selection_due() || cache.selection_pending(batch)
     }
 
     /// One layer of the step: writes the new token's `k`, `v` `[B][Hkv][D]` into the cache
     /// (statistics updated), selects pages for the dense heads whose selection is due (sequences
     /// longer than `dynamic_min_len`; every `reuse_interval` steps, else the held selection plus
     /// the newest page), and attends: `q [B][Hq][D]` -> `out [B][Hq][D]`. The selector is
-    /// launched only when [`DecodeBatch::selection_due`]: a step that reuses every selection is
-    /// the append and the attention alone.
+    /// launched only when [`selects`](Self::selects): a step that reuses every selection is the
+    /// append and the attention alone.
     #[allow(clippy::too_many_arguments)]
     pub fn layer<E: DeviceElement>(
         &mut self,
@@ -89,8 +101,9 @@ impl DecodeStep {
         out: &mut CudaSlice<E>,
     ) -> Result<()> {
         append_kv(gpu, cache, layer, batch, k, v)?;
-        if batch.selection_due() {
+        if Self::selects(cache, batch) {
             select_pages(gpu, cache, layer, batch, q, &mut self.selection)?;
+            self.selected = true;
         }
         decode_attention(gpu, cache, layer, batch, q, out, &mut self.attention)
     }
@@ -103,6 +116,9 @@ impl DecodeStep {
         cache: &mut DeviceKvCache<E>,
         batch: &DecodeBatch,
     ) -> Result<()> {
+        if std::mem::take(&mut self.selected) {
+            cache.clear_selection_pending(batch);
+        }
         advance_decode_steps(gpu, cache, batch)
     }
 }
