@@ -53,9 +53,11 @@ pub struct AppendParams {
     pub cache: CacheLayout,
     /// Sequences longer than this select pages: when the token starts a new page, the append
     /// adds that page to each dense head's index-table entry (after its held selection), so a
-    /// step that reuses its selection needs no selector launch.
+    /// step that reuses its selection needs no selector launch. Equal to the layer's
+    /// `SelectParams::dynamic_min_len`.
     pub dynamic_min_len: u32,
-    /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`).
+    /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`). Equal to
+    /// `SelectParams::entry_capacity`; every held selection is shorter.
     pub entry_capacity: u32,
 }
 

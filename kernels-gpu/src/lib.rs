@@ -17,7 +17,9 @@
 //! - [`select`]: the page scorer, the top-K selector and the decode step counters;
 //! - [`decode`]: paged sparse decode attention and its split combine.
 //!
-//! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`).
+//! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`);
+//! the selector's warp scan, ballot and vector shared-memory loads are covered by
+//! `tests/gpu_select.rs` instead.
 #![no_std]
 #![feature(
     abi_gpu_kernel,

@@ -12,7 +12,8 @@ use core::arch::asm;
 /// selector, after its block scan's `if warp == 0 { .. }`; compute-sanitizer's synccheck then
 /// reported "divergent thread(s) in block"). Without `.aligned` threads may arrive through
 /// different barrier instructions and diverged, so source that is correct stays correct whatever
-/// LLVM does to the branches around it. Measured no slower (select/NOTES.md, prefill/NOTES.md).
+/// LLVM does to the branches around it. Measured no slower (decode/NOTES.md, "Session 4",
+/// item 5).
 ///
 /// # Safety
 /// Every thread of the block must arrive at a `barrier.sync 0` once per use (not skipped by
@@ -39,7 +40,9 @@ pub unsafe fn sync_warp() {
 /// host's `OverlappedLaunch`) have completed and their memory writes are visible
 /// (`griddepcontrol.wait`, CUDA's `cudaGridDependencySynchronize()`). A no-op for a kernel
 /// launched normally. Every kernel the host launches overlapped calls it before its first
-/// memory access.
+/// access (read or write) of global memory that a kernel before it may write or read; only host
+/// copies complete before the previous kernel started (the batch's `seq_len` / `seq_slot`, the
+/// head map, the block tables) may be read before it.
 ///
 /// # Safety
 /// None beyond being device code on sm_90 or later; `unsafe` like the other barriers.
@@ -67,7 +70,8 @@ pub unsafe fn launch_dependents() {
 /// kernel before, and no kernel's blocks start work before their inputs are complete.
 ///
 /// # Safety
-/// As [`grid_dependency_wait`]; called first thing in the kernel.
+/// As [`grid_dependency_wait`]: every thread that touches global memory calls it before any
+/// access other than reads of such host copies, and every block has a thread that calls it.
 #[inline(always)]
 pub unsafe fn overlapped_entry() {
     // SAFETY: forwarded.

@@ -163,7 +163,9 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize, C: TileCop
 /// # Safety
 /// Launched with grid `(p.splits, p.batch * p.kv_heads)`, `DECODE_THREADS` threads and
 /// `decode_smem_bytes(D)` bytes of dynamic shared memory; every pointer holds the layout the
-/// host-side launcher documents.
+/// host-side launcher documents; `seq_len`, `seq_slot`, `head_map` and the block tables are
+/// written by host copies enqueued before the previous kernel (not by a kernel): they are read
+/// before `overlapped_entry`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: TileCopy>(
@@ -190,7 +192,8 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: Til
     // Overlapped with the kernel before (the append or the selector): the batch description
     // and the head map above are copies from the host, complete before that kernel started;
     // the index tables, the cache rows and `q` may be its outputs.
-    // SAFETY: before this block's first read of anything the previous kernel writes.
+    // SAFETY: before this thread's first access of anything a kernel before it reads or writes
+    // (everything above is host copies).
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: the host validated slot, lengths and tables.
     let src = unsafe { RowSource::new(p, bufs, entry, slot, len) };

@@ -39,7 +39,9 @@ pub struct IndexEntries {
 /// `[kv_heads][head_dim]`; `seq_slot`, `seq_len` hold `batch` distinct live slots and lengths
 /// `>= 1` whose block-table rows map the page of position `len - 1`; the buffers hold the
 /// layouts in `p` and `head_dim % 8 == 0`; `index` holds `[slots][dense_heads]` lengths and
-/// entries of `p.entry_capacity` pages, each held selection shorter than that capacity.
+/// entries of `p.entry_capacity` pages, each held selection shorter than that capacity;
+/// `seq_len`, `seq_slot`, the head map and the block tables are written by host copies enqueued
+/// before the previous kernel (not by a kernel): they are read before `overlapped_entry`.
 #[inline(always)]
 pub unsafe fn append_kv<E: Half16>(
     p: &AppendParams,
@@ -54,6 +56,9 @@ pub unsafe fn append_kv<E: Half16>(
     let per_token = c.chunks_per_token();
     let i = block_idx_x() * KV_WRITE_THREADS + thread_idx_x();
     if i >= p.batch * per_token {
+        // Threads past the batch exit without waiting; every block keeps an in-range thread
+        // (the grid is `ceil(chunks / KV_WRITE_THREADS)`), which waits below, so this kernel
+        // cannot complete before the one it overlaps.
         return;
     }
     let (b, in_token) = (i / per_token, i % per_token);
@@ -67,7 +72,8 @@ pub unsafe fn append_kv<E: Half16>(
     // Overlapped with the kernel before: the batch description, head map and block tables read
     // so far are copies from the host, complete before that kernel started; `k`, `v`, the cache
     // and the selection state may be its outputs.
-    // SAFETY: before this thread's first read of anything the previous kernel writes.
+    // SAFETY: before this thread's first access of anything a kernel before it reads or writes
+    // (everything above is host copies).
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: activation chunk `i` is inside `[batch][kv_heads][head_dim]`.
     let (key, value) = unsafe {

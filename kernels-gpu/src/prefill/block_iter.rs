@@ -23,6 +23,10 @@
 
 use lserve_abi::prefill::{BLOCK_KV, BLOCK_Q};
 
+// Query and KV blocks are the same size: the diagonal of query block `qb` is KV block `qb`, and
+// the next query block's range is one KV block further ([`TileSpan`]).
+const _: () = assert!(BLOCK_Q == BLOCK_KV);
+
 /// The token-level pattern of a head: `j <= t && (j < sink || t - j < local)`.
 #[derive(Clone, Copy)]
 pub struct Window {

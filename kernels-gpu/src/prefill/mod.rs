@@ -31,8 +31,8 @@
 //!
 //! The two kernels have separate bodies of the same steps: [`prefill_attention`] (version 5:
 //! the arithmetic walk, K and V copied in one call) for the unmasked kernel, and
-//! [`prefill_attention_v3`] (version 3, as on `main` at `5a4cdde`) for the masked one, whose
-//! registers and schedule version 5's shared body made worse (NOTES.md, version 5).
+//! [`prefill_attention_v3`] (version 3, as at `5a4cdde` but for the barrier form) for the masked
+//! one, whose registers and schedule version 5's shared body made worse (NOTES.md, version 5).
 
 pub mod block_iter;
 pub mod mask;
@@ -188,7 +188,8 @@ unsafe fn prefill_attention<
     let warp_rows = 16 * ROW_TILES as u32;
     let tile_rows = warp_rows * WARPS;
     let q_resident = ROW_TILES == 1;
-    // The masked kernel is the one-row-tile kernel (its walk and `Q` handling below rely on it).
+    // A masked instantiation (none exists: the masked kernels run `prefill_attention_v3`) would
+    // be the one-row-tile kernel (the masked walk and `Q` handling below rely on it).
     const { assert!(MASKED == (ROW_TILES == 1)) };
 
     let (thread, lane) = (thread_in_block(), lane());
@@ -333,7 +334,8 @@ unsafe fn prefill_attention<
     // The walk, one block ahead of the computation: with two stages, block `i + 1` loads while
     // block `i` is computed.
     if MASKED {
-        // One query block (`Q` in registers), the caller mask: the bitset walk.
+        // Never instantiated (kept for the unmasked kernel's codegen, see the doc comment): one
+        // query block (`Q` in registers), the caller mask, the bitset walk.
         // SAFETY: every mask row holds `mask_words_per_row(seq_len)` words, one per 32 KV
         // blocks of the sequence, and the tile's query block is below that count.
         let mut walk = unsafe {
@@ -418,8 +420,9 @@ unsafe fn prefill_attention<
 /// masked only (`ROW_TILES` 1, `MASKED` true). Version 5's shared body gave this kernel 184
 /// instead of 225 registers at D 128 and a schedule that consumes its `K`/`V` fragment loads at
 /// once: -20% on the GPU (NOTES.md, version 5). Kept verbatim (its generics and unmasked paths
-/// included) so its PTX stays byte-identical to version 3's: `ptxas`'s schedule moves with any
-/// change of the LLVM input.
+/// included) so its PTX stays version 3's (byte-identical when restored; since then only
+/// `sync_threads`'s instruction differs, `barrier.sync` for `bar.sync`): `ptxas`'s schedule
+/// moves with any change of the LLVM input.
 ///
 /// # Safety
 /// As [`prefill_attention`]'s.

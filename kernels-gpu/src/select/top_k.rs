@@ -17,8 +17,9 @@
 //! sort needed.
 //!
 //! **Where the keys live.** Up to [`KEY_BATCH`] x [`SELECT_THREADS`] candidates (4096 less the
-//! up to 3 of the alignment [`ResidentRun`] describes: every candidate up to 256K tokens at
-//! 64-token pages), each thread's run is [`KEY_BATCH`] slots, loaded once (16-byte loads) and kept
+//! up to 3 of the alignment [`ResidentRun`] describes: at 64-token pages every candidate up to
+//! 256K tokens when the workspace rows are 16-byte aligned, `max_pages % 4 == 0`), each thread's
+//! run is [`KEY_BATCH`] slots, loaded once (16-byte loads) and kept
 //! in registers through the radix passes and the placement, and the block-table entries of its
 //! candidates are loaded before the kernel waits for the scorer. After the wait two global round
 //! trips remain: the step counter and held length (is the pair due?), then the keys.
@@ -264,7 +265,8 @@ impl RadixPass {
 unsafe fn find_digit(hist: u32, need: u32) -> (u32, u32) {
     // Lane `l` holds digits `base .. base + 8`, lane 0 the top eight.
     let base = BINS as u32 - 8 - 8 * lane();
-    // SAFETY: 32-byte aligned, inside the histogram; complete (caller).
+    // SAFETY: 16-byte aligned (the window is; `4 * base` is a multiple of 32), inside the
+    // histogram; complete (caller).
     let bins = unsafe {
         let [a, b, c, d] = ld_shared_v4_u32(hist + 4 * base);
         let [e, f, g, h] = ld_shared_v4_u32(hist + 4 * (base + 4));
@@ -559,7 +561,8 @@ unsafe fn select_streamed(k: u32, rows: Rows) -> u32 {
 /// Launched with grid `p.batch * p.paged.heads`, [`SELECT_THREADS`] threads and
 /// `SELECT_SMEM_BYTES` of dynamic shared memory, after the scorer on the same batch and state
 /// (overlapped or not); buffers as [`SelectBuffers`] documents, capacities as `p` states
-/// (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3, max_pages)`), slots live and
+/// (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3, max_pages)`: the held selection
+/// plus the page the append adds between selections), slots live and
 /// distinct; `seq_len`, `seq_slot` and the block tables written by host copies enqueued before
 /// the previous kernel, not by a kernel.
 #[inline(always)]
@@ -622,7 +625,8 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     }
     // Every block waits, even one with nothing to do: a kernel that completed before the one it
     // overlaps could let the next kernel (which waits only for this one) start early.
-    // SAFETY: before this block's first read of anything a kernel before it writes.
+    // SAFETY: before this block's first access of anything a kernel before it reads or writes
+    // (everything above is host copies and shared memory).
     unsafe { overlapped_entry() };
     if !selecting {
         return;
