@@ -26,7 +26,7 @@
 //! Each is captured in a CUDA graph (as an engine runs a decode step) and timed with CUDA
 //! events around `iters` back-to-back replays (criterion's `iter_custom`). A case with page
 //! selection is captured twice, with the selector and without (as `DecodeStep` launches it only
-//! on steps where `DecodeBatch::selection_due`), and each replay takes the graph its step needs:
+//! on steps `DecodeStep::selects` names), and each replay takes the graph its step needs:
 //! with reuse 4, one replay in four selects. Throughput is the
 //! bytes that must move (K and V of the rows visited, the key statistics the selector reads,
 //! amortized over the reuse interval; for `kv/append` the K/V activations read, the cache rows

@@ -4,7 +4,9 @@
 //! prompts, physical pages interleaved between sequences), then runs several reference decode
 //! steps (append, select when due, attend). After each step the reference's cache and index
 //! tables are uploaded, the GPU attends with the same queries into a poisoned output, and the
-//! result is compared per (sequence, query head) with the reference by relative error.
+//! result is compared per (sequence, query head) with the reference by relative error. Whole
+//! decode steps (`DecodeStep`: append, the selector when due, attention) are compared the same
+//! way, eagerly and as captured graphs.
 //!
 //! Ignored without a GPU (reported as ignored, never passed); `--ignored` runs them, and there a
 //! missing GPU is a failure.
@@ -354,6 +356,18 @@ fn run_steps<E: DeviceElement>(
 
         cache.sync_tables(gpu, &p.mgr).unwrap();
         batch_dev.set(gpu, &p.mgr, &p.seqs).unwrap();
+        // The selector runs on the first step (the uploaded cache holds no selection) and then
+        // only where a sequence selects by its counter: the other steps are append + attention.
+        let counters_say = p.seqs.iter().any(|&s| {
+            let view = p.mgr.view(s).unwrap();
+            p.config.selects_at(view.len, p.mgr.decode_step(s).unwrap())
+        });
+        prop_assert_eq!(
+            DecodeStep::selects(&cache, &batch_dev),
+            step == 0 || counters_say,
+            "step {}: whether the selector runs",
+            step
+        );
         stream.memcpy_htod(&q, &mut q_dev).unwrap();
         stream.memcpy_htod(&k, &mut k_dev).unwrap();
         stream.memcpy_htod(&v, &mut v_dev).unwrap();
@@ -416,8 +430,19 @@ fn run_steps<E: DeviceElement>(
                         .map(|x| x.to_f32())
                         .collect();
                     let sel = select_from_cache(&p.host, 0, &view, h, &q_group).unwrap();
-                    // The entries differ only where the held selections do, i.e. first on a
-                    // selecting step, where the entry is the selection (logical pages below).
+                    // The entries may differ only on a step where the reference selected (a
+                    // near-tie), where the entry is the selection (logical pages below).
+                    let selected_now = matches!(
+                        want.visits[b][h],
+                        lserve::reference::decode_step::HeadVisit::Selected {
+                            selected_now: true,
+                            ..
+                        }
+                    );
+                    prop_assert!(
+                        selected_now,
+                        "step {step}, seq {b}, head {h}: entries differ on a reuse step: GPU {got_pages:?}, reference {want_pages:?}"
+                    );
                     let logical: Vec<u32> = got_pages
                         .iter()
                         .map(|&x| {

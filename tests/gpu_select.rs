@@ -22,7 +22,7 @@
 
 mod common;
 
-use common::{check_selection, f16_or_bf16, gpu, head_pattern, random_vec};
+use common::{check_selection, f16_or_bf16, gpu, head_pattern, random_vec, SELECTION_TOL};
 use std::collections::BTreeMap;
 
 use half::bf16;
@@ -47,7 +47,6 @@ use rand::{Rng, SeedableRng};
 const INDEX_POISON: u32 = 0xDEAD_BEEF;
 const SCORE_POISON_BITS: u32 = 0x7FC0_DEAD; // a NaN
 /// Relative tolerance of raw scores and of near-ties.
-const TOL: f64 = 1e-4;
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -167,7 +166,7 @@ fn check_scores(row: &[f32], want: &[f64]) -> Result<(), String> {
     let scale = want.iter().fold(0.0f64, |m, s| m.max(s.abs()));
     for (p, (&g, &w)) in row.iter().zip(want).enumerate() {
         let g = g as f64;
-        if g.is_nan() || (g - w).abs() > TOL * w.abs().max(scale) {
+        if g.is_nan() || (g - w).abs() > SELECTION_TOL * w.abs().max(scale) {
             return Err(format!("page {p}: GPU score {g}, reference {w}"));
         }
     }
@@ -240,6 +239,7 @@ fn run_step<E: DeviceElement>(
                 let key = (seq.get(), layer, dh);
                 if !config.uses_page_selection(view.len) {
                     if index_len != INDEX_POISON
+                        || index.iter().any(|&p| p != INDEX_POISON)
                         || row.iter().any(|s| s.to_bits() != SCORE_POISON_BITS)
                     {
                         return Err(at("dense decode, but the tables or scores were written"));
@@ -292,7 +292,7 @@ fn run_step<E: DeviceElement>(
                         return Err(at(&format!("held changed: {held_now:?} vs {want:?}")));
                     }
                     // The decode append keeps a reusing pair's entry (tests/gpu_decode.rs).
-                    if index_len != INDEX_POISON {
+                    if index_len != INDEX_POISON || index.iter().any(|&p| p != INDEX_POISON) {
                         return Err(at("reused step, but the selector wrote the index entry"));
                     }
                 }
@@ -445,7 +445,7 @@ fn selection_matches_reference() {
 }
 
 /// Reuse 4 over many steps, all heads past `dynamic_min_len`: the selector writes the held
-/// selections and index tables only on steps 0, 4, 8.
+/// selections and index tables only on steps 0, 4, 8 and 12.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn reuse_four_changes_tables_only_on_due_steps() {

@@ -51,9 +51,9 @@ pub struct AppendParams {
     pub batch: u32,
     /// Where rows go.
     pub cache: CacheLayout,
-    /// Sequences longer than this select pages: when the token starts a new page, the append
-    /// adds that page to each dense head's index-table entry (after its held selection), so a
-    /// step that reuses its selection needs no selector launch. Equal to the layer's
+    /// Sequences longer than this select pages: the append makes each dense head's index-table
+    /// entry its held selection followed by the token's page (unless the selection ends with
+    /// it), so a step that reuses its selection needs no selector launch. Equal to the layer's
     /// `SelectParams::dynamic_min_len`.
     pub dynamic_min_len: u32,
     /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`). Equal to

@@ -426,9 +426,6 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         self.layer_parts_mut(layer).map(|(l, _, _)| l)
     }
 
-    /// Layer `layer`'s buffers, mutable, with what every layer shares to read: the block tables
-    /// (what a kernel writing the cache through them takes) and the decode step counters (what
-    /// page selection takes).
     /// Whether a slot of `batch` holds no selection yet (see `selection_pending`).
     pub(crate) fn selection_pending(&self, batch: &DecodeBatch) -> bool {
         batch.host_slots.iter().any(|&s| {
@@ -455,6 +452,9 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         }
     }
 
+    /// Layer `layer`'s buffers, mutable, with what every layer shares to read: the block tables
+    /// (what a kernel writing the cache through them takes) and the decode step counters (what
+    /// page selection takes).
     pub(crate) fn layer_parts_mut(
         &mut self,
         layer: usize,
@@ -556,6 +556,33 @@ impl DecodeBatch {
     /// ([`SparsityConfig::selects_at`](crate::config::SparsityConfig::selects_at) with the
     /// manager's, as last [`set`](Self::set)). [`DecodeStep::selects`](super::DecodeStep::selects)
     /// adds the slots that hold no selection yet.
+    ///
+    /// ```no_run
+    /// use half::bf16;
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{DecodeBatch, DeviceKvCache, GpuContext};
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    ///
+    /// let gpu = GpuContext::new(0)?;
+    /// let g = ModelGeometry::llama3_8b();
+    /// let pattern = HeadPattern::interleaved(g, 0.5)?;
+    /// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 4, 65536)?;
+    /// let seq = mgr.add_sequence()?;
+    /// mgr.reserve(seq, 20_000)?;
+    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// cache.sync_tables(&gpu, &mgr)?;
+    /// let mut batch = DecodeBatch::new(&gpu, 4)?;
+    /// batch.set(&gpu, &mgr, &[seq])?;
+    /// assert!(batch.selection_due()); // decode step 0, 20,000 tokens > dynamic_min_len
+    /// mgr.advance_decode_step(seq)?;
+    /// mgr.reserve(seq, 1)?;
+    /// cache.sync_tables(&gpu, &mgr)?;
+    /// batch.set(&gpu, &mgr, &[seq])?;
+    /// assert!(!batch.selection_due()); // step 1 of reuse interval 4
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
     pub fn selection_due(&self) -> bool {
         self.selection_due
     }

@@ -163,6 +163,15 @@ impl GpuContext {
 }
 
 /// Per-thread resources of a kernel as the driver compiled it ([`GpuContext::kernel_resources`]).
+///
+/// ```no_run
+/// let gpu = lserve::gpu::GpuContext::new(0)?;
+/// for name in lserve::gpu::GpuContext::kernel_names() {
+///     let r: lserve::gpu::KernelResources = gpu.kernel_resources(name)?;
+///     println!("{name}: {} registers, {} local bytes", r.registers, r.local_bytes);
+/// }
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelResources {
     /// Registers per thread.

@@ -218,7 +218,8 @@ pub fn decode_attention<E: DeviceElement>(
     // workspace; the cache's buffers have the layouts in `params` (built from them), `batch`
     // holds slots and lengths checked against this cache (`check_batch`), and the tables hold
     // page ids below the pool's capacity (the manager and the selection kernels write only those).
-    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
+    // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
+    // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;
 
     let combine = ByValue(CombineParams {
@@ -246,7 +247,8 @@ pub fn decode_attention<E: DeviceElement>(
     // SAFETY: matches `decode_combine_*(CombineParams, *const f32, *const f32, *mut u16)`; the
     // partial states were written for this batch and split count just above, on this stream;
     // `out` holds at least `B * Hq * D` elements (checked).
-    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
+    // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
+    // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

@@ -119,9 +119,9 @@ fn blocks_for(chunks: usize) -> Result<u32> {
 /// the per-channel min/max with it: exactly `reference::decode_step::update_key_stats`);
 /// streaming KV heads write their sink or ring row. The block tables on the device must map the
 /// token's page (reserve, then [`DeviceKvCache::sync_tables`]). For a sequence past
-/// `dynamic_min_len` whose token starts a page, each dense head's index-table entry gets that
-/// page right after its held selection: between the steps that select, the entries stay
-/// current without a selector launch (see [`select_pages`](super::select_pages)).
+/// `dynamic_min_len`, each dense head's index-table entry becomes its held selection followed
+/// by the token's page (unless the selection ends with it): between the steps that select, the
+/// entries stay current without a selector launch (see [`select_pages`](super::select_pages)).
 ///
 /// Enqueued on the context's stream; allocates nothing and does not synchronize (it runs inside
 /// a captured decode step).
@@ -181,7 +181,8 @@ pub fn append_kv<E: DeviceElement>(
     // held selections, written by the selector, are shorter than `entry_capacity`), the
     // batch holds distinct live slots of lengths in `1..=max_pages * N_P` (checked; the manager
     // set them), and the block tables hold page ids below the capacity (the manager's).
-    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
+    // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
+    // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

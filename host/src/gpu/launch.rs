@@ -61,8 +61,10 @@ unsafe impl<T: LaunchParams> DeviceRepr for ByValue<T> {}
 /// once every block of the previous kernel has signalled (`griddepcontrol.launch_dependents`) or
 /// exited, instead of after that kernel's completion. The kernel's blocks then wait
 /// (`griddepcontrol.wait`, `sync::overlapped_entry` in the kernel crate) until the previous
-/// kernel has completed and its writes are visible before they touch memory; what overlaps is
-/// the launch itself (block scheduling, parameter loads), which is most of a small kernel's cost.
+/// kernel has completed and its writes are visible before they touch memory that a kernel may
+/// write (some first read what only host copies write: batch lengths and slots, head map, block
+/// tables); what overlaps is the launch itself (block scheduling, parameter loads) and those
+/// reads, which is most of a small kernel's cost.
 /// The decode step's kernels are launched this way; the ordering is the stream's, as before.
 ///
 /// The builder mirrors cudarc's `LaunchArgs`: arguments in kernel-signature order, then

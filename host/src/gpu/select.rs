@@ -10,7 +10,8 @@
 //! its step counter and held selections. Selection runs for a (sequence, dense KV head) when
 //! the sequence is longer than `dynamic_min_len` and its step counter is a multiple of the
 //! reuse interval, or the head holds no selection yet; in between the held selection is reused
-//! plus the newest page (`docs/ARCHITECTURE.md`, "Reuse"). Everything — counters, held
+//! plus the newest page, which the decode append adds to the entry (`docs/ARCHITECTURE.md`,
+//! "Reuse"). Everything — counters, held
 //! selections, index tables — stays on the device: the step launches allocate nothing and never
 //! synchronize, so they can be captured in a CUDA graph. Launch sizes come from the batch's
 //! lengths as last set, but every kernel loops over what it finds on the device, so a captured
@@ -268,15 +269,19 @@ pub fn score_pages<E: DeviceElement>(
     // layout in `params.paged` (built from this layer); the batch's slots and lengths are live
     // (validated by `DecodeBatch::set`) and their block tables hold pool page ids; the
     // workspace holds `B * Hd * max_pages` scores (checked).
-    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
+    // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
+    // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 
 /// Runs the top-K selection of every due pair of `layer` from the scores in `ws` (written by
-/// [`score_pages`] on the same batch and step) and writes every pair's index-table entry: the
-/// held selection plus the newest page, ascending logical order, as physical page ids. Pairs of
-/// sequences at most `dynamic_min_len` long are left alone (attention reads their block table).
+/// [`score_pages`] on the same batch and step) and writes its held selection and index-table
+/// entry (the selection, newest page included; ascending logical order, as physical page ids).
+/// A pair that reuses its selection is left alone: [`append_kv`](super::append_kv) keeps its
+/// entry (the held selection, then the token's page), so decode tokens are written with
+/// `append_kv`. Pairs of sequences at most `dynamic_min_len` long are left alone too (attention
+/// reads their block table).
 /// Enqueued on the context's stream; allocates nothing and does not synchronize.
 ///
 /// Errors as [`score_pages`].
@@ -363,14 +368,18 @@ pub fn advance_decode_steps<E: DeviceElement>(
     // SAFETY: matches `advance_decode_steps(u32, *const u32, *mut u32)`; the grid covers `b`
     // threads; the batch's slots are distinct live slots below the cache's slot count
     // (`DecodeBatch::set`), each with one counter.
-    // Overlapped: the kernel waits for the previous one first (`overlapped_entry`).
+    // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
+    // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 
 /// Zeroes the selection state of `slot`: its decode step counter and, in every layer, the held
-/// selections of its dense heads. Call when a sequence is added in that slot (before its first
-/// decode step). Asynchronous on the context's stream.
+/// selections of its dense heads; its next step selects. Call when a sequence is added in that
+/// slot (before its first decode step), i.e. for a sequence whose
+/// `KvCacheManager::decode_step` is 0: [`DecodeStep::selects`](super::DecodeStep::selects)
+/// decides launches from the manager's counter, which this does not reset. Asynchronous on the
+/// context's stream.
 ///
 /// Errors: `InvalidArgument` if `slot` is not below the cache's slot count.
 pub fn reset_selection_state<E: DeviceElement>(

@@ -3,8 +3,8 @@
 //! graph and replayed (the batch description is rewritten in place before each replay).
 //!
 //! A captured step keeps the launch shapes of its capture: whether it selects
-//! ([`DecodeStep::selects`]: capture one step of each kind and replay the one it names; a step
-//! captured with the selector is correct on every step), the batch size, and the number of splits per (sequence, KV head), which was sized
+//! ([`DecodeStep::selects`], decided before capturing; a step captured with the selector is
+//! correct on every step, one without only where `selects` is false), the batch size, and the number of splits per (sequence, KV head), which was sized
 //! for the lengths at capture time. Lengths may grow between replays (the kernels read them, and
 //! every split takes a share of the rows found on the device); a different batch size needs
 //! another capture.
@@ -78,6 +78,30 @@ impl DecodeStep {
     /// selection yet (the cache was uploaded, or the slot's selection state reset, since its
     /// last selecting step). An engine that replays captured steps captures one with the
     /// selector and one without and replays the one this names.
+    ///
+    /// ```no_run
+    /// use half::bf16;
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    ///
+    /// let gpu = GpuContext::new(0)?;
+    /// let g = ModelGeometry::llama3_8b();
+    /// let pattern = HeadPattern::interleaved(g, 0.5)?;
+    /// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 4, 65536)?;
+    /// let seq = mgr.add_sequence()?;
+    /// mgr.reserve(seq, 20_000)?;
+    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// cache.sync_tables(&gpu, &mgr)?;
+    /// let mut batch = DecodeBatch::new(&gpu, 4)?;
+    /// batch.set(&gpu, &mgr, &[seq])?;
+    /// // Decode step 0 of a sequence past `dynamic_min_len`: due by the counters, and the new
+    /// // cache holds no selection either.
+    /// assert!(batch.selection_due() && DecodeStep::selects(&cache, &batch));
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
     pub fn selects<E: DeviceElement>(cache: &DeviceKvCache<E>, batch: &DecodeBatch) -> bool {
         batch.selection_due() || cache.selection_pending(batch)
     }
@@ -108,17 +132,20 @@ impl DecodeStep {
         decode_attention(gpu, cache, layer, batch, q, out, &mut self.attention)
     }
 
-    /// Ends the step for every sequence of `batch` (advances their decode step counters on the
-    /// device). Call once, after the last layer.
+    /// Ends the step for every sequence of `batch`: advances their decode step counters on the
+    /// device and, if a layer launched the selector, marks their slots as holding a selection.
+    /// Call once, after the last layer; then advance the manager's counters of exactly the
+    /// batch's sequences (`KvCacheManager::advance_decode_step`).
     pub fn finish<E: DeviceElement>(
         &mut self,
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
         batch: &DecodeBatch,
     ) -> Result<()> {
+        advance_decode_steps(gpu, cache, batch)?;
         if std::mem::take(&mut self.selected) {
             cache.clear_selection_pending(batch);
         }
-        advance_decode_steps(gpu, cache, batch)
+        Ok(())
     }
 }

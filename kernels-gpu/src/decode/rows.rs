@@ -83,7 +83,9 @@ impl RowSource {
             )
         } else {
             let entry = slot * p.paged.heads + head;
-            let listed = unsafe { *bufs.index_lens.add(entry as usize) };
+            // Clamped into the entry: a pair that was never given one (a step replayed without
+            // the selector it needed) reads wrong pages of the pool, never past the table.
+            let listed = unsafe { *bufs.index_lens.add(entry as usize) }.clamp(1, p.max_selected);
             (
                 unsafe { bufs.index_tables.add((entry * p.max_selected) as usize) },
                 listed,

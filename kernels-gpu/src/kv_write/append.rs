@@ -9,10 +9,11 @@
 //!
 //! **Index entries between selections.** A dense head's index-table entry is its held selection
 //! (physical ids, written by the selector on the steps it selects) followed by the newest page
-//! if that page is not in it. The newest page changes only when a token starts a page, so the
-//! append keeps the entry: the token that starts a page puts it right after the held selection.
-//! Steps that reuse their selection then need no selector launch at all. (On a step that
-//! selects, the selector rewrites the entry after the append.)
+//! if the selection does not end with it. Every append of a sequence past `dynamic_min_len`
+//! rewrites that tail from the token's page, so the entry is right however the sequence reached
+//! its length (one token per step, or rows written in between), and a step that reuses its
+//! selection needs no selector launch. (On a step that selects, the selector rewrites the entry
+//! after the append.)
 
 use lserve_abi::kv_write::{AppendParams, CHUNK_ELEMS, KV_WRITE_THREADS};
 
@@ -86,9 +87,9 @@ pub unsafe fn append_kv<E: Half16>(
     unsafe { write_chunk(c, bufs, target, slot, chunk, key, value) };
 
     if let RowTarget::Dense { page, head, token } = target {
-        if chunk == 0 && token == 0 && len > p.dynamic_min_len {
+        if chunk == 0 && len > p.dynamic_min_len {
             // SAFETY: the pair's entry exists (`slot` live, `head < dense_heads`).
-            unsafe { extend_index_entry(p, index, slot * c.paged.heads + head, page) };
+            unsafe { keep_index_entry(p, index, slot * c.paged.heads + head, page) };
         }
         let n_l = c.paged.logical_tokens;
         let offset = chunk_at(c.paged.stats_row(page, head, token / n_l), chunk);
@@ -112,24 +113,28 @@ pub unsafe fn append_kv<E: Half16>(
     }
 }
 
-/// Puts `page` (a page the token just started) right after the held selection of index entry
-/// `entry`. Nothing while the pair holds no selection (its first selection writes the entry),
-/// nor when the held selection already ends with `page` (it was selected with this token: the
-/// same step appended again, as a replayed graph does).
+/// Makes index entry `entry` the held selection followed by `page` (the newest page, the
+/// token's), unless the held selection ends with it. Nothing while the pair holds no selection
+/// (its first selection writes the entry). Idempotent: a replayed step writes the same.
 ///
 /// # Safety
 /// `entry` is a `[slots][dense_heads]` index of `index`'s buffers whose first `held` pages are
 /// written; held lengths are below `p.entry_capacity`.
 #[inline(always)]
-unsafe fn extend_index_entry(p: &AppendParams, index: &IndexEntries, entry: u32, page: u32) {
+unsafe fn keep_index_entry(p: &AppendParams, index: &IndexEntries, entry: u32, page: u32) {
     // SAFETY: forwarded; `0 < held < entry_capacity`, so positions `held - 1` and `held` are
     // inside the entry.
     unsafe {
         let held = *index.held_lens.add(entry as usize);
-        let pages = index.pages.add((entry * p.entry_capacity) as usize);
-        if held != 0 && *pages.add(held as usize - 1) != page {
-            *pages.add(held as usize) = page;
-            *index.lens.add(entry as usize) = held + 1;
+        if held != 0 {
+            let pages = index.pages.add((entry * p.entry_capacity) as usize);
+            let listed = if *pages.add(held as usize - 1) == page {
+                held
+            } else {
+                *pages.add(held as usize) = page;
+                held + 1
+            };
+            *index.lens.add(entry as usize) = listed;
         }
     }
 }
