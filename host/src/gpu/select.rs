@@ -11,11 +11,10 @@
 //! the sequence is longer than `dynamic_min_len` and its step counter is a multiple of the
 //! reuse interval, or the head holds no selection yet; in between the held selection is reused
 //! plus the newest page, which the decode append adds to the entry (`docs/ARCHITECTURE.md`,
-//! "Reuse"). Everything — counters, held
-//! selections, index tables — stays on the device: the step launches allocate nothing and never
-//! synchronize, so they can be captured in a CUDA graph. Launch sizes come from the batch's
-//! lengths as last set, but every kernel loops over what it finds on the device, so a captured
-//! launch stays correct as the sequences grow.
+//! "Reuse"). Everything — counters, held selections, index tables — stays on the device: the
+//! step launches allocate nothing and never synchronize, so they can be captured in a CUDA
+//! graph. Launch sizes come from the batch's lengths as last set, but every kernel loops over
+//! what it finds on the device, so a captured launch stays correct as the sequences grow.
 //!
 //! ```no_run
 //! use half::bf16;
@@ -378,7 +377,7 @@ pub fn advance_decode_steps<E: DeviceElement>(
 /// selections of its dense heads; its next step selects. Call when a sequence is added in that
 /// slot (before its first decode step), i.e. for a sequence whose
 /// `KvCacheManager::decode_step` is 0: [`DecodeStep::selects`](super::DecodeStep::selects)
-/// decides launches from the manager's counter, which this does not reset. Asynchronous on the
+/// decides launches from the manager's counter, which this does not touch. Asynchronous on the
 /// context's stream.
 ///
 /// Errors: `InvalidArgument` if `slot` is not below the cache's slot count.

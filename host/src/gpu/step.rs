@@ -4,10 +4,10 @@
 //!
 //! A captured step keeps the launch shapes of its capture: whether it selects
 //! ([`DecodeStep::selects`], decided before capturing; a step captured with the selector is
-//! correct on every step, one without only where `selects` is false), the batch size, and the number of splits per (sequence, KV head), which was sized
-//! for the lengths at capture time. Lengths may grow between replays (the kernels read them, and
-//! every split takes a share of the rows found on the device); a different batch size needs
-//! another capture.
+//! correct on every step, one without only where `selects` is false), the batch size, and the
+//! number of splits per (sequence, KV head), which was sized for the lengths at capture time.
+//! Lengths may grow between replays (the kernels read them, and every split takes a share of the
+//! rows found on the device); a different batch size needs another capture.
 
 use cudarc::driver::CudaSlice;
 
