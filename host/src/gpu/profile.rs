@@ -227,21 +227,26 @@ impl<E: DeviceElement> Variant<E> {
         Ok(())
     }
 
-    /// Median over `REPEATS` of the mean time of `REPLAYS` back-to-back replays, in µs.
+    /// Median over `REPEATS` of the mean time of `REPLAYS` back-to-back replays (rounded up to
+    /// whole reuse intervals, so every timed window holds as many selecting steps), in µs.
     fn median_us(&self, gpu: &GpuContext) -> Result<f64> {
         let stream = gpu.stream();
-        for _ in 0..REPLAYS {
+        let replays = match &self.reusing {
+            Some((_, config, _)) => REPLAYS.next_multiple_of(config.reuse_interval.max(1)),
+            None => REPLAYS,
+        };
+        for _ in 0..replays {
             self.replay()?; // warm-up
         }
         let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
         let mut times = Vec::with_capacity(REPEATS);
         for _ in 0..REPEATS {
             let start = stream.record_event(flags)?;
-            for _ in 0..REPLAYS {
+            for _ in 0..replays {
                 self.replay()?;
             }
             let end = stream.record_event(flags)?;
-            times.push(start.elapsed_ms(&end)? as f64 * 1e3 / REPLAYS as f64);
+            times.push(start.elapsed_ms(&end)? as f64 * 1e3 / replays as f64);
         }
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
