@@ -56,7 +56,8 @@ pub fn opaque_u32(x: u32) -> u32 {
     y
 }
 
-/// 16 bytes (eight 16-bit elements), aligned so a load or store of it is one vector access.
+/// 16 bytes (eight 16-bit or four 32-bit elements, as bits), aligned so a load or store of it is
+/// one vector access.
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
 pub struct Vec16(pub [u32; 4]);

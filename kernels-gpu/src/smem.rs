@@ -60,3 +60,14 @@ pub unsafe fn ld_shared_v4_u32(addr: u32) -> [u32; 4] {
     }
     v
 }
+
+/// Adds 1 to the shared `u32` at shared-window address `addr` (`red.shared.add`, atomic among
+/// the block's threads).
+///
+/// # Safety
+/// `addr` is 4-byte aligned and inside the block's shared memory.
+#[inline(always)]
+pub unsafe fn shared_increment_u32(addr: u32) {
+    // SAFETY: the caller guarantees the address. Writes memory: no `nomem`.
+    unsafe { asm!("red.shared.add.u32 [{0}], 1;", in(reg32) addr, options(nostack)) };
+}

@@ -28,14 +28,13 @@
 //! each pass, and the two passes over each thread's run load [`KEY_BATCH`] keys at a time: no
 //! hard maximum. `NOTES.md` counts the round trips and barriers of both.
 
-use core::arch::asm;
-
 use lserve_abi::select::{
     score_key, score_offset, selection_due, SelectParams, SELECT_SMEM_BYTES, SELECT_THREADS,
 };
 
 use super::scan::{block_inclusive_scan_pair, warp_inclusive_scan};
-use crate::smem::{dynamic_smem, ld_shared_v4_u32, shared_addr};
+use crate::math::Vec16;
+use crate::smem::{dynamic_smem, ld_shared_v4_u32, shared_addr, shared_increment_u32};
 use crate::sync::{overlapped_entry, sync_threads};
 use crate::thread::{block_idx_x, lane, thread_in_block};
 use crate::warp::{ballot, shfl_idx_u32};
@@ -79,31 +78,6 @@ const _: () = assert!(RADIX_PASSES * BINS == 2 * SELECT_THREADS as usize);
 /// Keys a thread holds at once: a resident run, the radix passes' strided keys of a streamed
 /// selection, and a batch of a streamed run.
 const KEY_BATCH: usize = 8;
-
-/// Adds 1 to the shared `u32` at window address `addr`.
-///
-/// # Safety
-/// `addr` is a 4-byte aligned address inside the block's shared memory.
-#[inline(always)]
-unsafe fn shared_increment(addr: u32) {
-    // SAFETY: the caller guarantees the address; `red` is atomic among the block's threads.
-    unsafe { asm!("red.shared.add.u32 [{0}], 1;", in(reg32) addr, options(nostack)) };
-}
-
-/// 16 bytes at a 16-byte aligned address: what one vector load reads.
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-struct F32x4([f32; 4]);
-
-/// `p[0..4]` in one 16-byte load.
-///
-/// # Safety
-/// `p` is 16-byte aligned and `p[0..4]` readable.
-#[inline(always)]
-unsafe fn load_f32x4(p: *const f32) -> [f32; 4] {
-    // SAFETY: forwarded.
-    unsafe { p.cast::<F32x4>().read().0 }
-}
 
 /// The keys of candidates `first + i * step` for `i < KEY_BATCH` that are below `end` (the rest
 /// zero; callers skip them), all loaded before any is used, so that their L2 round trips
@@ -199,8 +173,8 @@ impl ResidentRun {
             if self.valid >> s & 0xf == 0xf {
                 // SAFETY: four candidates' scores; the chunk starts at a frame slot that is a
                 // multiple of 4, so at a 16-byte boundary.
-                let v = unsafe { load_f32x4(scores.add(self.candidate(s) as usize)) };
-                raw[s..s + 4].copy_from_slice(&v);
+                let v = unsafe { scores.add(self.candidate(s) as usize).cast::<Vec16>().read() };
+                raw[s..s + 4].copy_from_slice(&v.0.map(f32::from_bits));
             } else {
                 crate::unroll8!(u in 0..4 => {
                     if self.holds(s + u) {
@@ -249,7 +223,7 @@ impl RadixPass {
     unsafe fn count(self, key: u32) {
         if key & self.mask == self.prefix {
             // SAFETY: a bin of the pass's histogram.
-            unsafe { shared_increment(self.hist + 4 * ((key >> self.shift) & 0xff)) };
+            unsafe { shared_increment_u32(self.hist + 4 * ((key >> self.shift) & 0xff)) };
         }
     }
 }
