@@ -3,9 +3,9 @@
 //!
 //! - `attention/dense`: our paged decode with every head dense (the dense baseline);
 //! - `attention/static`: 50% streaming heads, the rest dense;
-//! - `step/dynamic`: every head dense with page selection (budget 4096, reuse 4): the append,
-//!   selection when due and attention, per layer, averaged over steps (so selection counts 1 in
-//!   4). The graph
+//! - `step/dynamic`: every head dense with page selection (budget 4096, reuse 4): a decode step's
+//!   layer (`DecodeStep::layer_with_selector`: the append, selection when due, the attention),
+//!   per layer, averaged over steps (so selection counts 1 in 4). The graph
 //!   holds a whole step of [`step_layers`] layers (8 at batch 1, 4 at batch 16), each with its
 //!   own cache, and the step advance once at the end, as an engine runs it; the time reported is
 //!   the graph's divided by the layers. (One layer replayed alone would keep its few MB of
@@ -53,8 +53,8 @@ use lserve::cudarc::driver::{CudaGraph, CudaSlice};
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
     advance_decode_steps, append_kv, decode_attention, fill_random, pool_key_stats, select_pages,
-    DecodeBatch, DecodeWorkspace, DeviceKvCache, DeviceKvWritePlan, GpuContext, KvWritePlan,
-    SelectWorkspace,
+    DecodeBatch, DecodeStep, DecodeWorkspace, DeviceKvCache, DeviceKvWritePlan, GpuContext,
+    KvWritePlan, SelectWorkspace,
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::KvCacheManager;
@@ -74,6 +74,8 @@ struct Bench {
     batch: DecodeBatch,
     attention: DecodeWorkspace,
     selection: SelectWorkspace,
+    /// The decode step (`step/*`: a layer as an engine runs it).
+    step: DecodeStep,
     q: CudaSlice<bf16>,
     out: CudaSlice<bf16>,
     /// The step token's K and V, `[B][Hkv][D]` (what `append_kv` writes).
@@ -150,12 +152,14 @@ fn bench_case(
     fill_random(gpu, &mut v, 6)?;
     let attention = DecodeWorkspace::new(gpu, batch, HKV, HQ / HKV, D)?;
     let selection = SelectWorkspace::new(gpu, &cache, batch)?;
+    let step = DecodeStep::new(gpu, &cache, batch)?;
     stream.synchronize()?;
     Ok(Bench {
         cache,
         batch: b,
         attention,
         selection,
+        step,
         q,
         out,
         k,
@@ -360,12 +364,13 @@ fn decode(c: &mut Criterion) {
                 // `SparsityConfig::selects_at` asks for (the device's step counters advance one
                 // per replay from 0, as the replays count them).
                 let (config, len) = (l.config, l.len);
-                let mut step = |select: bool| {
+                let mut run_step = |select: bool| {
                     let Bench {
                         cache,
                         batch,
                         attention,
                         selection,
+                        step,
                         q,
                         out,
                         k,
@@ -374,7 +379,13 @@ fn decode(c: &mut Criterion) {
                     } = &mut l;
                     for layer in 0..layers {
                         if group_name == "step" {
-                            append_kv(&gpu, cache, layer, batch, k, v).expect("append");
+                            // A decode step's layer: the append (inside the attention launch
+                            // or before the selector), the selector if `select`, the attention.
+                            step.layer_with_selector(
+                                select, &gpu, cache, layer, batch, q, k, v, out,
+                            )
+                            .expect("step layer");
+                            continue;
                         }
                         if select {
                             select_pages(&gpu, cache, layer, batch, q, selection).expect("select");
@@ -388,8 +399,8 @@ fn decode(c: &mut Criterion) {
                         advance_decode_steps(&gpu, cache, batch).expect("advance");
                     }
                 };
-                let reusing = capture(&gpu, || step(false));
-                let selecting = run_select.then(|| capture(&gpu, || step(true)));
+                let reusing = capture(&gpu, || run_step(false));
+                let selecting = run_select.then(|| capture(&gpu, || run_step(true)));
                 let graph_for = |replay: u64| match &selecting {
                     Some(graph) if config.selects_at(len, replay) => graph,
                     _ => &reusing,

@@ -5,8 +5,9 @@
 //! steps (append, select when due, attend). After each step the reference's cache and index
 //! tables are uploaded, the GPU attends with the same queries into a poisoned output, and the
 //! result is compared per (sequence, query head) with the reference by relative error. Whole
-//! decode steps (`DecodeStep`: append, the selector when due, attention) are compared the same
-//! way, eagerly and as captured graphs.
+//! decode steps (`DecodeStep`: the selector when due, append and attention, the append inside
+//! the attention launch or before it) are compared the same way, cache included, eagerly and as
+//! captured graphs.
 //!
 //! Ignored without a GPU (reported as ignored, never passed); `--ignored` runs them, and there a
 //! missing GPU is a failure.
@@ -19,8 +20,8 @@ use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
-    decode_attention, DecodeBatch, DecodeWorkspace, DeviceElement, DeviceKvCache, GpuContext,
-    MAX_SPLITS,
+    decode_attention, AppendLaunch, DecodeBatch, DecodeWorkspace, DeviceElement, DeviceKvCache,
+    GpuContext, MAX_SPLITS,
 };
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
@@ -319,6 +320,41 @@ fn long_dense_sequence_uses_many_splits() {
     run_case_with_splits::<f16>(&gpu, &case, 1).unwrap();
 }
 
+/// The launch that appends, on long splits: one split per pair over a 20,000-token dense
+/// sequence puts the attention on the bulk-copy kernel with the append inside
+/// (`decode_attention_append_bulk_*`, which `AppendLaunch::Auto` never picks), and the newest row
+/// is patched into a stage the tensor memory accelerator filled. Two whole steps against the
+/// reference, cache included, for both element types and head dims.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn appending_launch_on_bulk_copied_tiles() {
+    let gpu = gpu();
+    let case = Case {
+        head_dim: 128,
+        kv_heads: 2,
+        group: 4,
+        streaming: vec![false, true],
+        page_tokens: 64,
+        logical_per_page: 4,
+        top_k: 8,
+        sink: 64,
+        local: 256,
+        dynamic_min_len: 1 << 20,
+        reuse: 1,
+        prompts: vec![20_000],
+        steps: 2,
+        f16: false,
+        seed: 11,
+    };
+    run_steps::<bf16>(&gpu, &case, false, 0, AppendLaunch::Fused, 1).unwrap();
+    let case = Case {
+        head_dim: 64,
+        f16: true,
+        ..case
+    };
+    run_steps::<f16>(&gpu, &case, true, 0, AppendLaunch::Fused, 1).unwrap();
+}
+
 /// Whole decode steps on the device (append, select when due, attend, advance), several in a
 /// row with reuse, against the reference decode step. Where the GPU's selection differs from the
 /// reference on a near-tie, that step is checked against the reference attending over the GPU's
@@ -328,6 +364,8 @@ fn run_steps<E: DeviceElement>(
     case: &Case,
     graph: bool,
     first_step: u64,
+    append: AppendLaunch,
+    max_splits: u32,
 ) -> Result<(), TestCaseError> {
     use lserve::gpu::DecodeStep;
     use lserve::reference::decode_step::{decode_attention_tables, select_from_cache};
@@ -343,7 +381,11 @@ fn run_steps<E: DeviceElement>(
     let g = *p.mgr.geometry();
     let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
     let mut cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
-    let mut step_ws = DecodeStep::new(gpu, &cache, batch).unwrap();
+    let mut step_ws = DecodeStep::new(gpu, &cache, batch)
+        .unwrap()
+        .with_append_launch(append)
+        .with_max_splits(max_splits)
+        .unwrap();
     let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
     let stream = gpu.stream().clone();
     let mut q_dev = stream.alloc_zeros::<E>(batch * hq * d).unwrap();
@@ -488,9 +530,17 @@ fn run_steps<E: DeviceElement>(
 proptest! {
     #[test]
     #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
-    fn decode_steps_match_reference(case in case_strategy(), graph in any::<bool>()) {
+    fn decode_steps_match_reference(
+        case in case_strategy(),
+        graph in any::<bool>(),
+        append in prop_oneof![
+            Just(AppendLaunch::Auto),
+            Just(AppendLaunch::Fused),
+            Just(AppendLaunch::Separate)
+        ],
+    ) {
         let gpu = gpu();
-        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph, 0))?;
+        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph, 0, append, MAX_SPLITS))?;
     }
 }
 
@@ -522,11 +572,13 @@ fn reused_selections_follow_new_pages_without_the_selector() {
         seed: 7,
     };
     for graph in [false, true] {
-        run_steps::<bf16>(&gpu, &case, graph, 0).unwrap();
+        for append in [AppendLaunch::Fused, AppendLaunch::Separate] {
+            run_steps::<bf16>(&gpu, &case, graph, 0, append, MAX_SPLITS).unwrap();
+        }
     }
     // Uploaded mid-decode (step 1 of reuse 4): the cache holds no selection, so the first step
     // selects although its counter is not a multiple of 4 (`DecodeStep::selects`).
-    run_steps::<bf16>(&gpu, &case, false, 1).unwrap();
+    run_steps::<bf16>(&gpu, &case, false, 1, AppendLaunch::Fused, MAX_SPLITS).unwrap();
 }
 
 /// The `dynamic_min_len` profiler measures every requested length and recommends one of them:

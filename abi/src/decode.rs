@@ -7,6 +7,7 @@
 //! [`DECODE_TILE_ROWS`]; split `s` of `splits` takes a contiguous run of tiles and writes a
 //! partial softmax state, which [`CombineParams`]' kernel merges into the output.
 
+use crate::kv_write::CacheLayout;
 use crate::layout::{PagedLayout, StreamingLayout};
 
 /// Threads per block of the decode attention kernel (4 warps).
@@ -83,6 +84,9 @@ pub struct DecodeParams {
     pub max_pages: u32,
     /// Row stride of the index tables (`[slots][dense_heads][max_selected]`).
     pub max_selected: u32,
+    /// Row stride of the held selections (`[slots][dense_heads][held_capacity]`); the last word
+    /// of a row is the held selection's newest page ([`crate::select::held_newest_at`]).
+    pub held_capacity: u32,
     /// A sequence of at most this many tokens attends to all its pages (block table).
     pub dynamic_min_len: u32,
     /// Softmax scale times `log2(e)` (the kernel works in base 2).
@@ -91,6 +95,32 @@ pub struct DecodeParams {
     pub paged: PagedLayout,
     /// The layer's streaming store.
     pub streaming: StreamingLayout,
+}
+
+impl DecodeParams {
+    /// The cache as the write kernels address it (a launch that appends writes through it).
+    ///
+    /// ```
+    /// use lserve_abi::decode::DecodeParams;
+    /// use lserve_abi::layout::{PagedLayout, StreamingLayout};
+    /// let paged = PagedLayout { capacity: 4, heads: 1, page_tokens: 64, logical_tokens: 16, head_dim: 128 };
+    /// let streaming =
+    ///     StreamingLayout { slots: 1, heads: 1, sink_tokens: 64, local_tokens: 256, head_dim: 128 };
+    /// let p = DecodeParams {
+    ///     batch: 1, kv_heads: 2, splits: 1, max_pages: 4, max_selected: 4, held_capacity: 4,
+    ///     dynamic_min_len: 0, scale_log2: 0.1275, paged, streaming,
+    /// };
+    /// let c = p.cache_layout();
+    /// assert_eq!((c.kv_heads, c.max_pages, c.paged, c.streaming), (2, 4, paged, streaming));
+    /// ```
+    pub const fn cache_layout(&self) -> CacheLayout {
+        CacheLayout {
+            kv_heads: self.kv_heads,
+            max_pages: self.max_pages,
+            paged: self.paged,
+            streaming: self.streaming,
+        }
+    }
 }
 
 /// Scalars of one combine launch (by value): grid `batch * q_heads`, [`COMBINE_THREADS`] threads.

@@ -61,6 +61,22 @@ pub struct SelectParams {
     pub paged: PagedLayout,
 }
 
+/// Position, in a held-selection row of `held_capacity` words, of the selection's newest page
+/// (a logical page number; the top-K writes it with the held length). The selection itself is
+/// the row's first `held_len` words, and always ends with that page. The decode kernel reads it
+/// beside the held length, so it knows whether the current newest page follows the selection
+/// without a second dependent load.
+///
+/// ```
+/// use lserve_abi::select::held_newest_at;
+/// // K = 64: up to 66 pages held, and the word after them.
+/// assert_eq!(held_newest_at(67), 66);
+/// ```
+#[inline(always)]
+pub const fn held_newest_at(held_capacity: u32) -> u32 {
+    held_capacity - 1
+}
+
 /// Whether a (sequence, dense KV head) pair runs page selection on this step
 /// (`docs/ARCHITECTURE.md`, "Reuse"): the sequence is past `dynamic_min_len` and either its
 /// decode step counter is a multiple of the reuse interval or the pair holds no selection yet.

@@ -42,6 +42,15 @@ pub fn fence_mbarrier_init() {
     unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
 }
 
+/// Orders this thread's earlier generic-proxy writes to shared memory before later
+/// async-proxy accesses of it (`fence.proxy.async.shared::cta`): needed before a bulk copy may
+/// overwrite bytes that plain stores wrote.
+#[inline(always)]
+pub fn fence_proxy_async_shared() {
+    // SAFETY: no operands; a fence. No `nomem`: memory accesses must not move across it.
+    unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) };
+}
+
 /// Arrives once on `bar` and raises its transaction count by `bytes`: the current phase then
 /// completes when `bytes` bytes of bulk copies have landed on it.
 ///

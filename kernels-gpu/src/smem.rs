@@ -71,3 +71,18 @@ pub unsafe fn shared_increment_u32(addr: u32) {
     // SAFETY: the caller guarantees the address. Writes memory: no `nomem`.
     unsafe { asm!("red.shared.add.u32 [{0}], 1;", in(reg32) addr, options(nostack)) };
 }
+
+/// Stores four consecutive `u32` at shared-window address `addr` (one `st.shared.v4`).
+///
+/// # Safety
+/// `addr` is 16-byte aligned and `addr..addr + 16` lies inside the block's shared memory; no
+/// other thread reads or writes those bytes concurrently (order with a barrier).
+#[inline(always)]
+pub unsafe fn st_shared_v4_u32(addr: u32, v: [u32; 4]) {
+    // SAFETY: the caller guarantees the address. Writes memory: no `nomem`.
+    unsafe {
+        asm!("st.shared.v4.u32 [{0}], {{{1}, {2}, {3}, {4}}};",
+             in(reg32) addr, in(reg32) v[0], in(reg32) v[1], in(reg32) v[2], in(reg32) v[3],
+             options(nostack));
+    }
+}

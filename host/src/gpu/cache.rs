@@ -44,7 +44,8 @@ pub struct DeviceLayer<E> {
     /// `[slots][dense_heads]` entries used.
     pub(crate) index_lens: CudaSlice<u32>,
     /// `[slots][dense_heads][held_capacity]` the held selection (logical page numbers,
-    /// ascending) from the last step that selected, reused until the next one.
+    /// ascending) from the last step that selected, reused until the next one; the row's last
+    /// word repeats the selection's newest page (`lserve_abi::select::held_newest_at`).
     pub(crate) held_pages: CudaSlice<u32>,
     /// `[slots][dense_heads]` pages in the held selection (0: nothing held).
     pub(crate) held_lens: CudaSlice<u32>,
@@ -73,7 +74,8 @@ pub struct DeviceKvCache<E> {
     pub(crate) block_tables: CudaSlice<u32>,
     pub(crate) max_pages: u32,
     pub(crate) entry_capacity: u32,
-    /// Room for a held selection: `K` + the first page + the newest page at selection time.
+    /// Words per held-selection row: room for `K` + the first page + the newest page at
+    /// selection time, and one more word that repeats that newest page.
     pub(crate) held_capacity: u32,
     /// `[slots]` decode step counter of the sequence in each slot (selection is due on steps
     /// `0, C, 2C, ...`), kept on the device so that a step never waits for the host.
@@ -219,7 +221,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         }
         let stream = gpu.stream();
         let slots = manager.max_sequences();
-        let held_capacity = cfg.held_selection_pages();
+        let held_capacity = cfg.held_selection_pages() + 1;
         let geometry = *pattern.geometry();
         let mut layers = Vec::with_capacity(geometry.layers());
         for layer in 0..geometry.layers() {

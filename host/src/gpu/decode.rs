@@ -8,6 +8,7 @@ use lserve_abi::decode::{
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
+use super::kv_write::append_kv;
 use super::launch::{grouped_kernel_name, ByValue, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
@@ -103,21 +104,69 @@ fn uses_bulk_copies(max_rows: u32, splits: u32) -> bool {
     max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows) >= BULK_MIN_TILES_PER_WARP
 }
 
-fn kernel_name(dtype: DType, head_dim: usize, group: usize, bulk: bool) -> Result<String> {
-    let prefix = if bulk {
-        "decode_attention_bulk"
-    } else {
-        "decode_attention"
+/// The split combine's entry point for `E`.
+fn combine_kernel<E: DeviceElement>() -> &'static str {
+    match E::DTYPE {
+        DType::BF16 => "decode_combine_bf16",
+        DType::F16 => "decode_combine_f16",
+    }
+}
+
+fn kernel_name(
+    dtype: DType,
+    head_dim: usize,
+    group: usize,
+    bulk: bool,
+    append: bool,
+) -> Result<String> {
+    let prefix = match (append, bulk) {
+        (false, false) => "decode_attention",
+        (false, true) => "decode_attention_bulk",
+        (true, false) => "decode_attention_append",
+        (true, true) => "decode_attention_append_bulk",
     };
     grouped_kernel_name(prefix, "decode kernel", dtype, head_dim, group)
 }
 
-/// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`.
+/// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`, over the
+/// cache as it is (the step's token already appended, e.g. by
+/// [`append_kv`](super::append_kv)).
 ///
 /// Streaming heads attend to their sink and ring rows; dense heads to every page of the block
-/// table while the sequence is at most `dynamic_min_len` long, else to the pages in their index
-/// table (which must hold the newest page last, as selection writes it). Enqueued on the
-/// context's stream; allocates nothing and does not synchronize.
+/// table while the sequence is at most `dynamic_min_len` long, else to the pages of their
+/// index-table entry (the held selection followed by the newest page unless the selection ends
+/// with it, as the selector and the append keep it). Enqueued on the context's stream; allocates
+/// nothing and does not synchronize.
+///
+/// Errors (nothing launched): `Empty` for an empty batch, `ShapeMismatch` for short `q`/`out`,
+/// `InvalidArgument` for a bad layer, a batch the cache cannot hold or a workspace sized for
+/// another geometry or a smaller batch.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{decode_attention, DecodeBatch, DecodeWorkspace, DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let pattern = HeadPattern::interleaved(g, 0.5)?;
+/// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 1000)?;
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// cache.sync_tables(&gpu, &mgr)?;
+/// // ... write the 1000 tokens' K/V ...
+/// let mut batch = DecodeBatch::new(&gpu, 1)?;
+/// batch.set(&gpu, &mgr, &[seq])?;
+/// let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
+/// let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+/// decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws)?;
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
 pub fn decode_attention<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &DeviceKvCache<E>,
@@ -127,6 +176,269 @@ pub fn decode_attention<E: DeviceElement>(
     out: &mut CudaSlice<E>,
     ws: &mut DecodeWorkspace,
 ) -> Result<()> {
+    let plan = check_and_plan(gpu, cache, layer, batch, q, None, out, ws)?;
+    launch_attention(gpu, cache, layer, batch, q, None, out, ws, plan)
+}
+
+/// The step's append and decode attention of one layer (what
+/// [`DecodeStep::layer`](super::DecodeStep::layer) runs, with the selector in between where the
+/// append is its own launch): writes the token of
+/// each sequence of `batch` (`k`, `v` `[B][Hkv][D]`) into the cache exactly as
+/// [`append_kv`](super::append_kv) does (rows, key statistics, index entries), and attends
+/// `q [B][Hq][D]` -> `out [B][Hq][D]` as [`decode_attention`] would after that append.
+///
+/// Where the attention is latency-bound (short splits: small batches of sparse or short
+/// sequences) it is one launch: the warp that attends to a (sequence, KV head) pair's newest row
+/// takes it from `k`, `v` and writes it into the cache, one kernel boundary fewer per layer.
+/// Otherwise the append kernel runs first (measured faster there; `fuses_append` in the source
+/// has the numbers). Enqueued on the context's stream; allocates nothing and does not
+/// synchronize.
+///
+/// Errors (nothing launched): as [`decode_attention`]'s, and `ShapeMismatch` for short `k`/`v`.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{append_and_attend, DecodeBatch, DecodeWorkspace, DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let pattern = HeadPattern::interleaved(g, 0.5)?;
+/// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 1001)?; // 1000 cached tokens and the new one
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// cache.sync_tables(&gpu, &mgr)?;
+/// let mut batch = DecodeBatch::new(&gpu, 1)?;
+/// batch.set(&gpu, &mgr, &[seq])?;
+/// let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
+/// let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+/// let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// append_and_attend(&gpu, &mut cache, 0, &batch, &q, &k, &v, &mut out, &mut ws)?;
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn append_and_attend<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    k: &CudaSlice<E>,
+    v: &CudaSlice<E>,
+    out: &mut CudaSlice<E>,
+    ws: &mut DecodeWorkspace,
+) -> Result<()> {
+    append_and_attend_as(
+        AppendLaunch::Auto,
+        gpu,
+        cache,
+        layer,
+        batch,
+        q,
+        k,
+        v,
+        out,
+        ws,
+    )
+}
+
+/// Where [`append_and_attend`] (and so [`DecodeStep`](super::DecodeStep)) appends the step's
+/// token. The result is the same; only the launches differ.
+///
+/// ```
+/// use lserve::gpu::AppendLaunch;
+/// assert_eq!(AppendLaunch::default(), AppendLaunch::Auto);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AppendLaunch {
+    /// Inside the attention launch where that is latency-bound (short splits), else before it
+    /// (as measured fastest on the H200; `fuses_append` in the source).
+    #[default]
+    Auto,
+    /// Always inside the attention launch.
+    Fused,
+    /// Always the append kernel, then the attention.
+    Separate,
+}
+
+/// [`append_and_attend`] with the append placed as `how` says.
+///
+/// ```no_run
+/// # use half::bf16;
+/// # use lserve::config::SparsityConfig;
+/// # use lserve::geometry::ModelGeometry;
+/// # use lserve::gpu::{append_and_attend_as, AppendLaunch, DecodeBatch, DecodeWorkspace, DeviceKvCache, GpuContext};
+/// # use lserve::head_pattern::HeadPattern;
+/// # use lserve::paging::KvCacheManager;
+/// # let gpu = GpuContext::new(0)?;
+/// # let g = ModelGeometry::llama3_8b();
+/// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+/// # let seq = mgr.add_sequence()?;
+/// # mgr.reserve(seq, 1001)?;
+/// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// # cache.sync_tables(&gpu, &mgr)?;
+/// # let mut batch = DecodeBatch::new(&gpu, 1)?;
+/// # batch.set(&gpu, &mgr, &[seq])?;
+/// # let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
+/// # let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+/// # let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// # let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// # let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// # let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// append_and_attend_as(AppendLaunch::Separate, &gpu, &mut cache, 0, &batch, &q, &k, &v, &mut out, &mut ws)?;
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn append_and_attend_as<E: DeviceElement>(
+    how: AppendLaunch,
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    k: &CudaSlice<E>,
+    v: &CudaSlice<E>,
+    out: &mut CudaSlice<E>,
+    ws: &mut DecodeWorkspace,
+) -> Result<()> {
+    let step = AppendAttend::check(how, gpu, cache, layer, batch, q, (k, v), out, ws)?;
+    step.append_first(gpu, cache, layer, batch, (k, v))?;
+    step.attend(gpu, cache, layer, batch, q, (k, v), out, ws)
+}
+
+/// One layer's append and attention, checked (nothing launched yet) and placed: a decode step
+/// launches [`append_first`](Self::append_first), then the selector if due, then
+/// [`attend`](Self::attend). The append kernel, when it runs on its own, thus runs before the
+/// selector, as measured fastest (`fuses_append`).
+#[derive(Clone, Copy)]
+pub(crate) struct AppendAttend {
+    plan: LaunchPlan,
+    fused: bool,
+}
+
+impl AppendAttend {
+    /// Validates the launches (every check of [`append_kv`] and [`decode_attention`]) and
+    /// places the append as `how` says.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check<E: DeviceElement>(
+        how: AppendLaunch,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        q: &CudaSlice<E>,
+        (k, v): (&CudaSlice<E>, &CudaSlice<E>),
+        out: &CudaSlice<E>,
+        ws: &DecodeWorkspace,
+    ) -> Result<Self> {
+        let plan = check_and_plan(gpu, cache, layer, batch, q, Some((k, v)), out, ws)?;
+        let fused = match how {
+            AppendLaunch::Auto => fuses_append(plan.max_rows, plan.splits),
+            AppendLaunch::Fused => true,
+            AppendLaunch::Separate => false,
+        };
+        // What the launches look up: fail here, before any of them is enqueued.
+        gpu.function(match E::DTYPE {
+            DType::BF16 => "append_kv_bf16",
+            DType::F16 => "append_kv_f16",
+        })?;
+        let bulk = uses_bulk_copies(plan.max_rows, plan.splits);
+        let geometry = *cache.pattern().geometry();
+        let d = geometry.head_dim();
+        let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, fused)?;
+        gpu.function_with_smem(&name, decode_smem_bytes(d as u32))?;
+        gpu.function(combine_kernel::<E>())?;
+        Ok(Self { plan, fused })
+    }
+
+    /// The append kernel, where the append is not part of the attention launch.
+    pub(crate) fn append_first<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        (k, v): (&CudaSlice<E>, &CudaSlice<E>),
+    ) -> Result<()> {
+        if self.fused {
+            return Ok(());
+        }
+        append_kv(gpu, cache, layer, batch, k, v)
+    }
+
+    /// The attention (appending inside it where placed so) and the combine.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attend<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        q: &CudaSlice<E>,
+        new: (&CudaSlice<E>, &CudaSlice<E>),
+        out: &mut CudaSlice<E>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<()> {
+        // With the append inside, the kernel writes the cache through the pointers
+        // `launch_attention` passes: `&mut` here is what makes that visible to the borrow
+        // checker.
+        let new = self.fused.then_some(new);
+        launch_attention(gpu, &*cache, layer, batch, q, new, out, ws, self.plan)
+    }
+}
+
+/// Whether [`append_and_attend`] appends inside the attention launch: when the attention is
+/// latency-bound, its longest split holding at most [`FUSED_MAX_TILES_PER_WARP`] tiles per warp.
+/// Longer splits take the append kernel first (in a decode step: before the selector), then the
+/// attention that does not append.
+///
+/// Measured (H200, 2026-11-30, `benches/decode.rs` `step/lserve` at 256K, LServe pattern, every
+/// launch fused against the append kernel first; decode NOTES, session 5), by tiles per warp of
+/// the longest split:
+///
+/// | batch | splits | tiles per warp | fused | append first |
+/// | ---: | ---: | ---: | ---: | ---: |
+/// | 1 | 34 | 2 | 15.04 µs | 15.73 µs |
+/// | 2 | 33 | 3 | 22.84 µs | 22.95 µs (after the selector) |
+/// | 4 | 16 | 5 | 33.37 µs | 32.87 µs (after the selector) |
+/// | 8 | 8 | 9 | 51.98 µs | 51.04 µs (after the selector) |
+/// | 16 | 4 | 17 | 88.8-89.4 µs | 86.1 µs (88.2 after the selector) |
+///
+/// The line sits between the measured sides.
+fn fuses_append(max_rows: u32, splits: u32) -> bool {
+    let warp_rows = DECODE_TILE_ROWS * (DECODE_THREADS / 32);
+    max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows) <= FUSED_MAX_TILES_PER_WARP
+}
+
+/// See [`fuses_append`].
+const FUSED_MAX_TILES_PER_WARP: u32 = 3;
+
+/// How one attention launch runs: the split count and the longest pair's rows it was sized for.
+#[derive(Clone, Copy)]
+struct LaunchPlan {
+    splits: u32,
+    max_rows: u32,
+}
+
+/// Validates a launch (nothing is launched on an error) and sizes it.
+#[allow(clippy::too_many_arguments)]
+fn check_and_plan<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    new: Option<(&CudaSlice<E>, &CudaSlice<E>)>,
+    out: &CudaSlice<E>,
+    ws: &DecodeWorkspace,
+) -> Result<LaunchPlan> {
     let geometry = *cache.pattern().geometry();
     let (hq, hkv, d, group) = (
         geometry.q_heads(),
@@ -143,6 +455,17 @@ pub fn decode_attention<E: DeviceElement>(
                 expected: b * hq * d,
                 actual: buf,
             });
+        }
+    }
+    if let Some((k, v)) = new {
+        for (what, buf) in [("k", k.len()), ("v", v.len())] {
+            if buf < b * hkv * d {
+                return Err(LserveError::ShapeMismatch {
+                    what,
+                    expected: b * hkv * d,
+                    actual: buf,
+                });
+            }
         }
     }
     let pairs = b * hkv;
@@ -175,19 +498,47 @@ pub fn decode_attention<E: DeviceElement>(
     let dense_heads = l.paged.heads as usize;
     let heavy_pairs = b * if dense_heads > 0 { dense_heads } else { hkv };
     let splits = choose_splits(gpu.sm_count(), heavy_pairs as u32, max_rows, ws.max_splits);
+    Ok(LaunchPlan { splits, max_rows })
+}
 
+/// Launches the attention (and the combine) as `plan` says, appending the step's token
+/// `new = (k, v)` inside the launch when given (then the kernel writes the cache: the caller
+/// holds it mutably). The arguments passed [`check_and_plan`].
+#[allow(clippy::too_many_arguments)]
+fn launch_attention<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    new: Option<(&CudaSlice<E>, &CudaSlice<E>)>,
+    out: &mut CudaSlice<E>,
+    ws: &mut DecodeWorkspace,
+    plan: LaunchPlan,
+) -> Result<()> {
+    let geometry = *cache.pattern().geometry();
+    let (hq, hkv, d, group) = (
+        geometry.q_heads(),
+        geometry.kv_heads(),
+        geometry.head_dim(),
+        geometry.group(),
+    );
+    let (b, l) = (batch.len(), cache.layer(layer)?);
+    let (pairs, LaunchPlan { splits, max_rows }) = (b * hkv, plan);
     let params = ByValue(DecodeParams {
         batch: b as u32,
         kv_heads: hkv as u32,
         splits,
         max_pages: cache.max_pages,
         max_selected: cache.entry_capacity,
-        dynamic_min_len: cfg_min_len,
+        held_capacity: cache.held_capacity,
+        dynamic_min_len: cache.dynamic_min_len,
         scale_log2: cache.softmax_scale * std::f32::consts::LOG2_E,
         paged: l.paged,
         streaming: l.streaming,
     });
-    let name = kernel_name(E::DTYPE, d, group, uses_bulk_copies(max_rows, splits))?;
+    let bulk = uses_bulk_copies(max_rows, splits);
+    let name = kernel_name(E::DTYPE, d, group, bulk, new.is_some())?;
     let smem = decode_smem_bytes(d as u32);
     let f = gpu.function_with_smem(&name, smem)?;
     let cfg = LaunchConfig {
@@ -197,14 +548,22 @@ pub fn decode_attention<E: DeviceElement>(
     };
     let stream = gpu.stream();
     let mut launch = OverlappedLaunch::new(stream, &f);
+    // Without a token the kernel reads `k_new`/`v_new` never: `q` stands in for them.
+    let (k_new, v_new) = new.unwrap_or((q, q));
     launch
         .value(&params)
         .buf(q)
+        .buf(k_new)
+        .buf(v_new)
         .buf(&l.k_pool)
         .buf(&l.v_pool)
+        .buf(&l.kmin)
+        .buf(&l.kmax)
         .buf(&l.k_stream)
         .buf(&l.v_stream)
         .buf(&cache.block_tables)
+        .buf(&l.held_pages)
+        .buf(&l.held_lens)
         .buf(&l.index_pages)
         .buf(&l.index_lens)
         .buf(&batch.seq_len)
@@ -213,11 +572,14 @@ pub fn decode_attention<E: DeviceElement>(
         .buf_mut(&mut ws.part_acc)
         .buf_mut(&mut ws.part_ml);
     // SAFETY: the argument list matches the kernel's signature (kernels-gpu/src/decode/mod.rs):
-    // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with
-    // `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay inside the
-    // workspace; the cache's buffers have the layouts in `params` (built from them), `batch`
-    // holds slots and lengths checked against this cache (`check_batch`), and the tables hold
-    // page ids below the pool's capacity (the manager and the selection kernels write only those).
+    // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay
+    // inside the workspace; the cache's buffers have the layouts in `params` (built from them),
+    // `batch` holds slots and lengths checked against this cache (`check_batch`), and the tables
+    // hold page ids below the pool's capacity (the manager and the selection kernels write only
+    // those). With `new` the kernel writes the cache as `append_kv` does (that function's
+    // contract: `k`, `v` hold `B * Hkv * D` elements, checked; distinct live slots; held
+    // selections shorter than the index capacity) and the caller holds the cache mutably
+    // (`append_and_attend`); without it the kernel writes only the workspace.
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;
@@ -229,10 +591,7 @@ pub fn decode_attention<E: DeviceElement>(
         head_dim: d as u32,
         splits,
     });
-    let f = gpu.function(match E::DTYPE {
-        DType::BF16 => "decode_combine_bf16",
-        DType::F16 => "decode_combine_f16",
-    })?;
+    let f = gpu.function(combine_kernel::<E>())?;
     let cfg = LaunchConfig {
         grid_dim: ((b * hq) as u32, 1, 1),
         block_dim: (COMBINE_THREADS, 1, 1),
@@ -288,20 +647,38 @@ mod tests {
     }
 
     #[test]
+    fn the_append_joins_latency_bound_launches_only() {
+        // LServe at b1 256K: 34 splits of a selection's ~4.3K rows, 2 tiles per warp.
+        assert!(fuses_append(67 * 64, 34));
+        // LServe at b4 256K: 16 splits, 5 tiles per warp; b16 256K: 4 splits, 17.
+        assert!(!fuses_append(67 * 64, 16));
+        assert!(!fuses_append(67 * 64, 4));
+        // Dense b1 256K: 66 splits, 62 tiles per warp.
+        assert!(!fuses_append(262_144, 66));
+        // Three tiles per warp (the line), and a split count of 0 read as 1.
+        assert!(fuses_append(3 * 64, 1) && !fuses_append(3 * 64 + 1, 1));
+        assert!(fuses_append(64, 0));
+    }
+
+    #[test]
     fn unsupported_shapes_are_typed_errors() {
-        assert!(kernel_name(DType::BF16, 128, 4, false)
+        assert!(kernel_name(DType::BF16, 128, 4, false, false)
             .is_ok_and(|n| n == "decode_attention_bf16_d128_g4"));
-        assert!(kernel_name(DType::BF16, 128, 4, true)
+        assert!(kernel_name(DType::BF16, 128, 4, true, false)
             .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
+        assert!(kernel_name(DType::F16, 64, 2, false, true)
+            .is_ok_and(|n| n == "decode_attention_append_f16_d64_g2"));
+        assert!(kernel_name(DType::BF16, 128, 8, true, true)
+            .is_ok_and(|n| n == "decode_attention_append_bulk_bf16_d128_g8"));
         assert!(matches!(
-            kernel_name(DType::F16, 256, 4, false),
+            kernel_name(DType::F16, 256, 4, false, true),
             Err(LserveError::InvalidArgument {
                 what: "head_dim",
                 ..
             })
         ));
         assert!(matches!(
-            kernel_name(DType::F16, 64, 3, true),
+            kernel_name(DType::F16, 64, 3, true, false),
             Err(LserveError::InvalidArgument { what: "group", .. })
         ));
     }

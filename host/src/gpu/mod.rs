@@ -15,7 +15,10 @@ mod step;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 pub use context::{driver_present, GpuContext, KernelResources, PTX, PTX_ARCH};
-pub use decode::{decode_attention, DecodeWorkspace, MAX_SPLITS};
+pub use decode::{
+    append_and_attend, append_and_attend_as, decode_attention, AppendLaunch, DecodeWorkspace,
+    MAX_SPLITS,
+};
 pub use kv_write::{
     append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, DeviceKvWritePlan,
     KvWritePlan,

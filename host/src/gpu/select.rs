@@ -148,8 +148,9 @@ fn select_params<E: DeviceElement>(
             field: "reuse_interval",
             reason: format!("{} does not fit in u32", cfg.reuse_interval),
         })?;
-    // An index entry never lists more than the sequence's pages.
-    let held_needed = cfg.held_selection_pages();
+    // An index entry never lists more than the sequence's pages. A held row also keeps the
+    // selection's newest page in its last word.
+    let held_needed = cfg.held_selection_pages() + 1;
     let entry_needed = cfg.selection_entry_pages().min(cache.max_pages as usize);
     if (cache.held_capacity as usize) < held_needed
         || (cache.entry_capacity as usize) < entry_needed
@@ -277,9 +278,10 @@ pub fn score_pages<E: DeviceElement>(
 /// Runs the top-K selection of every due pair of `layer` from the scores in `ws` (written by
 /// [`score_pages`] on the same batch and step) and writes its held selection and index-table
 /// entry (the selection, newest page included; ascending logical order, as physical page ids).
-/// A pair that reuses its selection is left alone: [`append_kv`](super::append_kv) keeps its
-/// entry (the held selection, then the token's page), so decode tokens are written with
-/// `append_kv`. Pairs of sequences at most `dynamic_min_len` long are left alone too (attention
+/// A pair that reuses its selection is left alone: the append ([`append_kv`](super::append_kv),
+/// or the attention launch that appends, [`append_and_attend`](super::append_and_attend)) keeps
+/// its entry (the held selection, then the token's page), so decode tokens are written with one
+/// of those. Pairs of sequences at most `dynamic_min_len` long are left alone too (attention
 /// reads their block table).
 /// Enqueued on the context's stream; allocates nothing and does not synchronize.
 ///
@@ -317,7 +319,7 @@ pub fn select_top_k<E: DeviceElement>(
         .buf_mut(&mut l.index_lens);
     // SAFETY: the arguments match `select_pages` (kernels-gpu/src/select/mod.rs). Grid `B * Hd`,
     // `SELECT_THREADS` threads, `SELECT_SMEM_BYTES` of shared memory as the kernel requires; the
-    // capacities were checked (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3,
+    // capacities were checked (`held_capacity >= K + 3`, `entry_capacity >= min(K + 3,
     // max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair owns its
     // held state and index entry; the workspace rows were written by the scorer for the due
     // pairs of this batch (the only rows whose scores the selector uses; it may load a not-due
@@ -341,6 +343,34 @@ pub fn select_pages<E: DeviceElement>(
 ) -> Result<()> {
     score_pages(gpu, cache, layer, batch, q, ws)?;
     select_top_k(gpu, cache, layer, batch, ws)
+}
+
+/// Every check [`select_pages`] makes before it launches anything, without launching: a decode
+/// step validates all its launches first, so that a bad argument leaves the cache unchanged.
+pub(crate) fn check_select_pages<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    ws: &SelectWorkspace,
+) -> Result<()> {
+    let geometry = *cache.pattern().geometry();
+    let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
+    let name = score_kernel_name(E::DTYPE, d, group)?;
+    let l = cache.layer(layer)?;
+    check_launch(cache, l, batch, ws)?;
+    if q.len() < batch.len() * hq * d {
+        return Err(LserveError::ShapeMismatch {
+            what: "q",
+            expected: batch.len() * hq * d,
+            actual: q.len(),
+        });
+    }
+    select_params(cache, l, batch.len())?;
+    gpu.function(&name)?;
+    gpu.function("select_pages")?;
+    Ok(())
 }
 
 /// Advances the decode step counter of every sequence of `batch` by one: call once per model

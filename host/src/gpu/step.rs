@@ -1,5 +1,6 @@
-//! A whole decode step on the device: per layer append, select when due, attend; then advance
-//! the step counters. No allocation, no host synchronization: a step can be captured in a CUDA
+//! A whole decode step on the device: per layer the append, the selector when due and the
+//! attention (the append inside the attention launch where that is latency-bound, else the
+//! append kernel first); then advance the step counters. No allocation, no host synchronization: a step can be captured in a CUDA
 //! graph and replayed (the batch description is rewritten in place before each replay).
 //!
 //! A captured step keeps the launch shapes of its capture: whether it selects
@@ -12,9 +13,8 @@
 use cudarc::driver::CudaSlice;
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::decode::{decode_attention, DecodeWorkspace};
-use super::kv_write::append_kv;
-use super::select::{advance_decode_steps, select_pages, SelectWorkspace};
+use super::decode::{AppendAttend, AppendLaunch, DecodeWorkspace};
+use super::select::{advance_decode_steps, check_select_pages, select_pages, SelectWorkspace};
 use super::GpuContext;
 use crate::Result;
 
@@ -56,6 +56,8 @@ pub struct DecodeStep {
     selection: SelectWorkspace,
     /// Whether a layer of the current step launched the selector.
     selected: bool,
+    /// Where the append runs ([`AppendLaunch::Auto`] unless set).
+    append: AppendLaunch,
 }
 
 impl DecodeStep {
@@ -70,7 +72,54 @@ impl DecodeStep {
             attention: DecodeWorkspace::new(gpu, max_batch, g.kv_heads(), g.group(), g.head_dim())?,
             selection: SelectWorkspace::new(gpu, cache, max_batch)?,
             selected: false,
+            append: AppendLaunch::Auto,
         })
+    }
+
+    /// Places the append of every layer as `how` says (default [`AppendLaunch::Auto`]: inside
+    /// the attention launch where that is latency-bound). The results are the same.
+    ///
+    /// ```no_run
+    /// # use half::bf16;
+    /// # use lserve::config::SparsityConfig;
+    /// # use lserve::geometry::ModelGeometry;
+    /// # use lserve::gpu::{AppendLaunch, DecodeStep, DeviceKvCache, GpuContext};
+    /// # use lserve::head_pattern::HeadPattern;
+    /// # use lserve::paging::KvCacheManager;
+    /// # let gpu = GpuContext::new(0)?;
+    /// # let g = ModelGeometry::llama3_8b();
+    /// # let mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 4, 65536)?;
+    /// # let cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// let step = DecodeStep::new(&gpu, &cache, 4)?.with_append_launch(AppendLaunch::Separate);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn with_append_launch(mut self, how: AppendLaunch) -> Self {
+        self.append = how;
+        self
+    }
+
+    /// At most `max_splits` splits per (sequence, KV head) in this step's attention launches
+    /// ([`DecodeWorkspace::with_max_splits`]).
+    ///
+    /// Errors: `InvalidArgument` unless `1 <= max_splits <= MAX_SPLITS`.
+    ///
+    /// ```no_run
+    /// # use half::bf16;
+    /// # use lserve::config::SparsityConfig;
+    /// # use lserve::geometry::ModelGeometry;
+    /// # use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
+    /// # use lserve::head_pattern::HeadPattern;
+    /// # use lserve::paging::KvCacheManager;
+    /// # let gpu = GpuContext::new(0)?;
+    /// # let g = ModelGeometry::llama3_8b();
+    /// # let mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 4, 65536)?;
+    /// # let cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// let step = DecodeStep::new(&gpu, &cache, 4)?.with_max_splits(16)?;
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn with_max_splits(mut self, max_splits: u32) -> Result<Self> {
+        self.attention = self.attention.with_max_splits(max_splits)?;
+        Ok(self)
     }
 
     /// Whether a step of `batch` launches the selector: when some sequence's selection is due
@@ -110,8 +159,13 @@ impl DecodeStep {
     /// (statistics updated), selects pages for the dense heads whose selection is due (sequences
     /// longer than `dynamic_min_len`; every `reuse_interval` steps, else the held selection plus
     /// the newest page), and attends: `q [B][Hq][D]` -> `out [B][Hq][D]`. The selector is
-    /// launched only when [`selects`](Self::selects): a step that reuses every selection is the
-    /// append and the attention alone.
+    /// launched only when [`selects`](Self::selects). Where the attention is latency-bound (at
+    /// most 3 tiles per warp in its longest split: small batches) the append is part of the
+    /// attention launch and the selector runs first, so a small batch's step that reuses every
+    /// selection is that launch and the split combine; elsewhere the launches are the append
+    /// kernel, the selector and the attention, in that order (as measured fastest; see
+    /// [`with_append_launch`](Self::with_append_launch)). Every launch is checked before the
+    /// first is enqueued: an error leaves the cache unchanged.
     #[allow(clippy::too_many_arguments)]
     pub fn layer<E: DeviceElement>(
         &mut self,
@@ -124,12 +178,129 @@ impl DecodeStep {
         v: &CudaSlice<E>,
         out: &mut CudaSlice<E>,
     ) -> Result<()> {
-        append_kv(gpu, cache, layer, batch, k, v)?;
-        if Self::selects(cache, batch) {
+        let selects = Self::selects(cache, batch);
+        self.layer_with_selector(selects, gpu, cache, layer, batch, q, k, v, out)
+    }
+
+    /// [`layer`](Self::layer) with the selector launched exactly when `selects`: for capturing a
+    /// step once with the selector and once without (replay the one [`selects`](Self::selects)
+    /// names, then call [`replayed`](Self::replayed)). A layer without the selector on a step
+    /// that [`selects`](Self::selects) attends to stale or missing selections: the result is
+    /// wrong (never out of bounds).
+    ///
+    /// ```no_run
+    /// # use half::bf16;
+    /// # use lserve::config::SparsityConfig;
+    /// # use lserve::geometry::ModelGeometry;
+    /// # use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+    /// # use lserve::head_pattern::HeadPattern;
+    /// # use lserve::paging::KvCacheManager;
+    /// # let gpu = GpuContext::new(0)?;
+    /// # let g = ModelGeometry::llama3_8b();
+    /// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+    /// # let seq = mgr.add_sequence()?;
+    /// # mgr.reserve(seq, 20_001)?;
+    /// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// # cache.sync_tables(&gpu, &mgr)?;
+    /// # let mut batch = DecodeBatch::new(&gpu, 1)?;
+    /// # batch.set(&gpu, &mgr, &[seq])?;
+    /// # let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+    /// # let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+    /// # let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+    /// # let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+    /// # let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+    /// let mut step = DecodeStep::new(&gpu, &cache, 1)?;
+    /// let select = DecodeStep::selects(&cache, &batch);
+    /// for layer in 0..g.layers() {
+    ///     step.layer_with_selector(select, &gpu, &mut cache, layer, &batch, &q, &k, &v, &mut out)?;
+    /// }
+    /// step.finish(&gpu, &mut cache, &batch)?;
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_with_selector<E: DeviceElement>(
+        &mut self,
+        selects: bool,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        q: &CudaSlice<E>,
+        k: &CudaSlice<E>,
+        v: &CudaSlice<E>,
+        out: &mut CudaSlice<E>,
+    ) -> Result<()> {
+        // Every launch is checked before the first is enqueued: an error leaves the cache as it
+        // was.
+        let attend = AppendAttend::check(
+            self.append,
+            gpu,
+            cache,
+            layer,
+            batch,
+            q,
+            (k, v),
+            out,
+            &self.attention,
+        )?;
+        if selects {
+            check_select_pages(gpu, cache, layer, batch, q, &self.selection)?;
+        }
+        // The append kernel (where the append is not inside the attention launch), then the
+        // selector: it may also run before the append, since it never ranks the newest page (always
+        // attended), the one page whose statistics the append changes.
+        attend.append_first(gpu, cache, layer, batch, (k, v))?;
+        if selects {
             select_pages(gpu, cache, layer, batch, q, &mut self.selection)?;
             self.selected = true;
         }
-        decode_attention(gpu, cache, layer, batch, q, out, &mut self.attention)
+        attend.attend(
+            gpu,
+            cache,
+            layer,
+            batch,
+            q,
+            (k, v),
+            out,
+            &mut self.attention,
+        )
+    }
+
+    /// After replaying a captured step of `batch` (captured with
+    /// [`layer_with_selector`](Self::layer_with_selector) and [`finish`](Self::finish)): marks
+    /// the slots of `batch` as holding a selection if the replayed graph launched the selector,
+    /// as `finish` does when it runs. Without it [`selects`](Self::selects) keeps naming the
+    /// selecting graph after a cache upload or a selection reset (correct, but slower).
+    ///
+    /// ```no_run
+    /// # use half::bf16;
+    /// # use lserve::config::SparsityConfig;
+    /// # use lserve::geometry::ModelGeometry;
+    /// # use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+    /// # use lserve::head_pattern::HeadPattern;
+    /// # use lserve::paging::KvCacheManager;
+    /// # let gpu = GpuContext::new(0)?;
+    /// # let g = ModelGeometry::llama3_8b();
+    /// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+    /// # let seq = mgr.add_sequence()?;
+    /// # mgr.reserve(seq, 20_001)?;
+    /// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// # cache.sync_tables(&gpu, &mgr)?;
+    /// # let mut batch = DecodeBatch::new(&gpu, 1)?;
+    /// # batch.set(&gpu, &mgr, &[seq])?;
+    /// let select = DecodeStep::selects(&cache, &batch);
+    /// // ... replay the graph captured with `select` ...
+    /// DecodeStep::replayed(&mut cache, &batch, select);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn replayed<E: DeviceElement>(
+        cache: &mut DeviceKvCache<E>,
+        batch: &DecodeBatch,
+        selected: bool,
+    ) {
+        if selected {
+            cache.clear_selection_pending(batch);
+        }
     }
 
     /// Ends the step for every sequence of `batch`: advances their decode step counters on the

@@ -10,27 +10,32 @@
 //! m16n8k16, the group's query heads being the rows of the products ([`tiles`]), with an online
 //! softmax per head in registers ([`online_softmax`]). At the end the warps' states merge through
 //! shared memory and the block writes one partial state per query head; [`combine`] merges the
-//! splits into the output.
+//! splits into the output. The `decode_attention_append_*` entry points also append the step's
+//! token ([`newest`]): a step that uses them needs no append launch.
 
 pub mod combine;
+pub mod newest;
 pub mod online_softmax;
 pub mod rows;
 pub mod tiles;
 
-use lserve_abi::decode::{DecodeParams, DECODE_STAGES};
+use lserve_abi::decode::{DecodeParams, DECODE_STAGES, DECODE_TILE_ROWS};
 
 use crate::convert::{Bf16, F16};
+use crate::kv_write::append::IndexEntries;
+use crate::kv_write::target::CacheBuffers as WriteBuffers;
 use crate::math::fma;
 use crate::mma::{mma_m16n8k16, FragC, MmaElement};
 use crate::smem::dynamic_smem;
 use crate::sync::{sync_threads, sync_warp};
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block};
 use crate::warp::quad_sum_f32;
+use newest::{NewToken, NewestRow, StatsUpdate};
 use online_softmax::{merge_weight, HeadSoftmax};
-use rows::{CacheBuffers, RowSource};
+use rows::{CacheBuffers, PairInputs, RowSource, NO_ROW};
 use tiles::{
-    load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, AsyncCopy, BulkCopy, Tile,
-    TileCopy, MAX_O_TILES, WARPS,
+    load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, patch_rows, AsyncCopy,
+    BulkCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
 };
 
 /// One warp's pass over its tiles: the softmax state of its lane's query head and the
@@ -46,13 +51,20 @@ struct WarpState {
 /// # Safety
 /// All 32 lanes of the warp call it; `first + count <= src.tiles()`; the warp's stages are free.
 #[inline(always)]
-unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize, C: TileCopy>(
+unsafe fn attend_tiles<
+    E: MmaElement,
+    const D: usize,
+    const G: usize,
+    C: TileCopy,
+    const APPEND: bool,
+>(
     p: &DecodeParams,
     src: &RowSource,
     q_group: *const u16,
     first: u32,
     count: u32,
     warp: u32,
+    newest: NewestRow,
 ) -> WarpState {
     let lane = lane();
     let mut state = WarpState {
@@ -120,6 +132,11 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize, C: TileCop
 
         let k_tile = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
         let v_tile = k_tile + Tile::<D>::BYTES;
+        if APPEND && tile(j) == newest.tile {
+            // SAFETY: the whole warp is here, after the tile's wait and barrier; the newest row
+            // is one of the tile's rows.
+            unsafe { patch_rows::<D, C>(k_tile, &newest, src.tile_rows(tile(j)), lane) };
+        }
         // S = Q Kᵀ for the tile's 16 keys.
         let mut s = [FragC::default(); 2];
         crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
@@ -160,18 +177,30 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, const G: usize, C: TileCop
 
 /// The kernel body, generic over element type `E`, head dimension `D` and group size `G`.
 ///
+/// With `APPEND` the launch also appends the step's token (what the `append_kv` kernel
+/// does, so the step needs no launch for it): the warp whose tiles hold a pair's newest row
+/// takes it from the activations and writes it, its statistics and the pair's index entry tail
+/// ([`newest`]); nothing else of the launch reads what it writes.
+///
 /// # Safety
-/// Launched with grid `(p.splits, p.batch * p.kv_heads)`, `DECODE_THREADS` threads and
-/// `decode_smem_bytes(D)` bytes of dynamic shared memory; every pointer holds the layout the
-/// host-side launcher documents; `seq_len`, `seq_slot`, `head_map` and the block tables are
-/// written by host copies enqueued before the previous kernel (not by a kernel): they are read
-/// before `overlapped_entry`.
+/// Launched with grid `(p.splits, p.batch * p.kv_heads)`, `DECODE_THREADS` threads
+/// and `decode_smem_bytes(D)` bytes of dynamic shared memory; every pointer holds the layout the
+/// host-side launcher documents (with `APPEND`, `new` as `append_kv`'s contract asks);
+/// `seq_len`, `seq_slot`, `head_map` and the block tables are written by host copies enqueued
+/// before the previous kernel (not by a kernel): they are read before `overlapped_entry`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: TileCopy>(
+unsafe fn decode_attention<
+    E: MmaElement,
+    const D: usize,
+    const G: usize,
+    C: TileCopy,
+    const APPEND: bool,
+>(
     p: &DecodeParams,
     q: *const u16,
     bufs: &CacheBuffers,
+    new: &NewToken,
     seq_len: *const u32,
     seq_slot: *const u32,
     head_map: *const u32,
@@ -181,22 +210,20 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: Til
     let split = block_idx_x();
     let pair = block_idx_y();
     let (b, kv_head) = (pair / p.kv_heads, pair % p.kv_heads);
-    // SAFETY: `b < batch`, `kv_head < kv_heads` by the grid.
-    let (len, slot, entry) = unsafe {
-        (
-            *seq_len.add(b as usize),
-            *seq_slot.add(b as usize),
-            *head_map.add(kv_head as usize),
-        )
-    };
-    // Overlapped with the kernel before (the append or the selector): the batch description
-    // and the head map above are copies from the host, complete before that kernel started;
-    // the index tables, the cache rows and `q` may be its outputs.
+    // SAFETY: `b < batch`, `kv_head < kv_heads` by the grid; the slot and length are the
+    // host's, validated against the tables (`check_batch`), so the newest page's block-table
+    // entry exists.
+    let inputs =
+        unsafe { PairInputs::read(p, bufs, seq_len, seq_slot, head_map, b, kv_head, APPEND) };
+    // Overlapped with the kernel before (the append, the selector, or the last kernel of the
+    // layer before): the batch description, the head map and the block tables above are copies
+    // from the host, complete before that kernel started; the selection state, the cache rows
+    // and `q` may be its outputs.
     // SAFETY: before this thread's first access of anything a kernel before it reads or writes
     // (everything above is host copies).
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: the host validated slot, lengths and tables.
-    let src = unsafe { RowSource::new(p, bufs, entry, slot, len) };
+    let src = unsafe { RowSource::new(p, bufs, inputs, APPEND) };
 
     // This block's run of tiles.
     let tiles = src.tiles();
@@ -210,18 +237,60 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: Til
     let count = end.saturating_sub(first);
 
     let warp = warp_in_block();
+    // With the append: the warp whose tiles hold the newest row takes it from the activations,
+    // stores it into the cache and starts its statistics update.
+    let lane = lane();
+    let newest_tile = src.newest_row / DECODE_TILE_ROWS;
+    let holds_newest = APPEND
+        && src.newest_row != NO_ROW
+        && newest_tile >= first
+        && newest_tile < end
+        && (newest_tile - first) % WARPS == warp;
+    let (newest, stats) = if holds_newest {
+        let target = newest::target(p, &inputs, &src);
+        // SAFETY: the activations are `[batch][kv_heads][D]`, written before the kernel before
+        // completed (waited for above). `target` is the pair's row (and statistics row) of the
+        // token at `len - 1`, inside the buffers by their layouts; this warp alone holds the
+        // pair's newest row, so it is the only writer of both.
+        unsafe {
+            let row = NewestRow::load::<D>(new, pair, src.newest_row, lane);
+            row.store_row::<D>(&p.cache_layout(), new, target, inputs.slot, lane);
+            let stats = StatsUpdate::start::<D>(p, new, target, inputs.len, lane);
+            (row, stats)
+        }
+    } else {
+        (NewestRow::NONE, None)
+    };
     // SAFETY: `q` is `[batch][q_heads][D]` and pair `(b, kv_head)`'s query heads are the `G`
     // consecutive rows from `pair * G`; `first + count <= tiles`; the stages are unused so far.
     let state = unsafe {
-        attend_tiles::<E, D, G, C>(p, &src, q.add(pair as usize * G * D), first, count, warp)
+        attend_tiles::<E, D, G, C, APPEND>(
+            p,
+            &src,
+            q.add(pair as usize * G * D),
+            first,
+            count,
+            warp,
+            newest,
+        )
     };
+    if APPEND && newest.held() {
+        // SAFETY: this warp alone writes the pair's statistics and entry tail.
+        unsafe {
+            if let Some(update) = stats {
+                update.finish::<E>(newest.key);
+            }
+            if lane == 0 {
+                newest::keep_entry_tail(p, new, src.entry, src.tail);
+            }
+        }
+    }
 
     // Merge the warps through shared memory (the stage area, free once every copy has landed and
     // every warp is past its last read): per warp and head, `m`, `l` and `D` accumulators.
     C::finish();
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
-    let lane = lane();
     let area = dynamic_smem::<f32>(0);
     let slot_of = |w: u32, g: u32| ((w * G as u32 + g) * (D as u32 + 2)) as usize;
     // SAFETY: every lane of the warp is here (quad shuffle).
@@ -283,9 +352,9 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, const G: usize, C: Til
 }
 
 /// Declares one `extern "gpu-kernel"` entry point `$name` for element type, head dim and group
-/// size, with the tile copy `$copy`.
+/// size, with the tile copy `$copy`, appending the step's token or not (`$append`).
 macro_rules! decode_kernel {
-    ($copy:ty, $name:ident: $elem:ty, $d:literal, $g:literal) => {
+    ($copy:ty, $append:literal, $name:ident: $elem:ty, $d:literal, $g:literal) => {
         /// Decode attention entry point (see the module docs); pointers as `decode_attention`.
         ///
         /// # Safety
@@ -295,13 +364,19 @@ macro_rules! decode_kernel {
         pub unsafe extern "gpu-kernel" fn $name(
             p: DecodeParams,
             q: *const u16,
-            k_pool: *const u16,
-            v_pool: *const u16,
-            k_stream: *const u16,
-            v_stream: *const u16,
+            k_new: *const u16,
+            v_new: *const u16,
+            k_pool: *mut u16,
+            v_pool: *mut u16,
+            kmin: *mut u16,
+            kmax: *mut u16,
+            k_stream: *mut u16,
+            v_stream: *mut u16,
             block_tables: *const u32,
-            index_tables: *const u32,
-            index_lens: *const u32,
+            held_pages: *const u32,
+            held_lens: *const u32,
+            index_pages: *mut u32,
+            index_lens: *mut u32,
             seq_len: *const u32,
             seq_slot: *const u32,
             head_map: *const u32,
@@ -314,45 +389,85 @@ macro_rules! decode_kernel {
                 k_stream,
                 v_stream,
                 block_tables,
-                index_tables,
+                index_tables: index_pages,
                 index_lens,
+                held_lens,
+                held_pages,
+            };
+            let new = NewToken {
+                k: k_new,
+                v: v_new,
+                cache: WriteBuffers {
+                    k_pool,
+                    v_pool,
+                    kmin,
+                    kmax,
+                    k_stream,
+                    v_stream,
+                    block_tables,
+                    head_map,
+                },
+                index: IndexEntries {
+                    held_lens,
+                    pages: index_pages,
+                    lens: index_lens,
+                },
             };
             // SAFETY: forwarded launch contract (the body waits for the kernel before).
             unsafe {
-                decode_attention::<$elem, $d, $g, $copy>(
-                    &p, q, &bufs, seq_len, seq_slot, head_map, part_acc, part_ml,
+                decode_attention::<$elem, $d, $g, $copy, $append>(
+                    &p, q, &bufs, &new, seq_len, seq_slot, head_map, part_acc, part_ml,
                 )
             }
         }
     };
 }
 
-/// Declares, per (element type, head dim, group size), the entry point that fills its tiles by
-/// `cp.async` (`$name`: short splits, i.e. the sparse and streaming heads and short sequences)
-/// and the one that fills them by bulk copies (`$bulk`: long splits, the dense heads of long
-/// sequences); the host picks per launch.
+/// Declares, per (element type, head dim, group size), the entry points that fill their tiles by
+/// `cp.async` (`$name`, `$append`: short splits, i.e. the sparse and streaming heads and short
+/// sequences) and by bulk copies (`$bulk`, `$append_bulk`: long splits, the dense heads of long
+/// sequences), over the cache as it is (`$name`, `$bulk`) or appending the step's token
+/// (`$append`, `$append_bulk`); the host picks per launch.
 macro_rules! decode_kernels {
-    ($($name:ident, $bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
-        decode_kernel!(AsyncCopy, $name: $elem, $d, $g);
-        decode_kernel!(BulkCopy, $bulk: $elem, $d, $g);
+    ($($name:ident, $bulk:ident, $append:ident, $append_bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
+        decode_kernel!(AsyncCopy, false, $name: $elem, $d, $g);
+        decode_kernel!(BulkCopy, false, $bulk: $elem, $d, $g);
+        decode_kernel!(AsyncCopy, true, $append: $elem, $d, $g);
+        decode_kernel!(BulkCopy, true, $append_bulk: $elem, $d, $g);
     )*};
 }
 
 decode_kernels! {
-    decode_attention_bf16_d64_g1, decode_attention_bulk_bf16_d64_g1: Bf16, 64, 1;
-    decode_attention_bf16_d64_g2, decode_attention_bulk_bf16_d64_g2: Bf16, 64, 2;
-    decode_attention_bf16_d64_g4, decode_attention_bulk_bf16_d64_g4: Bf16, 64, 4;
-    decode_attention_bf16_d64_g8, decode_attention_bulk_bf16_d64_g8: Bf16, 64, 8;
-    decode_attention_bf16_d128_g1, decode_attention_bulk_bf16_d128_g1: Bf16, 128, 1;
-    decode_attention_bf16_d128_g2, decode_attention_bulk_bf16_d128_g2: Bf16, 128, 2;
-    decode_attention_bf16_d128_g4, decode_attention_bulk_bf16_d128_g4: Bf16, 128, 4;
-    decode_attention_bf16_d128_g8, decode_attention_bulk_bf16_d128_g8: Bf16, 128, 8;
-    decode_attention_f16_d64_g1, decode_attention_bulk_f16_d64_g1: F16, 64, 1;
-    decode_attention_f16_d64_g2, decode_attention_bulk_f16_d64_g2: F16, 64, 2;
-    decode_attention_f16_d64_g4, decode_attention_bulk_f16_d64_g4: F16, 64, 4;
-    decode_attention_f16_d64_g8, decode_attention_bulk_f16_d64_g8: F16, 64, 8;
-    decode_attention_f16_d128_g1, decode_attention_bulk_f16_d128_g1: F16, 128, 1;
-    decode_attention_f16_d128_g2, decode_attention_bulk_f16_d128_g2: F16, 128, 2;
-    decode_attention_f16_d128_g4, decode_attention_bulk_f16_d128_g4: F16, 128, 4;
-    decode_attention_f16_d128_g8, decode_attention_bulk_f16_d128_g8: F16, 128, 8;
+    decode_attention_bf16_d64_g1, decode_attention_bulk_bf16_d64_g1,
+        decode_attention_append_bf16_d64_g1, decode_attention_append_bulk_bf16_d64_g1: Bf16, 64, 1;
+    decode_attention_bf16_d64_g2, decode_attention_bulk_bf16_d64_g2,
+        decode_attention_append_bf16_d64_g2, decode_attention_append_bulk_bf16_d64_g2: Bf16, 64, 2;
+    decode_attention_bf16_d64_g4, decode_attention_bulk_bf16_d64_g4,
+        decode_attention_append_bf16_d64_g4, decode_attention_append_bulk_bf16_d64_g4: Bf16, 64, 4;
+    decode_attention_bf16_d64_g8, decode_attention_bulk_bf16_d64_g8,
+        decode_attention_append_bf16_d64_g8, decode_attention_append_bulk_bf16_d64_g8: Bf16, 64, 8;
+    decode_attention_bf16_d128_g1, decode_attention_bulk_bf16_d128_g1,
+        decode_attention_append_bf16_d128_g1, decode_attention_append_bulk_bf16_d128_g1: Bf16, 128, 1;
+    decode_attention_bf16_d128_g2, decode_attention_bulk_bf16_d128_g2,
+        decode_attention_append_bf16_d128_g2, decode_attention_append_bulk_bf16_d128_g2: Bf16, 128, 2;
+    decode_attention_bf16_d128_g4, decode_attention_bulk_bf16_d128_g4,
+        decode_attention_append_bf16_d128_g4, decode_attention_append_bulk_bf16_d128_g4: Bf16, 128, 4;
+    decode_attention_bf16_d128_g8, decode_attention_bulk_bf16_d128_g8,
+        decode_attention_append_bf16_d128_g8, decode_attention_append_bulk_bf16_d128_g8: Bf16, 128, 8;
+    decode_attention_f16_d64_g1, decode_attention_bulk_f16_d64_g1,
+        decode_attention_append_f16_d64_g1, decode_attention_append_bulk_f16_d64_g1: F16, 64, 1;
+    decode_attention_f16_d64_g2, decode_attention_bulk_f16_d64_g2,
+        decode_attention_append_f16_d64_g2, decode_attention_append_bulk_f16_d64_g2: F16, 64, 2;
+    decode_attention_f16_d64_g4, decode_attention_bulk_f16_d64_g4,
+        decode_attention_append_f16_d64_g4, decode_attention_append_bulk_f16_d64_g4: F16, 64, 4;
+    decode_attention_f16_d64_g8, decode_attention_bulk_f16_d64_g8,
+        decode_attention_append_f16_d64_g8, decode_attention_append_bulk_f16_d64_g8: F16, 64, 8;
+    decode_attention_f16_d128_g1, decode_attention_bulk_f16_d128_g1,
+        decode_attention_append_f16_d128_g1, decode_attention_append_bulk_f16_d128_g1: F16, 128, 1;
+    decode_attention_f16_d128_g2, decode_attention_bulk_f16_d128_g2,
+        decode_attention_append_f16_d128_g2, decode_attention_append_bulk_f16_d128_g2: F16, 128, 2;
+    decode_attention_f16_d128_g4, decode_attention_bulk_f16_d128_g4,
+        decode_attention_append_f16_d128_g4, decode_attention_append_bulk_f16_d128_g4: F16, 128, 4;
+    decode_attention_f16_d128_g8, decode_attention_bulk_f16_d128_g8,
+        decode_attention_append_f16_d128_g8, decode_attention_append_bulk_f16_d128_g8: F16, 128, 8;
 }

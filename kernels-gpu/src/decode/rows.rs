@@ -7,6 +7,10 @@
 //! pages) whose last entry is the newest, partially filled page.
 
 use lserve_abi::decode::{DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING};
+use lserve_abi::select::held_newest_at;
+
+use super::newest::EntryTail;
+use crate::math::opaque_u32;
 
 /// The rows of one (sequence, KV head) pair.
 #[derive(Clone, Copy)]
@@ -15,13 +19,31 @@ pub struct RowSource {
     v: *const u16,
     /// Dense: the page list; null for streaming heads.
     pages: *const u32,
+    /// Dense: pages taken from `pages`; any after them is `newest_page`.
+    listed: u32,
+    /// Dense: the physical id of the sequence's newest page.
+    newest_page: u32,
+    /// Whether pages from `listed` on are `newest_page` (a launch that appends, whose index
+    /// entries' tails are being rewritten); else every page comes from `pages`.
+    newest_after_listed: bool,
     /// The head's index among the layer's dense (or streaming) heads.
     head: u32,
     /// The sequence's slot (streaming store row block).
     slot: u32,
     /// Rows that exist (the last tile may be partial).
     pub rows: u32,
+    /// Which of the rows holds the newest token (position `len - 1`), or [`NO_ROW`] if the
+    /// head does not hold it (a streaming head without local tokens, past its sinks).
+    pub newest_row: u32,
+    /// A selecting dense head in a launch that appends: its index entry (`[slots][dense_heads]`
+    /// index) and tail as listed; `tail.held == 0` otherwise.
+    pub entry: u32,
+    /// See `entry`.
+    pub tail: EntryTail,
 }
+
+/// [`RowSource::newest_row`] of a pair that does not hold the newest token.
+pub const NO_ROW: u32 = u32::MAX;
 
 /// Device buffers a decode launch reads its rows from.
 #[derive(Clone, Copy)]
@@ -36,69 +58,214 @@ pub struct CacheBuffers {
     pub v_stream: *const u16,
     /// `[slots][max_pages]` physical page ids.
     pub block_tables: *const u32,
-    /// `[slots][dense_heads][max_selected]` selected physical page ids.
+    /// `[slots][dense_heads][max_selected]` index tables: a held selection's physical page ids
+    /// (then, written by the append, the newest page unless the selection ends with it).
     pub index_tables: *const u32,
-    /// `[slots][dense_heads]` entries used in each index table.
+    /// `[slots][dense_heads]` index table lengths (read by launches that do not append).
     pub index_lens: *const u32,
+    /// `[slots][dense_heads]` held selection lengths (0: nothing held).
+    pub held_lens: *const u32,
+    /// `[slots][dense_heads][held_capacity]` held selections; read here: the last word of a row,
+    /// the selection's newest page (`held_newest_at`).
+    pub held_pages: *const u32,
+}
+
+/// What a pair's rows depend on that the host wrote (read before the kernel waits for the
+/// kernel before it): the sequence's length and slot, the head map entry, and a dense head's
+/// newest physical page.
+#[derive(Clone, Copy)]
+pub struct PairInputs {
+    /// The sequence's length (its newest token is position `len - 1`).
+    pub len: u32,
+    /// The sequence's slot.
+    pub slot: u32,
+    /// The KV head's head map entry.
+    pub head_map_entry: u32,
+    /// Dense heads in a launch that appends: the block table's entry for the newest page; else
+    /// unused.
+    pub newest_page: u32,
+}
+
+impl PairInputs {
+    /// Reads pair `(b, kv_head)`'s inputs; a dense head's newest page only when `appending`
+    /// (the list's tail then comes from it).
+    ///
+    /// # Safety
+    /// `b < batch`, `kv_head < kv_heads`; the slot and length are valid for the tables.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn read(
+        p: &DecodeParams,
+        bufs: &CacheBuffers,
+        seq_len: *const u32,
+        seq_slot: *const u32,
+        head_map: *const u32,
+        b: u32,
+        kv_head: u32,
+        appending: bool,
+    ) -> Self {
+        // SAFETY: forwarded.
+        unsafe {
+            let (len, slot, head_map_entry) = (
+                *seq_len.add(b as usize),
+                *seq_slot.add(b as usize),
+                *head_map.add(kv_head as usize),
+            );
+            let newest_page = if appending && head_map_entry & HEAD_STREAMING == 0 {
+                let newest = (len - 1) / p.paged.page_tokens;
+                *bufs
+                    .block_tables
+                    .add((slot * p.max_pages + newest) as usize)
+            } else {
+                0
+            };
+            Self {
+                len,
+                slot,
+                head_map_entry,
+                newest_page,
+            }
+        }
+    }
 }
 
 impl RowSource {
-    /// The rows of KV head entry `head_map_entry` for a sequence of `len` tokens in `slot`.
+    /// The rows of the pair whose host inputs are `pair`.
+    ///
+    /// A selecting dense head lists its index entry. In a launch that appends, whose newest-row
+    /// warp rewrites the entry's tail meanwhile, it lists the held selection (the entry's first
+    /// `held` pages), then the newest page unless the selection ends with it: the selection's
+    /// newest page (the held row's last word) is read beside the held length, so the list still
+    /// needs one dependent load, and nothing that warp writes is read. While no selection is held
+    /// (that warp then writes nothing to the entry) it lists the entry as it is, as a launch
+    /// that does not append does.
     ///
     /// # Safety
-    /// The buffers hold the layouts `p` describes, `slot` is a live slot and the tables' entries
-    /// for it are valid page ids.
+    /// The buffers hold the layouts `p` describes, `pair.slot` is a live slot and the tables'
+    /// entries for it are valid page ids; the kernel before (which may write the selection
+    /// state) has completed.
     #[inline(always)]
     pub unsafe fn new(
         p: &DecodeParams,
         bufs: &CacheBuffers,
-        head_map_entry: u32,
-        slot: u32,
-        len: u32,
+        pair: PairInputs,
+        appending: bool,
     ) -> Self {
+        let PairInputs {
+            len,
+            slot,
+            head_map_entry,
+            newest_page,
+        } = pair;
         let head = head_map_entry & !HEAD_STREAMING;
         if head_map_entry & HEAD_STREAMING != 0 {
-            let rows = if len < p.streaming.rows() {
-                len
-            } else {
-                p.streaming.rows()
-            };
+            let s = &p.streaming;
+            let rows = if len < s.rows() { len } else { s.rows() };
+            // Only a launch that appends asks where the newest row is.
+            let pos = len - 1;
+            let held = appending && p.cache_layout().streaming_resident(pos, len);
             return Self {
                 k: bufs.k_stream,
                 v: bufs.v_stream,
                 pages: core::ptr::null(),
+                listed: 0,
+                newest_page: 0,
+                newest_after_listed: false,
                 head,
                 slot,
                 rows,
+                newest_row: if held { s.row_of_token(pos) } else { NO_ROW },
+                entry: 0,
+                tail: EntryTail::NONE,
             };
         }
         let page_tokens = p.paged.page_tokens;
         let live_pages = len.div_ceil(page_tokens);
         let newest_fill = len - (live_pages - 1) * page_tokens;
-        // SAFETY (both arms): the caller guarantees the tables cover `slot` and `head`.
-        let (pages, listed) = if len <= p.dynamic_min_len {
+        let entry = slot * p.paged.heads + head;
+        // The list: `pages` of which the first `listed` come from `pages_at`, the rest (the
+        // newest page) from `newest_page`.
+        // SAFETY (all arms): the caller guarantees the tables cover `slot` and `head`.
+        let (pages_at, pages, listed, tail) = if len <= p.dynamic_min_len {
             (
                 unsafe { bufs.block_tables.add((slot * p.max_pages) as usize) },
                 live_pages,
+                live_pages,
+                EntryTail::NONE,
             )
-        } else {
-            let entry = slot * p.paged.heads + head;
-            // Clamped into the entry: a pair that was never given one (a step replayed without
-            // the selector it needed) reads wrong pages of the pool, never past the table.
+        } else if !appending {
+            // The entry as the append and the selector left it: the held selection, the newest
+            // page last. Clamped into the table: a pair that was never given one (a step
+            // replayed without the selector it needed) reads wrong pages, never past the table.
             let listed = unsafe { *bufs.index_lens.add(entry as usize) }.clamp(1, p.max_selected);
             (
                 unsafe { bufs.index_tables.add((entry * p.max_selected) as usize) },
                 listed,
+                listed,
+                EntryTail::NONE,
             )
+        } else {
+            // This launch appends, and the warp holding the newest row rewrites the entry's tail
+            // (from `tail` below, `newest::keep_entry_tail`): the held
+            // selection, then the newest page unless the selection ends with it.
+            // Three independent loads: the held length, the selection's newest page, and the
+            // entry's length (used only while no selection is held, when the owner warp writes
+            // nothing to the entry).
+            let (held, held_newest, entry_len) = unsafe {
+                (
+                    *bufs.held_lens.add(entry as usize),
+                    *bufs
+                        .held_pages
+                        .add((entry * p.held_capacity + held_newest_at(p.held_capacity)) as usize),
+                    *bufs.index_lens.add(entry as usize),
+                )
+            };
+            if held == 0 {
+                // No selection held (a cache uploaded with its index tables, or a selection
+                // reset, and no selector run since): the entry as it is, as a launch that does
+                // not append reads it, clamped into the table the same way.
+                let listed = entry_len.clamp(1, p.max_selected);
+                (
+                    unsafe { bufs.index_tables.add((entry * p.max_selected) as usize) },
+                    listed,
+                    listed,
+                    EntryTail::NONE,
+                )
+            } else {
+                // A selection may fill the entry only if it covers every page, the newest
+                // included: clamped there, the list never leaves the table.
+                let held = held.min(p.max_selected);
+                let pages = if held_newest == live_pages - 1 {
+                    held
+                } else {
+                    held + 1
+                };
+                (
+                    unsafe { bufs.index_tables.add((entry * p.max_selected) as usize) },
+                    pages,
+                    pages - 1,
+                    EntryTail {
+                        held,
+                        pages,
+                        newest_page,
+                    },
+                )
+            }
         };
-        let rows = (listed - 1) * page_tokens + newest_fill;
+        let rows = (pages - 1) * page_tokens + newest_fill;
         Self {
             k: bufs.k_pool,
             v: bufs.v_pool,
-            pages,
+            pages: pages_at,
+            listed,
+            newest_page,
+            newest_after_listed: appending,
             head,
             slot,
             rows,
+            newest_row: rows - 1,
+            entry,
+            tail,
         }
     }
 
@@ -131,8 +298,23 @@ impl RowSource {
             p.streaming.kv_row(self.slot, self.head, row)
         } else {
             let tiles_per_page = p.paged.page_tokens / DECODE_TILE_ROWS;
-            // SAFETY: `t / tiles_per_page` is below the listed page count.
-            let page = unsafe { *self.pages.add((t / tiles_per_page) as usize) };
+            let at = t / tiles_per_page;
+            let page = if self.newest_after_listed {
+                // The load whatever `at` (inside the list, or its first page if it is empty),
+                // then a select: no branch around the load in the tile loop.
+                // SAFETY: `min(at, listed - 1)` (or 0) is inside the list's table row.
+                let listed = unsafe { *self.pages.add(at.min(self.listed.max(1) - 1) as usize) };
+                // (`opaque_u32`: a value, so LLVM cannot make this a load through a selected
+                // pointer, which put `newest_page` in local memory.)
+                if at < self.listed {
+                    listed
+                } else {
+                    opaque_u32(self.newest_page)
+                }
+            } else {
+                // SAFETY: `at` is below the listed page count.
+                unsafe { *self.pages.add(at as usize) }
+            };
             p.paged
                 .kv_row(page, self.head, (t % tiles_per_page) * DECODE_TILE_ROWS)
         }

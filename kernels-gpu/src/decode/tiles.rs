@@ -19,16 +19,17 @@ use lserve_abi::decode::{
     decode_stage_bytes, DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 
+use super::newest::NewestRow;
 use crate::bulk_copy::{
-    bulk_copy_with_policy, fence_mbarrier_init, mbarrier_arrive_expect_tx, mbarrier_init,
-    mbarrier_wait_parity,
+    bulk_copy_with_policy, fence_mbarrier_init, fence_proxy_async_shared,
+    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait_parity,
 };
 use crate::cp_async::{
     commit_group, cp_async_16_with_policy, l2_evict_first, wait_all, wait_group,
 };
 use crate::ldmatrix::{load_b_pair_k_major, load_b_pair_n_major};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
-use crate::smem::{dynamic_smem, shared_addr};
+use crate::smem::{dynamic_smem, shared_addr, st_shared_v4_u32};
 use crate::sync::sync_warp;
 use crate::thread::WARP_SIZE;
 
@@ -131,6 +132,10 @@ pub trait TileCopy {
 
     /// Waits for every copy still in flight.
     fn finish();
+
+    /// Orders this lane's plain shared-memory stores into a stage (the newest row's patch,
+    /// [`patch_rows`]) before the later copies that will overwrite that stage.
+    fn after_plain_stores();
 }
 
 /// 16-byte `cp.async` copies, each lane a share of every row, tracked in commit groups.
@@ -186,6 +191,12 @@ impl TileCopy for AsyncCopy {
     #[inline(always)]
     fn finish() {
         wait_all();
+    }
+
+    #[inline(always)]
+    fn after_plain_stores() {
+        // `cp.async` writes through the generic proxy: program order and the warp barriers
+        // of the ring suffice.
     }
 }
 
@@ -269,6 +280,51 @@ impl TileCopy for BulkCopy {
     fn finish() {
         // Every warp waited for each tile it issued.
     }
+
+    #[inline(always)]
+    fn after_plain_stores() {
+        // The bulk copies write through the async proxy.
+        fence_proxy_async_shared();
+    }
+}
+
+/// Overwrites the newest row of a landed tile in its stage (`k_tile`: the K tile; V follows)
+/// with the activations `newest` holds, and the rows after it that repeat it (a partial tile's
+/// padding rows, [`TileCopy::issue`]): the cache's copy of that row is being written by the same
+/// launch (`newest`).
+///
+/// # Safety
+/// All 32 lanes of the warp call it after the tile's wait and a warp barrier; `valid_rows` is
+/// the tile's count of existing rows and `newest.row < valid_rows`.
+#[inline(always)]
+pub unsafe fn patch_rows<const D: usize, C: TileCopy>(
+    k_tile: u32,
+    newest: &NewestRow,
+    valid_rows: u32,
+    lane: u32,
+) {
+    let end = if newest.row + 1 == valid_rows {
+        DECODE_TILE_ROWS
+    } else {
+        newest.row + 1
+    };
+    if lane < Tile::<D>::CHUNKS_PER_ROW {
+        let mut r = newest.row;
+        while r < end {
+            let at = k_tile + r * Tile::<D>::ROW_BYTES + 16 * lane;
+            // SAFETY: row `r < 16` of the stage, chunk `lane < D / 8`: inside it, 16-byte
+            // aligned; the copy landed (the caller's wait) and no lane reads the tile before the
+            // barrier below.
+            unsafe {
+                st_shared_v4_u32(at, newest.key.0);
+                st_shared_v4_u32(at + Tile::<D>::BYTES, newest.value.0);
+            }
+            r += 1;
+        }
+    }
+    C::after_plain_stores();
+    // SAFETY: every lane is here (the caller's contract).
+    unsafe { sync_warp() };
 }
 
 /// The `D/16` A fragments of the group's query heads: row `g < G` is query head `g` of the

@@ -29,7 +29,8 @@
 //! hard maximum. `NOTES.md` counts the round trips and barriers of both.
 
 use lserve_abi::select::{
-    score_key, score_offset, selection_due, SelectParams, SELECT_SMEM_BYTES, SELECT_THREADS,
+    held_newest_at, score_key, score_offset, selection_due, SelectParams, SELECT_SMEM_BYTES,
+    SELECT_THREADS,
 };
 
 use super::scan::{block_inclusive_scan_pair, warp_inclusive_scan};
@@ -634,7 +635,8 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
 
     // Held selection: [0 if always included] ++ selected candidates (ascending) ++ [newest].
     if t == 0 {
-        // SAFETY: positions below `K + 2 <= held_capacity` and the entry capacity.
+        // SAFETY: positions below `K + 2 < held_capacity` and the entry capacity; the last
+        // position of the held row.
         unsafe {
             let mut n = always_first as u32 + total;
             if always_first {
@@ -646,6 +648,8 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
                 *rows.index.add(n as usize) = ends[1];
                 n += 1;
             }
+            // The selection's newest page, where the decode kernel reads it beside the length.
+            *rows.held.add(held_newest_at(p.held_capacity) as usize) = newest;
             *bufs.held_lens.add(entry) = n;
             *bufs.index_lens.add(entry) = n;
         }

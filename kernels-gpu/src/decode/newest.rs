@@ -1,0 +1,255 @@
+//! The step's token in a launch that appends it (the `decode_attention_append_*` entry points,
+//! `APPEND` in [`super::decode_attention`]).
+//!
+//! The warp whose tiles hold the newest row (position `len - 1`) of a (sequence, KV head) pair
+//! takes that row from the activations instead of the cache ([`NewestRow`], patched into its
+//! stage by `tiles::patch_rows`) and is also the one that appends it: it stores the row where
+//! the `append_kv` kernel would ([`NewestRow::store_row`]), folds the key into its logical page's
+//! statistics ([`StatsUpdate`]: the bounds are loaded before the warp streams its tiles and
+//! stored after, so the read's round trip hides behind the tiles), and rewrites the pair's index
+//! entry tail from what the attention derived anyway ([`RowSource::tail`]). No other
+//! thread of the launch writes any of it, and no other thread reads the newest row from the
+//! cache: a step that uses these entry points needs no append launch (the host uses them where
+//! the attention is latency-bound, `fuses_append` in `host/src/gpu/decode.rs`).
+
+use lserve_abi::decode::{DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING};
+use lserve_abi::kv_write::CacheLayout;
+
+use super::rows::{PairInputs, RowSource, NO_ROW};
+use crate::convert::Half16;
+use crate::kv_write::append::IndexEntries;
+use crate::kv_write::stats::Bounds;
+use crate::kv_write::target::{chunk_at, load, store, write_chunk, CacheBuffers, RowTarget};
+use crate::math::Vec16;
+
+/// What a launch that appends the step's token reads and writes besides the attention's inputs.
+#[derive(Clone, Copy)]
+pub struct NewToken {
+    /// `[batch][kv_heads][D]` the token's keys.
+    pub k: *const u16,
+    /// `[batch][kv_heads][D]` the token's values.
+    pub v: *const u16,
+    /// The cache, writable (the buffers the attention reads).
+    pub cache: CacheBuffers,
+    /// The selection state the append keeps.
+    pub index: IndexEntries,
+}
+
+/// The newest row as one lane of the warp that holds it keeps it: lane `l < D / 8` holds chunk
+/// `l` (8 channels, 16 bytes) of the key and of the value; other lanes hold nothing.
+#[derive(Clone, Copy)]
+pub struct NewestRow {
+    /// The tile (of the pair's rows) holding the row, or [`NO_ROW`] where this warp holds none.
+    pub tile: u32,
+    /// The row within the tile.
+    pub row: u32,
+    /// This lane's chunk of the key.
+    pub key: Vec16,
+    /// This lane's chunk of the value.
+    pub value: Vec16,
+}
+
+impl NewestRow {
+    /// Nothing held.
+    pub const NONE: Self = Self {
+        tile: NO_ROW,
+        row: 0,
+        key: Vec16([0; 4]),
+        value: Vec16([0; 4]),
+    };
+
+    /// Whether this warp holds the newest row.
+    #[inline(always)]
+    pub fn held(&self) -> bool {
+        self.tile != NO_ROW
+    }
+
+    /// The lane's chunks of pair `pair`'s token, which is row `row` of the pair's rows.
+    ///
+    /// # Safety
+    /// `new.k` and `new.v` are `[batch][kv_heads][D]` with `pair < batch * kv_heads`, written
+    /// before the kernel before completed (the caller waited for it).
+    #[inline(always)]
+    pub unsafe fn load<const D: usize>(new: &NewToken, pair: u32, row: u32, lane: u32) -> Self {
+        let (mut key, mut value) = (Vec16([0; 4]), Vec16([0; 4]));
+        if lane < D as u32 / 8 {
+            let at = pair as usize * D + 8 * lane as usize;
+            // SAFETY: chunk `lane < D / 8` of the pair's row; rows are 16-byte aligned
+            // (`D % 8 == 0`, the buffers are).
+            unsafe { (key, value) = (load(new.k.add(at)), load(new.v.add(at))) };
+        }
+        Self {
+            tile: row / DECODE_TILE_ROWS,
+            row: row % DECODE_TILE_ROWS,
+            key,
+            value,
+        }
+    }
+
+    /// Stores the lane's chunks into the cache where the pair keeps the token (`target`).
+    ///
+    /// # Safety
+    /// `target` is [`target`]'s for this pair; lane `< D / 8` stores chunk `lane`, and no other
+    /// thread stores this row.
+    #[inline(always)]
+    pub unsafe fn store_row<const D: usize>(
+        &self,
+        c: &CacheLayout,
+        new: &NewToken,
+        target: RowTarget,
+        slot: u32,
+        lane: u32,
+    ) {
+        if lane < D as u32 / 8 {
+            // SAFETY: forwarded; `lane < D / 8`.
+            unsafe { write_chunk(c, &new.cache, target, slot, lane, self.key, self.value) };
+        }
+    }
+}
+
+/// Where the pair keeps its newest token (`RowTarget::of` for position `len - 1`, from the
+/// attention's own inputs: no table reads).
+#[inline(always)]
+pub fn target(p: &DecodeParams, pair: &PairInputs, src: &RowSource) -> RowTarget {
+    let head = pair.head_map_entry & !HEAD_STREAMING;
+    if pair.head_map_entry & HEAD_STREAMING != 0 {
+        if src.newest_row == NO_ROW {
+            RowTarget::Nowhere
+        } else {
+            RowTarget::Streaming {
+                head,
+                row: src.newest_row,
+            }
+        }
+    } else {
+        RowTarget::Dense {
+            page: pair.newest_page,
+            head,
+            token: (pair.len - 1) % p.paged.page_tokens,
+        }
+    }
+}
+
+/// One lane's update of the newest token's logical-page statistics (8 channels), in two halves:
+/// [`start`](Self::start) loads the bounds, [`finish`](Self::finish) folds the key in and stores
+/// them (the key itself if the token starts its logical page: nothing to load).
+#[derive(Clone, Copy)]
+pub struct StatsUpdate {
+    lo: *mut u16,
+    hi: *mut u16,
+    bounds: Bounds,
+    fresh: bool,
+}
+
+impl StatsUpdate {
+    /// Loads lane `lane`'s channels of the bounds a dense target's token folds into; `None`
+    /// for other targets and lanes `>= D / 8`.
+    ///
+    /// # Safety
+    /// `target` is [`target`]'s for a pair whose sequence has length `len`; the statistics hold
+    /// the layout in `p.paged`; the kernel before completed (the caller waited for it).
+    #[inline(always)]
+    pub unsafe fn start<const D: usize>(
+        p: &DecodeParams,
+        new: &NewToken,
+        target: RowTarget,
+        len: u32,
+        lane: u32,
+    ) -> Option<Self> {
+        let RowTarget::Dense { page, head, token } = target else {
+            return None;
+        };
+        if lane >= D as u32 / 8 {
+            return None;
+        }
+        let n_l = p.paged.logical_tokens;
+        let offset = chunk_at(p.paged.stats_row(page, head, token / n_l), lane);
+        let fresh = (len - 1) % n_l == 0;
+        // SAFETY: the statistics row of the token's logical page, inside `kmin`/`kmax`.
+        let (lo, hi) = unsafe { (new.cache.kmin.add(offset), new.cache.kmax.add(offset)) };
+        let bounds = if fresh {
+            Bounds {
+                lo: Vec16([0; 4]),
+                hi: Vec16([0; 4]),
+            }
+        } else {
+            // SAFETY: as above; 16-byte aligned chunks.
+            unsafe {
+                Bounds {
+                    lo: load(lo),
+                    hi: load(hi),
+                }
+            }
+        };
+        Some(Self {
+            lo,
+            hi,
+            bounds,
+            fresh,
+        })
+    }
+
+    /// Folds `key` in and stores the bounds.
+    ///
+    /// # Safety
+    /// No other thread writes these channels meanwhile (one warp per pair holds the token).
+    #[inline(always)]
+    pub unsafe fn finish<E: Half16>(self, key: Vec16) {
+        let bounds = if self.fresh {
+            Bounds::of(key)
+        } else {
+            let mut bounds = self.bounds;
+            bounds.include::<E>(key);
+            bounds
+        };
+        // SAFETY: forwarded from `start`.
+        unsafe {
+            store(self.lo, bounds.lo);
+            store(self.hi, bounds.hi);
+        }
+    }
+}
+
+/// Writes pair `entry`'s index entry tail as the attention listed it ([`RowSource::tail`]):
+/// the newest page after the held selection unless the selection ends with it, and the length.
+/// Nothing while the pair holds no selection (its first selection writes the entry).
+///
+/// # Safety
+/// `entry < slots * dense_heads`; `tail` came from the pair's [`RowSource`]; only one thread
+/// per pair calls it.
+#[inline(always)]
+pub unsafe fn keep_entry_tail(p: &DecodeParams, new: &NewToken, entry: u32, tail: EntryTail) {
+    if tail.held == 0 {
+        return;
+    }
+    // SAFETY: the entry's own words: position `held < max_selected` (checked: a selection fills
+    // the entry only if it covers every page, the newest included, and then nothing follows it).
+    unsafe {
+        if tail.pages > tail.held && tail.held < p.max_selected {
+            *new.index
+                .pages
+                .add((entry * p.max_selected + tail.held) as usize) = tail.newest_page;
+        }
+        *new.index.lens.add(entry as usize) = tail.pages.min(p.max_selected);
+    }
+}
+
+/// What a selecting dense pair's list says about its index entry (see [`keep_entry_tail`]).
+#[derive(Clone, Copy)]
+pub struct EntryTail {
+    /// Pages of the held selection (0: none held).
+    pub held: u32,
+    /// Pages listed: `held`, or `held + 1` with the newest page after the selection.
+    pub pages: u32,
+    /// The newest page's physical id.
+    pub newest_page: u32,
+}
+
+impl EntryTail {
+    /// No entry to keep (not a selecting dense head of a launch that appends).
+    pub const NONE: Self = Self {
+        held: 0,
+        pages: 0,
+        newest_page: 0,
+    };
+}
