@@ -53,7 +53,7 @@ use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block, WARP_SIZE};
 use crate::warp::shfl_idx_u32;
 use block_iter::{TileBlocks, TileMask, TileSpan, Window};
-use softmax::RowSoftmax;
+use softmax::{rescale_unless_settled, RowSoftmax};
 use tiles::{
     load_k_fragments, load_q_fragment, load_tile_async, load_tiles_async, load_v_fragments,
     p_fragment, SmemLayout, Tile, MAX_O_TILES, S_TILES,
@@ -321,10 +321,14 @@ unsafe fn prefill_attention<
                     mask::apply(&mut s[m], window, rows, kv_block * BLOCK_KV, lane);
                 });
             }
+            let mut corrections = [[1.0f32; 2]; ROW_TILES];
             crate::unroll8!(m in 0..ROW_TILES => {
                 // SAFETY: the whole warp.
-                unsafe { softmax[m].update(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
+                corrections[m] =
+                    unsafe { softmax[m].update::<true>(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
             });
+            // SAFETY: the whole warp.
+            unsafe { rescale_unless_settled(&mut o, &corrections, Tile::<D>::O_TILES) };
             // SAFETY: the whole warp, after the barrier.
             unsafe {
                 accumulate_pv::<E, D, ROW_TILES>(&s, SmemLayout::<D>::v(stage), &mut o, lane)
@@ -592,7 +596,7 @@ unsafe fn prefill_attention_v3<
             }
             crate::unroll8!(m in 0..ROW_TILES => {
                 // SAFETY: the whole warp.
-                unsafe { softmax[m].update(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
+                unsafe { softmax[m].update::<false>(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
             });
             // SAFETY: the whole warp, after the barrier.
             unsafe {

@@ -11,7 +11,7 @@ use super::tiles::{MAX_O_TILES, S_TILES};
 use crate::math::{exp2, fma};
 use crate::mma::FragC;
 use crate::unroll8;
-use crate::warp::{quad_max_f32, quad_sum_f32};
+use crate::warp::{ballot, quad_max_f32, quad_sum_f32};
 
 /// The softmax state of this lane's two rows.
 pub struct RowSoftmax {
@@ -33,24 +33,46 @@ impl RowSoftmax {
         }
     }
 
-    /// Folds one block of scores in: updates the row maxima, rescales `o` (its first `o_tiles`
-    /// accumulators) and the denominators, and turns `s` into the probabilities
-    /// `p = 2^(s · scale_log2 − m)` (masked scores, `-inf`, become 0).
+    /// Folds one block of scores in: updates the row maxima and the denominators and turns `s`
+    /// into the probabilities `p = 2^(s · scale_log2 − m)` (masked scores, `-inf`, become 0).
+    ///
+    /// Without `LATENCY_TUNED` it also rescales `o` (its first `o_tiles` accumulators) by the
+    /// rows' corrections `2^((m_old − m_new) · scale_log2)` and returns `[1.0; 2]`: version 3's
+    /// code, which the masked kernel keeps (it measured 3% slower with the tuning, prefill
+    /// NOTES). With it (the unmasked kernel) it returns the corrections (exactly 1 where the
+    /// maximum did not move) and leaves `o` to the caller, and the dependent chains between the
+    /// two products of a block, which two warps per scheduler cannot hide, are shorter:
+    /// - a row's block maximum and probability sum are pairwise trees (4 levels over a lane's
+    ///   16 values) instead of running chains of 16 (the maximum is the same; the sum rounds
+    ///   differently, as any order does);
+    /// - `o` is left alone: the caller rescales all its row tiles at once, and not at all when
+    ///   no maximum of the warp moved ([`rescale_unless_settled`]).
     ///
     /// # Safety
     /// The whole warp calls it (quad shuffles).
     #[inline(always)]
-    pub unsafe fn update(
+    pub unsafe fn update<const LATENCY_TUNED: bool>(
         &mut self,
         s: &mut [FragC; S_TILES],
         o: &mut [FragC; MAX_O_TILES],
         o_tiles: usize,
-    ) {
+    ) -> [f32; 2] {
+        let mut corrections = [1.0f32; 2];
         unroll8!(r in 0..2 => {
-            let mut block_max = f32::NEG_INFINITY;
-            unroll8!(n in 0..S_TILES => {
-                block_max = block_max.max(s[n].regs[2 * r]).max(s[n].regs[2 * r + 1]);
-            });
+            let block_max = if LATENCY_TUNED {
+                let mut v = [f32::NEG_INFINITY; 2 * S_TILES];
+                unroll8!(n in 0..S_TILES => {
+                    v[2 * n] = s[n].regs[2 * r];
+                    v[2 * n + 1] = s[n].regs[2 * r + 1];
+                });
+                tree16(v, f32::max)
+            } else {
+                let mut block_max = f32::NEG_INFINITY;
+                unroll8!(n in 0..S_TILES => {
+                    block_max = block_max.max(s[n].regs[2 * r]).max(s[n].regs[2 * r + 1]);
+                });
+                block_max
+            };
             // SAFETY: forwarded: the whole warp is here.
             let m_new = self.m[r].max(unsafe { quad_max_f32(block_max) });
             // A row that has seen only masked keys keeps m = -inf: use 0 as its reference so
@@ -60,22 +82,47 @@ impl RowSoftmax {
             } else {
                 m_new * self.scale_log2
             };
-            let correction = exp2(fma(self.m[r], self.scale_log2, -m_scaled));
-            let mut row_sum = 0.0;
-            unroll8!(n in 0..S_TILES => {
-                unroll8!(c in 0..2 => {
-                    let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_scaled));
-                    s[n].regs[2 * r + c] = p;
-                    row_sum += p;
+            // With `LATENCY_TUNED` a maximum that did not move gives a correction of exactly 1
+            // (the formula would give `2^` of the rounding residual of `m · scale_log2`, a few
+            // ulp off 1 for logits of any size, and `o` would be rescaled for nothing).
+            let correction = if LATENCY_TUNED && m_new == self.m[r] {
+                1.0
+            } else {
+                exp2(fma(self.m[r], self.scale_log2, -m_scaled))
+            };
+            let row_sum = if LATENCY_TUNED {
+                let mut v = [0.0f32; 2 * S_TILES];
+                unroll8!(n in 0..S_TILES => {
+                    unroll8!(c in 0..2 => {
+                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_scaled));
+                        s[n].regs[2 * r + c] = p;
+                        v[2 * n + c] = p;
+                    });
                 });
-            });
+                tree16(v, |a, b| a + b)
+            } else {
+                let mut row_sum = 0.0;
+                unroll8!(n in 0..S_TILES => {
+                    unroll8!(c in 0..2 => {
+                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_scaled));
+                        s[n].regs[2 * r + c] = p;
+                        row_sum += p;
+                    });
+                });
+                row_sum
+            };
             self.l[r] = fma(self.l[r], correction, row_sum);
-            crate::unroll16!(n in 0..o_tiles => {
-                o[n].regs[2 * r] *= correction;
-                o[n].regs[2 * r + 1] *= correction;
-            });
+            if LATENCY_TUNED {
+                corrections[r] = correction;
+            } else {
+                crate::unroll16!(n in 0..o_tiles => {
+                    o[n].regs[2 * r] *= correction;
+                    o[n].regs[2 * r + 1] *= correction;
+                });
+            }
             self.m[r] = m_new;
         });
+        corrections
     }
 
     /// `1 / l` of both rows (the quad's shares summed). Every row saw its diagonal key, so
@@ -87,5 +134,46 @@ impl RowSoftmax {
     pub unsafe fn inverse_denominators(&self) -> [f32; 2] {
         // SAFETY: forwarded.
         unsafe { [1.0 / quad_sum_f32(self.l[0]), 1.0 / quad_sum_f32(self.l[1])] }
+    }
+}
+
+/// `op` over 16 values as a pairwise tree (4 dependent levels).
+#[inline(always)]
+fn tree16(mut v: [f32; 2 * S_TILES], op: impl Fn(f32, f32) -> f32) -> f32 {
+    const _: () = assert!(2 * S_TILES == 16);
+    crate::unroll8!(i in 0..8 => { v[i] = op(v[i], v[i + 8]); });
+    crate::unroll8!(i in 0..4 => { v[i] = op(v[i], v[i + 4]); });
+    crate::unroll8!(i in 0..2 => { v[i] = op(v[i], v[i + 2]); });
+    op(v[0], v[1])
+}
+
+/// Rescales the warp's accumulators `o` (their first `o_tiles`) by the row corrections that
+/// [`RowSoftmax::update`] returned with `LATENCY_TUNED`, unless every one of the warp's rows
+/// kept its maximum (all corrections exactly 1: the multiplications would leave `o` bit for bit
+/// unchanged, so skipping them is exact). One vote for all the warp's rows, so the softmax of both row tiles stays one
+/// branch-free stretch of code.
+///
+/// # Safety
+/// The whole warp calls it (a vote).
+#[inline(always)]
+pub unsafe fn rescale_unless_settled<const ROW_TILES: usize>(
+    o: &mut [[FragC; MAX_O_TILES]; ROW_TILES],
+    corrections: &[[f32; 2]; ROW_TILES],
+    o_tiles: usize,
+) {
+    let mut moved = false;
+    crate::unroll8!(m in 0..ROW_TILES => {
+        moved |= corrections[m][0] != 1.0 || corrections[m][1] != 1.0;
+    });
+    // SAFETY: forwarded: the whole warp is here.
+    if unsafe { ballot(moved) } != 0 {
+        crate::unroll8!(m in 0..ROW_TILES => {
+            crate::unroll8!(r in 0..2 => {
+                crate::unroll16!(n in 0..o_tiles => {
+                    o[m][n].regs[2 * r] *= corrections[m][r];
+                    o[m][n].regs[2 * r + 1] *= corrections[m][r];
+                });
+            });
+        });
     }
 }
