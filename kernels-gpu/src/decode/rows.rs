@@ -206,11 +206,10 @@ impl RowSource {
             )
         } else {
             // This launch appends, and the warp holding the newest row rewrites the entry's tail
-            // (from `tail` below, `newest::keep_entry_tail`): the held
-            // selection, then the newest page unless the selection ends with it.
-            // Three independent loads: the held length, the selection's newest page, and the
-            // entry's length (used only while no selection is held, when the owner warp writes
-            // nothing to the entry).
+            // (from `tail` below, `newest::keep_entry_tail`): list the held selection, then the
+            // newest page unless the selection ends with it. Three independent loads: the held
+            // length, the selection's newest page, and the entry's length (used only while no
+            // selection is held, when the owner warp writes nothing to the entry).
             let (held, held_newest, entry_len) = unsafe {
                 (
                     *bufs.held_lens.add(entry as usize),
