@@ -284,13 +284,11 @@ proptest! {
     }
 }
 
-/// A long dense sequence split over many blocks (the split/combine path with many tiles), then in
-/// one split per pair (the bulk-copy kernel).
-#[test]
-#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
-fn long_dense_sequence_uses_many_splits() {
-    let gpu = gpu();
-    let case = Case {
+/// One 20,000-token sequence of two KV heads, one dense (attending to every page:
+/// `dynamic_min_len` above the length) and one streaming, bf16 at D 128: `steps` decode steps
+/// from seed `seed`.
+fn long_dense_case(steps: usize, seed: u64) -> Case {
+    Case {
         head_dim: 128,
         kv_heads: 2,
         group: 4,
@@ -303,10 +301,19 @@ fn long_dense_sequence_uses_many_splits() {
         dynamic_min_len: 1 << 20,
         reuse: 1,
         prompts: vec![20_000],
-        steps: 1,
+        steps,
         f16: false,
-        seed: 7,
-    };
+        seed,
+    }
+}
+
+/// A long dense sequence split over many blocks (the split/combine path with many tiles), then in
+/// one split per pair (the bulk-copy kernel).
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn long_dense_sequence_uses_many_splits() {
+    let gpu = gpu();
+    let case = long_dense_case(1, 7);
     run_case::<bf16>(&gpu, &case).unwrap();
     // One split per pair: 20,000 rows are 312 tiles per warp, past the bulk-copy line, so the
     // bulk-copy kernel serves the launch (the short streaming pair too); both element types and
@@ -329,23 +336,7 @@ fn long_dense_sequence_uses_many_splits() {
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn appending_launch_on_bulk_copied_tiles() {
     let gpu = gpu();
-    let case = Case {
-        head_dim: 128,
-        kv_heads: 2,
-        group: 4,
-        streaming: vec![false, true],
-        page_tokens: 64,
-        logical_per_page: 4,
-        top_k: 8,
-        sink: 64,
-        local: 256,
-        dynamic_min_len: 1 << 20,
-        reuse: 1,
-        prompts: vec![20_000],
-        steps: 2,
-        f16: false,
-        seed: 11,
-    };
+    let case = long_dense_case(2, 11);
     run_steps::<bf16>(&gpu, &case, false, 0, AppendLaunch::Fused, 1).unwrap();
     let case = Case {
         head_dim: 64,

@@ -9,7 +9,7 @@ use lserve_abi::decode::{
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 use super::kv_write::append_kv;
-use super::launch::{grouped_kernel_name, ByValue, OverlappedLaunch};
+use super::launch::{grouped_kernel_name, kernel_of, ByValue, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
@@ -102,14 +102,6 @@ const BULK_MIN_TILES_PER_WARP: u32 = 24;
 fn uses_bulk_copies(max_rows: u32, splits: u32) -> bool {
     let warp_rows = DECODE_TILE_ROWS * (DECODE_THREADS / 32);
     max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows) >= BULK_MIN_TILES_PER_WARP
-}
-
-/// The split combine's entry point for `E`.
-fn combine_kernel<E: DeviceElement>() -> &'static str {
-    match E::DTYPE {
-        DType::BF16 => "decode_combine_bf16",
-        DType::F16 => "decode_combine_f16",
-    }
 }
 
 fn kernel_name(
@@ -345,16 +337,15 @@ impl AppendAttend {
             AppendLaunch::Separate => false,
         };
         // What the launches look up: fail here, before any of them is enqueued.
-        gpu.function(match E::DTYPE {
-            DType::BF16 => "append_kv_bf16",
-            DType::F16 => "append_kv_f16",
-        })?;
+        if !fused {
+            gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
+        }
         let bulk = uses_bulk_copies(plan.max_rows, plan.splits);
         let geometry = *cache.pattern().geometry();
         let d = geometry.head_dim();
         let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, fused)?;
         gpu.function_with_smem(&name, decode_smem_bytes(d as u32))?;
-        gpu.function(combine_kernel::<E>())?;
+        gpu.function(kernel_of::<E>("decode_combine_bf16", "decode_combine_f16"))?;
         Ok(Self { plan, fused })
     }
 
@@ -591,7 +582,7 @@ fn launch_attention<E: DeviceElement>(
         head_dim: d as u32,
         splits,
     });
-    let f = gpu.function(combine_kernel::<E>())?;
+    let f = gpu.function(kernel_of::<E>("decode_combine_bf16", "decode_combine_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: ((b * hq) as u32, 1, 1),
         block_dim: (COMBINE_THREADS, 1, 1),

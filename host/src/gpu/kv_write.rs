@@ -49,9 +49,8 @@ use lserve_abi::kv_write::{
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{ByValue, LaunchParams, OverlappedLaunch};
+use super::launch::{kernel_of, ByValue, LaunchParams, OverlappedLaunch};
 use super::GpuContext;
-use crate::dtype::DType;
 use crate::error::invalid;
 use crate::paging::{KvCacheManager, SeqId};
 use crate::{LserveError, Result};
@@ -79,14 +78,6 @@ fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
         });
     }
     Ok(())
-}
-
-/// The kernel of `E` among a (bf16, f16) pair of names.
-fn kernel<E: DeviceElement>(bf16: &'static str, f16: &'static str) -> &'static str {
-    match E::DTYPE {
-        DType::BF16 => bf16,
-        DType::F16 => f16,
-    }
 }
 
 /// One layer's cache as the write kernels address it.
@@ -151,7 +142,7 @@ pub fn append_kv<E: DeviceElement>(
         dynamic_min_len,
         entry_capacity,
     });
-    let f = gpu.function(kernel::<E>("append_kv_bf16", "append_kv_f16"))?;
+    let f = gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(b * hkv * d / CHUNK_ELEMS as usize)?, 1, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),
@@ -393,7 +384,7 @@ pub fn write_kv_rows<E: DeviceElement>(
         sequences: host.ranges.len() as u32,
         cache: cache_layout(l, hkv, max_pages),
     });
-    let f = gpu.function(kernel::<E>("write_kv_rows_bf16", "write_kv_rows_f16"))?;
+    let f = gpu.function(kernel_of::<E>("write_kv_rows_bf16", "write_kv_rows_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(chunks)?, host.ranges.len() as u32, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),
@@ -450,7 +441,7 @@ pub fn pool_key_stats<E: DeviceElement>(
         sequences: host.ranges.len() as u32,
         cache: cache_layout(l, hkv, max_pages),
     });
-    let f = gpu.function(kernel::<E>("pool_key_stats_bf16", "pool_key_stats_f16"))?;
+    let f = gpu.function(kernel_of::<E>("pool_key_stats_bf16", "pool_key_stats_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (
             pages.div_ceil(pool_pages_per_block(l.paged.head_dim)),
@@ -505,7 +496,7 @@ pub fn fill_random<E: DeviceElement>(
         len: len as u64,
         seed,
     });
-    let f = gpu.function(kernel::<E>("fill_random_bf16", "fill_random_f16"))?;
+    let f = gpu.function(kernel_of::<E>("fill_random_bf16", "fill_random_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(len.div_ceil(CHUNK_ELEMS as usize))?, 1, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),

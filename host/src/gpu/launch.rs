@@ -8,8 +8,17 @@ use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
 };
 
+use super::cache::DeviceElement;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
+
+/// The kernel of element type `E` among a (bf16, f16) pair of entry points.
+pub(crate) fn kernel_of<E: DeviceElement>(bf16: &'static str, f16: &'static str) -> &'static str {
+    match E::DTYPE {
+        DType::BF16 => bf16,
+        DType::F16 => f16,
+    }
+}
 
 /// The instance `{family}_{dtype}_d{head_dim}_g{group}` of a kernel family built for head
 /// dimensions 64 and 128 and GQA groups 1, 2, 4 and 8 (the decode attention and the page

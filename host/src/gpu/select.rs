@@ -223,22 +223,13 @@ pub fn score_pages<E: DeviceElement>(
     q: &CudaSlice<E>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    let geometry = *cache.pattern().geometry();
-    let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
-    let name = score_kernel_name(E::DTYPE, d, group)?;
-    let l = cache.layer(layer)?;
-    let pairs = check_launch(cache, l, batch, ws)?;
-    if q.len() < batch.len() * hq * d {
-        return Err(LserveError::ShapeMismatch {
-            what: "q",
-            expected: batch.len() * hq * d,
-            actual: q.len(),
-        });
-    }
-    let params = ByValue(select_params(cache, l, batch.len())?);
+    let (name, pairs, params) = check_scores(cache, layer, batch, q, ws)?;
+    let params = ByValue(params);
     if pairs == 0 {
         return Ok(()); // no dense heads in this layer
     }
+    let l = cache.layer(layer)?;
+    let d = cache.pattern().geometry().head_dim();
     let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
     let pages = longest.div_ceil(l.paged.page_tokens);
     let row_groups = SCORE_THREADS / (d as u32 / 8);
@@ -345,6 +336,30 @@ pub fn select_pages<E: DeviceElement>(
     select_top_k(gpu, cache, layer, batch, ws)
 }
 
+/// The checks of [`score_pages`] (which [`select_top_k`]'s are a part of): its kernel's name,
+/// the (sequence, dense KV head) pairs and the launch parameters.
+fn check_scores<E: DeviceElement>(
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    q: &CudaSlice<E>,
+    ws: &SelectWorkspace,
+) -> Result<(String, usize, SelectParams)> {
+    let geometry = *cache.pattern().geometry();
+    let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
+    let name = score_kernel_name(E::DTYPE, d, group)?;
+    let l = cache.layer(layer)?;
+    let pairs = check_launch(cache, l, batch, ws)?;
+    if q.len() < batch.len() * hq * d {
+        return Err(LserveError::ShapeMismatch {
+            what: "q",
+            expected: batch.len() * hq * d,
+            actual: q.len(),
+        });
+    }
+    Ok((name, pairs, select_params(cache, l, batch.len())?))
+}
+
 /// Every check [`select_pages`] makes before it launches anything, without launching: a decode
 /// step validates all its launches first, so that a bad argument leaves the cache unchanged.
 pub(crate) fn check_select_pages<E: DeviceElement>(
@@ -355,19 +370,7 @@ pub(crate) fn check_select_pages<E: DeviceElement>(
     q: &CudaSlice<E>,
     ws: &SelectWorkspace,
 ) -> Result<()> {
-    let geometry = *cache.pattern().geometry();
-    let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
-    let name = score_kernel_name(E::DTYPE, d, group)?;
-    let l = cache.layer(layer)?;
-    check_launch(cache, l, batch, ws)?;
-    if q.len() < batch.len() * hq * d {
-        return Err(LserveError::ShapeMismatch {
-            what: "q",
-            expected: batch.len() * hq * d,
-            actual: q.len(),
-        });
-    }
-    select_params(cache, l, batch.len())?;
+    let (name, _, _) = check_scores(cache, layer, batch, q, ws)?;
     gpu.function(&name)?;
     gpu.function("select_pages")?;
     Ok(())
