@@ -77,12 +77,37 @@ impl DecodeWorkspace {
 /// How many splits a launch uses: one wave of blocks of the `heavy_pairs` long pairs (the dense
 /// heads; streaming heads have a few hundred rows) at [`DECODE_BLOCKS_PER_SM`] resident blocks per
 /// SM — rounded down, so a launch is never a full wave plus a small tail — but no split shorter
-/// than [`MIN_SPLIT_TILES`] tiles of the longest pair.
-fn choose_splits(sm_count: u32, heavy_pairs: u32, max_rows: u32, max_splits: u32) -> u32 {
-    let fill = (DECODE_BLOCKS_PER_SM * sm_count) / heavy_pairs.max(1);
+/// than [`MIN_SPLIT_TILES`] tiles of the longest pair. Where the blocks of all `pairs` then
+/// overflow one wave by a few splits' worth (at most [`WAVE_TRIM`] of the splits), the splits are
+/// trimmed so that every block is resident at once: the overflow would otherwise wait for a
+/// slot, and the launch's end with it.
+fn choose_splits(
+    sm_count: u32,
+    heavy_pairs: u32,
+    pairs: u32,
+    max_rows: u32,
+    max_splits: u32,
+) -> u32 {
+    let slots = DECODE_BLOCKS_PER_SM * sm_count;
+    let fill = slots / heavy_pairs.max(1);
     let by_length = max_rows.div_ceil(MIN_SPLIT_TILES * DECODE_TILE_ROWS).max(1);
-    fill.min(by_length).clamp(1, max_splits)
+    let splits = fill.min(by_length).clamp(1, max_splits);
+    let one_wave = slots / pairs.max(1);
+    if one_wave < splits && (splits - one_wave) * WAVE_TRIM.1 <= splits * WAVE_TRIM.0 {
+        one_wave.max(1)
+    } else {
+        splits
+    }
 }
+
+/// The largest share of a launch's splits ([`choose_splits`]) trimmed to fit all its blocks in
+/// one wave, as a fraction `(numerator, denominator)`.
+///
+/// Measured (H200, 2026-11-30, `benches/decode.rs` `step/lserve` b1, LServe pattern: 8 pairs,
+/// 4 of them dense, 34 splits = 272 blocks for 264 slots; decode NOTES, session 6): 33 splits
+/// 14.83 / 14.86 µs against 15.21 / 15.22 µs at 34 (256K), 11.50 / 11.52 against 11.95 / 11.94
+/// µs (16K); 24 and 17 splits measured like 34, 12 splits 7-9% slower.
+const WAVE_TRIM: (u32, u32) = (1, 16);
 
 /// The shortest split worth its partial state: two tiles per warp.
 const MIN_SPLIT_TILES: u32 = 8;
@@ -488,7 +513,13 @@ fn check_and_plan<E: DeviceElement>(
         .max(l.streaming.rows());
     let dense_heads = l.paged.heads as usize;
     let heavy_pairs = b * if dense_heads > 0 { dense_heads } else { hkv };
-    let splits = choose_splits(gpu.sm_count(), heavy_pairs as u32, max_rows, ws.max_splits);
+    let splits = choose_splits(
+        gpu.sm_count(),
+        heavy_pairs as u32,
+        pairs as u32,
+        max_rows,
+        ws.max_splits,
+    );
     Ok(LaunchPlan { splits, max_rows })
 }
 
@@ -609,19 +640,33 @@ mod tests {
 
     #[test]
     fn splits_fill_the_gpu_from_the_dense_pairs_but_keep_splits_long() {
-        // 132 SMs at 2 blocks each, 4 dense pairs (batch 1, half of 8 KV heads dense), 256K
-        // rows: one full wave.
-        assert_eq!(choose_splits(132, 4, 262_144, MAX_SPLITS), 66);
+        // 132 SMs at 2 blocks each, 4 dense pairs of 8 (batch 1, half of the KV heads dense),
+        // 256K rows: the dense pairs' blocks make one full wave; the streaming pairs' (short)
+        // blocks are too many to trim away.
+        assert_eq!(choose_splits(132, 4, 8, 262_144, MAX_SPLITS), 66);
         // 128 dense pairs (batch 16): two splits make one wave (264 slots, 256 blocks), where
         // rounding up would make a wave and a half.
-        assert_eq!(choose_splits(132, 128, 262_144, MAX_SPLITS), 2);
+        assert_eq!(choose_splits(132, 128, 128, 262_144, MAX_SPLITS), 2);
         // Fewer pairs would want more splits than allowed.
-        assert_eq!(choose_splits(132, 1, 262_144, MAX_SPLITS), MAX_SPLITS);
+        assert_eq!(choose_splits(132, 1, 1, 262_144, MAX_SPLITS), MAX_SPLITS);
         // A short sequence: at least 8 tiles (128 rows) per split.
-        assert_eq!(choose_splits(132, 4, 4160, MAX_SPLITS), 33);
+        assert_eq!(choose_splits(132, 4, 4, 4160, MAX_SPLITS), 33);
         // Many pairs: one split each at least.
-        assert_eq!(choose_splits(132, 10_000, 262_144, MAX_SPLITS), 1);
-        assert_eq!(choose_splits(132, 4, 1, MAX_SPLITS), 1);
+        assert_eq!(choose_splits(132, 10_000, 10_000, 262_144, MAX_SPLITS), 1);
+        assert_eq!(choose_splits(132, 4, 4, 1, MAX_SPLITS), 1);
+    }
+
+    #[test]
+    fn a_launch_a_few_blocks_over_one_wave_is_trimmed_to_it() {
+        // LServe at b1 256K: a selection's 67 pages (4288 rows) want 34 splits; 8 pairs x 34 =
+        // 272 blocks for 264 slots, so 33.
+        assert_eq!(choose_splits(132, 4, 8, 67 * 64, MAX_SPLITS), 33);
+        // Batch 2: 16 pairs x 33 splits is two waves; halving the splits is not a trim.
+        assert_eq!(choose_splits(132, 8, 16, 67 * 64, MAX_SPLITS), 33);
+        // Every pair dense: one wave already.
+        assert_eq!(choose_splits(132, 8, 8, 67 * 64, MAX_SPLITS), 33);
+        // Past 1/16 of the splits: 36 wanted, 33 fit: kept.
+        assert_eq!(choose_splits(132, 4, 8, 36 * 128, MAX_SPLITS), 36);
     }
 
     #[test]
