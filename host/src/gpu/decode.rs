@@ -427,6 +427,9 @@ impl AppendAttend {
 /// | 8 | 8 | 9 | 51.98 µs | 51.04 µs (after the selector) |
 /// | 16 | 4 | 17 | 88.8-89.4 µs | 86.1 µs (88.2 after the selector) |
 ///
+/// (Batch 1 has run 33 splits since session 6, `choose_splits`: at most 3 tiles per warp,
+/// still fused.)
+///
 /// The line sits between the measured sides.
 fn fuses_append(max_rows: u32, splits: u32) -> bool {
     let warp_rows = DECODE_TILE_ROWS * (DECODE_THREADS / 32);
@@ -684,7 +687,9 @@ mod tests {
 
     #[test]
     fn the_append_joins_latency_bound_launches_only() {
-        // LServe at b1 256K: 34 splits of a selection's ~4.3K rows, 2 tiles per warp.
+        // LServe at b1 256K: 33 splits of a selection's ~4.3K rows (the one-wave trim of 34),
+        // at most 3 tiles per warp; 34 splits, 2.
+        assert!(fuses_append(67 * 64, 33));
         assert!(fuses_append(67 * 64, 34));
         // LServe at b4 256K: 16 splits, 5 tiles per warp; b16 256K: 4 splits, 17.
         assert!(!fuses_append(67 * 64, 16));
