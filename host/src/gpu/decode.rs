@@ -672,6 +672,30 @@ mod tests {
         assert_eq!(choose_splits(132, 4, 8, 36 * 128, MAX_SPLITS), 36);
     }
 
+    proptest::proptest! {
+        /// The trim only ever removes a few splits, to make one wave of every pair's blocks;
+        /// otherwise the split count is the heavy pairs' one-wave count, within its bounds.
+        #[test]
+        fn the_wave_trim_is_small_and_makes_one_wave(
+            sm_count in 1u32..200,
+            heavy in 1u32..300,
+            light in 0u32..300,
+            max_rows in 1u32..1_000_000,
+            max_splits in 1u32..=MAX_SPLITS,
+        ) {
+            let pairs = heavy + light;
+            let slots = DECODE_BLOCKS_PER_SM * sm_count;
+            let untrimmed = choose_splits(sm_count, heavy, heavy, max_rows, max_splits);
+            let splits = choose_splits(sm_count, heavy, pairs, max_rows, max_splits);
+            proptest::prop_assert!((1..=max_splits).contains(&splits));
+            proptest::prop_assert!(splits <= untrimmed);
+            if splits < untrimmed {
+                proptest::prop_assert!(splits * pairs <= slots);
+                proptest::prop_assert!((untrimmed - splits) * 16 <= untrimmed);
+            }
+        }
+    }
+
     #[test]
     fn long_splits_use_bulk_copies() {
         // Dense b16 256K: 2 splits of 131072 rows, 2048 tiles per warp.
