@@ -1,7 +1,7 @@
 //! Paged sparse decode attention on the device: one launch for every (sequence, KV head) pair of
 //! a layer, then a combine of the splits (`kernels-gpu/src/decode`).
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::decode::{
     combine_smem_bytes, decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS,
     DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
@@ -125,8 +125,30 @@ const BULK_MIN_TILES_PER_WARP: u32 = 24;
 /// Whether a launch whose longest pair visits `max_rows` rows in `splits` splits uses the bulk-copy
 /// kernel.
 fn uses_bulk_copies(max_rows: u32, splits: u32) -> bool {
+    tiles_per_warp(max_rows, splits) >= BULK_MIN_TILES_PER_WARP
+}
+
+/// The most tiles one warp streams in a launch whose longest pair visits `max_rows` rows in
+/// `splits` splits (a split count of 0 read as 1).
+fn tiles_per_warp(max_rows: u32, splits: u32) -> u32 {
     let warp_rows = DECODE_TILE_ROWS * (DECODE_THREADS / 32);
-    max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows) >= BULK_MIN_TILES_PER_WARP
+    max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows)
+}
+
+/// The attention kernel a launch planned as `plan` runs (appending or not), allowed its shared
+/// memory: what [`AppendAttend::check`] looks up before any launch and [`launch_attention`]
+/// launches.
+fn attention_function<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    plan: LaunchPlan,
+    append: bool,
+) -> Result<CudaFunction> {
+    let geometry = *cache.pattern().geometry();
+    let d = geometry.head_dim();
+    let bulk = uses_bulk_copies(plan.max_rows, plan.splits);
+    let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, append)?;
+    gpu.function_with_smem(&name, decode_smem_bytes(d as u32))
 }
 
 fn kernel_name(
@@ -365,11 +387,7 @@ impl AppendAttend {
         if !fused {
             gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
         }
-        let bulk = uses_bulk_copies(plan.max_rows, plan.splits);
-        let geometry = *cache.pattern().geometry();
-        let d = geometry.head_dim();
-        let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, fused)?;
-        gpu.function_with_smem(&name, decode_smem_bytes(d as u32))?;
+        attention_function(gpu, cache, plan, fused)?;
         gpu.function(kernel_of::<E>("decode_combine_bf16", "decode_combine_f16"))?;
         Ok(Self { plan, fused })
     }
@@ -432,8 +450,7 @@ impl AppendAttend {
 ///
 /// The line sits between the measured sides.
 fn fuses_append(max_rows: u32, splits: u32) -> bool {
-    let warp_rows = DECODE_TILE_ROWS * (DECODE_THREADS / 32);
-    max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows) <= FUSED_MAX_TILES_PER_WARP
+    tiles_per_warp(max_rows, splits) <= FUSED_MAX_TILES_PER_WARP
 }
 
 /// See [`fuses_append`].
@@ -549,7 +566,7 @@ fn launch_attention<E: DeviceElement>(
         geometry.group(),
     );
     let (b, l) = (batch.len(), cache.layer(layer)?);
-    let (pairs, LaunchPlan { splits, max_rows }) = (b * hkv, plan);
+    let (pairs, splits) = (b * hkv, plan.splits);
     let params = ByValue(DecodeParams {
         batch: b as u32,
         kv_heads: hkv as u32,
@@ -562,14 +579,11 @@ fn launch_attention<E: DeviceElement>(
         paged: l.paged,
         streaming: l.streaming,
     });
-    let bulk = uses_bulk_copies(max_rows, splits);
-    let name = kernel_name(E::DTYPE, d, group, bulk, new.is_some())?;
-    let smem = decode_smem_bytes(d as u32);
-    let f = gpu.function_with_smem(&name, smem)?;
+    let f = attention_function(gpu, cache, plan, new.is_some())?;
     let cfg = LaunchConfig {
         grid_dim: (splits, pairs as u32, 1),
         block_dim: (DECODE_THREADS, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: decode_smem_bytes(d as u32),
     };
     let stream = gpu.stream();
     let mut launch = OverlappedLaunch::new(stream, &f);
@@ -597,8 +611,9 @@ fn launch_attention<E: DeviceElement>(
         .buf_mut(&mut ws.part_acc)
         .buf_mut(&mut ws.part_ml);
     // SAFETY: the argument list matches the kernel's signature (kernels-gpu/src/decode/mod.rs):
-    // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay
-    // inside the workspace; the cache's buffers have the layouts in `params` (built from them),
+    // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with
+    // `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay inside the
+    // workspace; the cache's buffers have the layouts in `params` (built from them),
     // `batch` holds slots and lengths checked against this cache (`check_batch`), and the tables
     // hold page ids below the pool's capacity (the manager and the selection kernels write only
     // those). With `new` the kernel writes the cache as `append_kv` does (that function's

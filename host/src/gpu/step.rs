@@ -1,7 +1,8 @@
 //! A whole decode step on the device: per layer the append, the selector when due and the
 //! attention (the append inside the attention launch where that is latency-bound, else the
-//! append kernel first); then advance the step counters. No allocation, no host synchronization: a step can be captured in a CUDA
-//! graph and replayed (the batch description is rewritten in place before each replay).
+//! append kernel first); then advance the step counters. No allocation, no host
+//! synchronization: a step can be captured in a CUDA graph and replayed (the batch description
+//! is rewritten in place before each replay).
 //!
 //! A captured step keeps the launch shapes of its capture: whether it selects
 //! ([`DecodeStep::selects`], decided before capturing; a step captured with the selector is
@@ -314,9 +315,7 @@ impl DecodeStep {
         batch: &DecodeBatch,
     ) -> Result<()> {
         advance_decode_steps(gpu, cache, batch)?;
-        if std::mem::take(&mut self.selected) {
-            cache.clear_selection_pending(batch);
-        }
+        Self::replayed(cache, batch, std::mem::take(&mut self.selected));
         Ok(())
     }
 }

@@ -150,8 +150,8 @@ fn tree16(mut v: [f32; 2 * S_TILES], op: impl Fn(f32, f32) -> f32) -> f32 {
 /// Rescales the warp's accumulators `o` (their first `o_tiles`) by the row corrections that
 /// [`RowSoftmax::update`] returned with `LATENCY_TUNED`, unless every one of the warp's rows
 /// kept its maximum (all corrections exactly 1: the multiplications would leave `o` bit for bit
-/// unchanged, so skipping them is exact). One vote for all the warp's rows, so the softmax of both row tiles stays one
-/// branch-free stretch of code.
+/// unchanged, so skipping them is exact). One vote for all the warp's rows, so the softmax of
+/// both row tiles stays one branch-free stretch of code.
 ///
 /// # Safety
 /// The whole warp calls it (a vote).
