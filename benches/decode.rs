@@ -21,6 +21,10 @@
 //!   logical page, as 15 of 16 steps are: the update reads and writes the statistics);
 //! - `kv/pool`: key-statistics pooling over the whole context (`pool_key_stats` of `0..context`,
 //!   every head dense), batch 1 only;
+//! - `attention/dense_mha`, `step/lserve_mha`: the dense baseline and the LServe step for one
+//!   layer of Llama-2-7B geometry (MHA: Hq = Hkv = 32, D 128), batch 1 only: the LServe paper's
+//!   ~51x at 256K is an A100 layer of this geometry. With 4 query heads per KV head (Llama-3-8B)
+//!   dense decode reads 4x fewer bytes, while the step's fixed costs stay;
 //! - `copy`: a device-to-device copy, the bandwidth ceiling, in the same run.
 //!
 //! Each is captured in a CUDA graph (as an engine runs a decode step) and timed with CUDA
@@ -61,8 +65,17 @@ use lserve::paging::KvCacheManager;
 
 const CONTEXTS: [usize; 5] = [4096, 16384, 65536, 131072, 262144];
 const BATCHES: [usize; 2] = [1, 16];
-const HKV: usize = 8;
-const HQ: usize = 32;
+/// One layer's attention geometry (D 128, bf16).
+#[derive(Clone, Copy)]
+struct Model {
+    hq: usize,
+    hkv: usize,
+}
+/// Llama-3-8B (GQA, 4 query heads per KV head): every case.
+const LLAMA3_8B: Model = Model { hq: 32, hkv: 8 };
+/// Llama-2-7B (MHA): the geometry of the LServe paper's ~51x at 256K (one A100 layer);
+/// `attention/dense_mha` and `step/lserve_mha`, batch 1 only.
+const LLAMA2_7B: Model = Model { hq: 32, hkv: 32 };
 const D: usize = 128;
 /// Bytes of one bf16 row of `D` channels.
 const ROW_BYTES: usize = D * 2;
@@ -70,6 +83,7 @@ const ROW_BYTES: usize = D * 2;
 /// One configured case: a cache of one or more layers, batch, workspaces, query, the step's new
 /// K/V.
 struct Bench {
+    model: Model,
     cache: DeviceKvCache<bf16>,
     batch: DecodeBatch,
     attention: DecodeWorkspace,
@@ -100,8 +114,10 @@ fn step_layers(batch: usize) -> usize {
 
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
 /// the statistics pooled from it.
+#[allow(clippy::too_many_arguments)]
 fn bench_case(
     gpu: &GpuContext,
+    model: Model,
     layers: usize,
     batch: usize,
     len: usize,
@@ -109,7 +125,7 @@ fn bench_case(
     selection: bool,
     reuse: usize,
 ) -> lserve::Result<Bench> {
-    let g = ModelGeometry::new(layers, HQ, HKV, D)?;
+    let g = ModelGeometry::new(layers, model.hq, model.hkv, D)?;
     let pattern = if streaming {
         HeadPattern::interleaved(g, 0.5)?
     } else {
@@ -143,18 +159,19 @@ fn bench_case(
     let mut b = DecodeBatch::new(gpu, batch)?;
     b.set(gpu, &mgr, &seqs)?;
     let stream = gpu.stream();
-    let mut q = stream.alloc_zeros::<bf16>(batch * HQ * D)?;
+    let mut q = stream.alloc_zeros::<bf16>(batch * model.hq * D)?;
     fill_random(gpu, &mut q, 99)?;
-    let out = stream.alloc_zeros::<bf16>(batch * HQ * D)?;
-    let mut k = stream.alloc_zeros::<bf16>(batch * HKV * D)?;
-    let mut v = stream.alloc_zeros::<bf16>(batch * HKV * D)?;
+    let out = stream.alloc_zeros::<bf16>(batch * model.hq * D)?;
+    let mut k = stream.alloc_zeros::<bf16>(batch * model.hkv * D)?;
+    let mut v = stream.alloc_zeros::<bf16>(batch * model.hkv * D)?;
     fill_random(gpu, &mut k, 5)?;
     fill_random(gpu, &mut v, 6)?;
-    let attention = DecodeWorkspace::new(gpu, batch, HKV, HQ / HKV, D)?;
+    let attention = DecodeWorkspace::new(gpu, batch, model.hkv, model.hq / model.hkv, D)?;
     let selection = SelectWorkspace::new(gpu, &cache, batch)?;
     let step = DecodeStep::new(gpu, &cache, batch)?;
     stream.synchronize()?;
     Ok(Bench {
+        model,
         cache,
         batch: b,
         attention,
@@ -179,7 +196,7 @@ impl Bench {
         let row = 2 * ROW_BYTES;
         let batch = self.batch.len();
         let mut bytes = 0usize;
-        for h in 0..HKV {
+        for h in 0..self.model.hkv {
             let kind = self.pattern.kind(0, h);
             let selecting = kind == HeadKind::Dense && self.config.uses_page_selection(self.len);
             if with_attention {
@@ -200,7 +217,7 @@ impl Bench {
                     / self.config.reuse_interval;
             }
         }
-        (batch * (bytes + 2 * HQ * ROW_BYTES)) as u64
+        (batch * (bytes + 2 * self.model.hq * ROW_BYTES)) as u64
     }
 
     /// Bytes one `append_kv` must move: per sequence and KV head, the token's K and V read from
@@ -210,7 +227,7 @@ impl Bench {
         let pos = self.len - 1;
         let starts_logical = pos.is_multiple_of(self.config.logical_page_tokens);
         let mut per_seq = 0usize;
-        for h in 0..HKV {
+        for h in 0..self.model.hkv {
             per_seq += 2 * (2 * ROW_BYTES); // K+V: read, then written
             if self.pattern.kind(0, h) == HeadKind::Dense {
                 let stats = 2 * ROW_BYTES; // kmin + kmax of one head
@@ -223,7 +240,7 @@ impl Bench {
     /// Bytes pooling `0..len` of every sequence must move: the dense heads' K rows read, their
     /// logical pages' `kmin`/`kmax` written.
     fn pool_bytes(&self) -> u64 {
-        let dense = (0..HKV)
+        let dense = (0..self.model.hkv)
             .filter(|&h| self.pattern.kind(0, h) == HeadKind::Dense)
             .count();
         let pages = self.len.div_ceil(self.config.logical_page_tokens);
@@ -317,18 +334,34 @@ fn decode(c: &mut Criterion) {
         for &context in &CONTEXTS {
             let id = |name: &str| BenchmarkId::new(name, format!("b{batch}/{context}"));
             let case = |group: &str, name: &str| format!("{group}/{name}/b{batch}/{context}");
-            // (group, name, streaming heads, page selection, reuse, run selection, run attention)
+            // (model, group, name, streaming heads, page selection, reuse, run selection, run
+            // attention)
+            let l3 = LLAMA3_8B;
             let variants = [
-                ("attention", "dense", false, false, 4, false, true),
-                ("attention", "static", true, false, 4, false, true),
-                ("step", "dynamic", false, true, 4, true, true),
-                ("step", "lserve", true, true, 4, true, true),
-                ("selector", "reuse1", true, true, 1, true, false),
-                ("selector", "reuse4", true, true, 4, true, false),
+                (l3, "attention", "dense", false, false, 4, false, true),
+                (l3, "attention", "static", true, false, 4, false, true),
+                (l3, "step", "dynamic", false, true, 4, true, true),
+                (l3, "step", "lserve", true, true, 4, true, true),
+                (l3, "selector", "reuse1", true, true, 1, true, false),
+                (l3, "selector", "reuse4", true, true, 4, true, false),
+                (
+                    LLAMA2_7B,
+                    "attention",
+                    "dense_mha",
+                    false,
+                    false,
+                    4,
+                    false,
+                    true,
+                ),
+                (LLAMA2_7B, "step", "lserve_mha", true, true, 4, true, true),
             ];
-            for (group_name, name, streaming, selection, reuse, run_select, run_attend) in variants
+            for (model, group_name, name, streaming, selection, reuse, run_select, run_attend) in
+                variants
             {
-                if !selected(&case(group_name, name)) {
+                // The MHA model's cases are batch 1 only (the paper's setting).
+                let mha = model.hkv == model.hq;
+                if (mha && batch != 1) || !selected(&case(group_name, name)) {
                     continue;
                 }
                 // Attention alone is one layer (a dense layer's cache is 1 GiB per sequence at
@@ -341,6 +374,7 @@ fn decode(c: &mut Criterion) {
                 // The step's token is in the cache: `context + 1` tokens.
                 let made = bench_case(
                     &gpu,
+                    model,
                     layers,
                     batch,
                     context + 1,
@@ -419,7 +453,7 @@ fn decode(c: &mut Criterion) {
             // of a logical page, so the update reads and writes the statistics, as 15 of 16
             // steps do with logical pages of 16).
             if selected(&case("kv", "append")) {
-                match bench_case(&gpu, 1, batch, context, false, true, 4) {
+                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.append_bytes();
                         bench_captured(c, &gpu, "kv", id("append"), bytes, 1, || {
@@ -436,7 +470,7 @@ fn decode(c: &mut Criterion) {
             // Statistics pooling over the whole context (prefill's pooling of a prompt, or a
             // rebuild): it recomputes `kmin`/`kmax` from the K rows, so replays are state-free.
             if batch == 1 && selected(&case("kv", "pool")) {
-                match bench_case(&gpu, 1, batch, context, false, true, 4) {
+                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.pool_bytes();
                         bench_captured(c, &gpu, "kv", id("pool"), bytes, 1, || {
