@@ -135,20 +135,33 @@ fn tiles_per_warp(max_rows: u32, splits: u32) -> u32 {
     max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows)
 }
 
-/// The attention kernel a launch planned as `plan` runs (appending or not), allowed its shared
-/// memory: what [`AppendAttend::check`] looks up before any launch and [`launch_attention`]
-/// launches.
-fn attention_function<E: DeviceElement>(
-    gpu: &GpuContext,
-    cache: &DeviceKvCache<E>,
-    plan: LaunchPlan,
-    append: bool,
-) -> Result<CudaFunction> {
-    let geometry = *cache.pattern().geometry();
-    let d = geometry.head_dim();
-    let bulk = uses_bulk_copies(plan.max_rows, plan.splits);
-    let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, append)?;
-    gpu.function_with_smem(&name, decode_smem_bytes(d as u32))
+/// The two kernels of an attention launch, looked up once when it is checked (nothing is
+/// enqueued if one is missing) and launched by [`launch_attention`].
+#[derive(Clone)]
+struct AttentionKernels {
+    /// The attention kernel for the launch's plan (appending or not), allowed its shared memory.
+    attention: CudaFunction,
+    /// The split combine.
+    combine: CudaFunction,
+}
+
+impl AttentionKernels {
+    /// The kernels a launch planned as `plan` runs, appending the step's token or not.
+    fn look_up<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        plan: LaunchPlan,
+        append: bool,
+    ) -> Result<Self> {
+        let geometry = *cache.pattern().geometry();
+        let d = geometry.head_dim();
+        let bulk = uses_bulk_copies(plan.max_rows, plan.splits);
+        let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, append)?;
+        Ok(Self {
+            attention: gpu.function_with_smem(&name, decode_smem_bytes(d as u32))?,
+            combine: gpu.function(kernel_of::<E>("decode_combine_bf16", "decode_combine_f16"))?,
+        })
+    }
 }
 
 fn kernel_name(
@@ -216,7 +229,8 @@ pub fn decode_attention<E: DeviceElement>(
     ws: &mut DecodeWorkspace,
 ) -> Result<()> {
     let plan = check_and_plan(gpu, cache, layer, batch, q, None, out, ws)?;
-    launch_attention(gpu, cache, layer, batch, q, None, out, ws, plan)
+    let kernels = AttentionKernels::look_up(gpu, cache, plan, false)?;
+    launch_attention(gpu, cache, layer, batch, q, None, out, ws, plan, &kernels)
 }
 
 /// The step's append and decode attention of one layer (what
@@ -356,10 +370,11 @@ pub fn append_and_attend_as<E: DeviceElement>(
 /// launches [`append_first`](Self::append_first), then the selector if due, then
 /// [`attend`](Self::attend). The append kernel, when it runs on its own, thus runs before the
 /// selector, as measured fastest (`fuses_append`).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct AppendAttend {
     plan: LaunchPlan,
     fused: bool,
+    kernels: AttentionKernels,
 }
 
 impl AppendAttend {
@@ -387,9 +402,12 @@ impl AppendAttend {
         if !fused {
             gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
         }
-        attention_function(gpu, cache, plan, fused)?;
-        gpu.function(kernel_of::<E>("decode_combine_bf16", "decode_combine_f16"))?;
-        Ok(Self { plan, fused })
+        let kernels = AttentionKernels::look_up(gpu, cache, plan, fused)?;
+        Ok(Self {
+            plan,
+            fused,
+            kernels,
+        })
     }
 
     /// The append kernel, where the append is not part of the attention launch.
@@ -424,7 +442,18 @@ impl AppendAttend {
         // `launch_attention` passes: `&mut` here is what makes that visible to the borrow
         // checker.
         let new = self.fused.then_some(new);
-        launch_attention(gpu, &*cache, layer, batch, q, new, out, ws, self.plan)
+        launch_attention(
+            gpu,
+            &*cache,
+            layer,
+            batch,
+            q,
+            new,
+            out,
+            ws,
+            self.plan,
+            &self.kernels,
+        )
     }
 }
 
@@ -545,7 +574,8 @@ fn check_and_plan<E: DeviceElement>(
 
 /// Launches the attention (and the combine) as `plan` says, appending the step's token
 /// `new = (k, v)` inside the launch when given (then the kernel writes the cache: the caller
-/// holds it mutably). The arguments passed [`check_and_plan`].
+/// holds it mutably). The arguments passed [`check_and_plan`]; `kernels` are the plan's, looked
+/// up with `append` as `new.is_some()`.
 #[allow(clippy::too_many_arguments)]
 fn launch_attention<E: DeviceElement>(
     gpu: &GpuContext,
@@ -557,6 +587,7 @@ fn launch_attention<E: DeviceElement>(
     out: &mut CudaSlice<E>,
     ws: &mut DecodeWorkspace,
     plan: LaunchPlan,
+    kernels: &AttentionKernels,
 ) -> Result<()> {
     let geometry = *cache.pattern().geometry();
     let (hq, hkv, d, group) = (
@@ -579,14 +610,13 @@ fn launch_attention<E: DeviceElement>(
         paged: l.paged,
         streaming: l.streaming,
     });
-    let f = attention_function(gpu, cache, plan, new.is_some())?;
     let cfg = LaunchConfig {
         grid_dim: (splits, pairs as u32, 1),
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: decode_smem_bytes(d as u32),
     };
     let stream = gpu.stream();
-    let mut launch = OverlappedLaunch::new(stream, &f);
+    let mut launch = OverlappedLaunch::new(stream, &kernels.attention);
     // Without a token the kernel reads `k_new`/`v_new` never: `q` stands in for them.
     let (k_new, v_new) = new.unwrap_or((q, q));
     launch
@@ -631,13 +661,12 @@ fn launch_attention<E: DeviceElement>(
         head_dim: d as u32,
         splits,
     });
-    let f = gpu.function(kernel_of::<E>("decode_combine_bf16", "decode_combine_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: ((b * hq) as u32, 1, 1),
         block_dim: (COMBINE_THREADS, 1, 1),
         shared_mem_bytes: combine_smem_bytes(),
     };
-    let mut launch = OverlappedLaunch::new(stream, &f);
+    let mut launch = OverlappedLaunch::new(stream, &kernels.combine);
     launch
         .value(&combine)
         .buf(&ws.part_acc)
