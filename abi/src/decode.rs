@@ -70,6 +70,57 @@ pub const fn decode_merge_bytes(head_dim: u32, group: u32) -> u32 {
 const _: () = assert!(decode_merge_bytes(64, 8) <= decode_stage_bytes(64));
 const _: () = assert!(decode_merge_bytes(128, 8) <= decode_stage_bytes(128));
 
+/// Elements along a row in one tensor-map copy box of the bulk-copy kernels: 128 bytes, the
+/// widest box the 128-byte swizzle allows. A K or V tile is `head_dim / 64` such boxes of
+/// [`DECODE_TILE_ROWS`] rows.
+pub const DECODE_BOX_COLUMNS: u32 = 64;
+/// Bytes of one tensor map (CUDA's `CUtensorMap`).
+pub const TENSOR_MAP_BYTES: usize = 128;
+/// The tensor maps a layer's cache describes its K/V buffers with, in this order
+/// ([`TENSOR_MAP_BYTES`] each, in one device buffer): the bulk-copy decode kernels copy their
+/// tiles through them.
+pub const DECODE_TENSOR_MAPS: usize = 4;
+/// Index of the dense pool's K map; its V map follows.
+pub const TENSOR_MAP_POOL: usize = 0;
+/// Index of the streaming store's K map; its V map follows.
+pub const TENSOR_MAP_STREAM: usize = 2;
+
+/// The three dimensions (innermost first) of the dense pool's K (or V) buffer as the tensor
+/// maps see it: `[capacity * heads][page_tokens][head_dim]`, so a tile is the box at
+/// `(column, token, page * heads + head)` and never leaves its page.
+///
+/// ```
+/// use lserve_abi::decode::pool_tensor_dims;
+/// use lserve_abi::layout::PagedLayout;
+/// let paged = PagedLayout { capacity: 10, heads: 4, page_tokens: 64, logical_tokens: 16, head_dim: 128 };
+/// assert_eq!(pool_tensor_dims(&paged), [128, 64, 40]);
+/// ```
+pub const fn pool_tensor_dims(paged: &PagedLayout) -> [u64; 3] {
+    [
+        paged.head_dim as u64,
+        paged.page_tokens as u64,
+        paged.capacity as u64 * paged.heads as u64,
+    ]
+}
+
+/// The three dimensions (innermost first) of the streaming store's K (or V) buffer as the tensor
+/// maps see it: `[slots * heads][rows][head_dim]`; a tile is the box at
+/// `(column, row, slot * heads + head)` (rows past `rows` read as zeros).
+///
+/// ```
+/// use lserve_abi::decode::stream_tensor_dims;
+/// use lserve_abi::layout::StreamingLayout;
+/// let s = StreamingLayout { slots: 2, heads: 4, sink_tokens: 64, local_tokens: 256, head_dim: 128 };
+/// assert_eq!(stream_tensor_dims(&s), [128, 320, 8]);
+/// ```
+pub const fn stream_tensor_dims(s: &StreamingLayout) -> [u64; 3] {
+    [
+        s.head_dim as u64,
+        s.rows() as u64,
+        s.slots as u64 * s.heads as u64,
+    ]
+}
+
 /// Scalars of one decode attention launch (by value).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -93,29 +93,36 @@ pub unsafe fn mbarrier_wait_parity(bar: u32, parity: u32) {
     }
 }
 
-/// Starts a bulk copy of `bytes` contiguous bytes from global `src` to shared-window address
-/// `dst`, counted on barrier `bar` (`cp.async.bulk ... mbarrier::complete_tx::bytes`), with an L2
-/// cache policy from [`crate::cp_async::l2_evict_first`] (a hint, no semantics).
+/// Starts a tensor-map copy of the box at coordinates `(c0, c1, c2)` (innermost first) of the
+/// 3-D tensor that `map` describes into shared-window address `dst`, counted in bytes on barrier
+/// `bar` (`cp.async.bulk.tensor.3d ... tile.mbarrier::complete_tx::bytes`), with an L2 cache policy
+/// from [`crate::cp_async::l2_evict_first`] (a hint, no semantics). The box lands as the map's
+/// swizzle lays it out; elements outside the tensor land as zeros.
 ///
 /// # Safety
-/// `dst` and `src` are 16-byte aligned, `bytes` a multiple of 16; `bytes` readable at `src` and
-/// writable at `dst`, and the destination not accessed by anyone until `bar`'s phase that counts
-/// these bytes has completed (an `expect_tx` on that phase accounts for them).
+/// `map` is the generic address of a valid tensor map (`CUtensorMap`, 64-byte aligned) in global
+/// memory, written before this kernel started and describing readable memory; `dst` is aligned as
+/// the map's swizzle requires (1024 bytes for the 128-byte swizzle) with the box's bytes writable
+/// there; the destination is not accessed by anyone until `bar`'s phase that counts these bytes
+/// has completed (an `expect_tx` on that phase accounts for them).
 #[inline(always)]
-pub unsafe fn bulk_copy_with_policy(dst: u32, src: *const u8, bytes: u32, bar: u32, policy: u64) {
-    // SAFETY: forwarded; `cvta.to.global` turns the generic pointer into the global-window
-    // address the copy requires. A `shared::cta` address of this block is a valid
-    // `shared::cluster` address of it.
+pub unsafe fn tensor_copy_3d_with_policy(
+    dst: u32,
+    map: *const u8,
+    c0: u32,
+    c1: u32,
+    c2: u32,
+    bar: u32,
+    policy: u64,
+) {
+    // SAFETY: forwarded. A `shared::cta` address of this block is a valid `shared::cluster`
+    // address of it; the tensor map operand is a generic address.
     unsafe {
         asm!(
-            "{{",
-            ".reg .u64 gsrc;",
-            "cvta.to.global.u64 gsrc, {1};",
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint \
-             [{0}], [gsrc], {2}, [{3}], {4};",
-            "}}",
-            in(reg32) dst, in(reg64) src as u64, in(reg32) bytes, in(reg32) bar,
-            in(reg64) policy,
+            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes\
+             .L2::cache_hint [{0}], [{1}, {{{2}, {3}, {4}}}], [{5}], {6};",
+            in(reg32) dst, in(reg64) map as u64, in(reg32) c0, in(reg32) c1, in(reg32) c2,
+            in(reg32) bar, in(reg64) policy,
             options(nostack),
         );
     }

@@ -37,6 +37,9 @@ pub struct DeviceLayer<E> {
     pub(crate) kmax: CudaSlice<E>,
     pub(crate) k_stream: CudaSlice<E>,
     pub(crate) v_stream: CudaSlice<E>,
+    /// The tensor maps of `k_pool`, `v_pool`, `k_stream` and `v_stream`, in that order
+    /// (`lserve_abi::decode::DECODE_TENSOR_MAPS`): the bulk-copy decode kernels' copies.
+    pub(crate) tensor_maps: CudaSlice<u8>,
     /// `[kv_heads]`: dense index, or streaming index | [`HEAD_STREAMING`].
     pub(crate) head_map: CudaSlice<u32>,
     /// `[slots][dense_heads][entry_capacity]` selected physical pages.
@@ -262,9 +265,19 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                     }
                 }
             };
+            let tensor_maps = super::tensor_map::layer_tensor_maps(
+                stream,
+                &paged,
+                &streaming,
+                &layer_buffers.k_pool,
+                &layer_buffers.v_pool,
+                &layer_buffers.k_stream,
+                &layer_buffers.v_stream,
+            )?;
             layers.push(DeviceLayer {
                 paged,
                 streaming,
+                tensor_maps,
                 k_pool: layer_buffers.k_pool,
                 v_pool: layer_buffers.v_pool,
                 kmin: layer_buffers.kmin,

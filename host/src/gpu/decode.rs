@@ -112,20 +112,24 @@ const WAVE_TRIM: (u32, u32) = (1, 16);
 /// The shortest split worth its partial state: two tiles per warp.
 const MIN_SPLIT_TILES: u32 = 8;
 
-/// Splits of at least this many tiles per warp read their tiles with bulk copies.
+/// Appending launches whose splits have at least this many tiles per warp read their tiles with
+/// tensor-map bulk copies; shorter ones use `cp.async`. Launches that do not append always use
+/// the tensor-map copies ([`uses_bulk_copies`]).
 ///
-/// Measured A/B, one device run (H200, 2026-11-29, `benches/decode.rs`, every launch with bulk
-/// copies against every launch with `cp.async`): dense b16 256K −3.6% (2048 tiles per warp),
-/// b16 128K −3.9%, b1 256K −3.3% (62 tiles per warp); but the LServe step +10% at b16 256K
-/// (sparse pairs at ~17 tiles per warp, streaming heads at 1-2) and +1.4% at b1 (2 per warp):
-/// a bulk-copied tile arrives later (32 copies issued one by one, an `mbarrier` round trip), which
-/// only a long stream of tiles hides. The line sits between the measured sides.
+/// Measured (H200, 2026-11-30, `benches/decode.rs`, one device call, the tensor-map kernels of
+/// session 8 with this line moved by a diagnostic knob; decode NOTES, session 8): tensor-map
+/// copies in every launch against this line, `attention/static` b1 4K 8.67 / 8.69 against 9.47 /
+/// 9.40 µs (not appending: −8%), `step/lserve` b16 256K 85.7 / 85.4 against 86.6 / 86.5 µs (its
+/// attention does not append: −1%); but the appending launches of `step/lserve` b1 256K 14.88 /
+/// 14.88 against 14.81 / 14.81 µs and `step/dynamic` b1 256K 19.52 / 19.52 against 19.42 / 19.43 µs
+/// (+0.4 to +0.5%). The line for appending launches stays where the row-copy bulk kernels put it
+/// (2026-11-29: their tiles arrived later than `cp.async`'s, which only a long stream hides).
 const BULK_MIN_TILES_PER_WARP: u32 = 24;
 
-/// Whether a launch whose longest pair visits `max_rows` rows in `splits` splits uses the bulk-copy
-/// kernel.
-fn uses_bulk_copies(max_rows: u32, splits: u32) -> bool {
-    tiles_per_warp(max_rows, splits) >= BULK_MIN_TILES_PER_WARP
+/// Whether a launch whose longest pair visits `max_rows` rows in `splits` splits, appending the
+/// step's token or not, uses the tensor-map bulk-copy kernel.
+fn uses_bulk_copies(max_rows: u32, splits: u32, append: bool) -> bool {
+    !append || tiles_per_warp(max_rows, splits) >= BULK_MIN_TILES_PER_WARP
 }
 
 /// The most tiles one warp streams in a launch whose longest pair visits `max_rows` rows in
@@ -155,7 +159,7 @@ impl AttentionKernels {
     ) -> Result<Self> {
         let geometry = *cache.pattern().geometry();
         let d = geometry.head_dim();
-        let bulk = uses_bulk_copies(plan.max_rows, plan.splits);
+        let bulk = uses_bulk_copies(plan.max_rows, plan.splits, append);
         let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, append)?;
         Ok(Self {
             attention: gpu.function_with_smem(&name, decode_smem_bytes(d as u32))?,
@@ -171,9 +175,9 @@ fn kernel_name(
     bulk: bool,
     append: bool,
 ) -> Result<String> {
+    // Launches that do not append always copy their tiles through the tensor maps.
     let prefix = match (append, bulk) {
-        (false, false) => "decode_attention",
-        (false, true) => "decode_attention_bulk",
+        (false, _) => "decode_attention_bulk",
         (true, false) => "decode_attention_append",
         (true, true) => "decode_attention_append_bulk",
     };
@@ -630,6 +634,7 @@ fn launch_attention<E: DeviceElement>(
         .buf(&l.kmax)
         .buf(&l.k_stream)
         .buf(&l.v_stream)
+        .buf(&l.tensor_maps)
         .buf(&cache.block_tables)
         .buf(&l.held_pages)
         .buf(&l.held_lens)
@@ -644,7 +649,8 @@ fn launch_attention<E: DeviceElement>(
     // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with
     // `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay inside the
     // workspace; the cache's buffers have the layouts in `params` (built from them),
-    // `batch` holds slots and lengths checked against this cache (`check_batch`), and the tables
+    // `batch` holds slots and lengths checked against this cache (`check_batch`), the tensor maps
+    // describe the layer's K/V buffers (encoded from them when the cache was built), and the tables
     // hold page ids below the pool's capacity (the manager and the selection kernels write only
     // those). With `new` the kernel writes the cache as `append_kv` does (that function's
     // contract: `k`, `v` hold `B * Hkv * D` elements, checked; distinct live slots; held
@@ -741,16 +747,20 @@ mod tests {
     }
 
     #[test]
-    fn long_splits_use_bulk_copies() {
-        // Dense b16 256K: 2 splits of 131072 rows, 2048 tiles per warp.
-        assert!(uses_bulk_copies(262_144, 2));
+    fn tensor_copies_for_plain_launches_and_long_appending_ones() {
+        // Launches that do not append: always.
+        assert!(uses_bulk_copies(262_144, 2, false));
+        assert!(uses_bulk_copies(67 * 64, 34, false));
+        assert!(uses_bulk_copies(1, 0, false));
+        // Appending: dense b16 256K, 2 splits of 131072 rows, 2048 tiles per warp.
+        assert!(uses_bulk_copies(262_144, 2, true));
         // Dense b1 256K: 66 splits, 62 tiles per warp.
-        assert!(uses_bulk_copies(262_144, 66));
+        assert!(uses_bulk_copies(262_144, 66, true));
         // LServe at b16: a selection's ~4.3K rows in 4 splits, 17 tiles per warp.
-        assert!(!uses_bulk_copies(67 * 64, 4));
+        assert!(!uses_bulk_copies(67 * 64, 4, true));
         // LServe at b1: 34 splits, 2 tiles per warp.
-        assert!(!uses_bulk_copies(67 * 64, 34));
-        assert!(!uses_bulk_copies(1, 0));
+        assert!(!uses_bulk_copies(67 * 64, 34, true));
+        assert!(!uses_bulk_copies(1, 0, true));
     }
 
     #[test]
@@ -771,8 +781,9 @@ mod tests {
 
     #[test]
     fn unsupported_shapes_are_typed_errors() {
+        // Launches that do not append are the tensor-map kernel whatever `bulk` says.
         assert!(kernel_name(DType::BF16, 128, 4, false, false)
-            .is_ok_and(|n| n == "decode_attention_bf16_d128_g4"));
+            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
         assert!(kernel_name(DType::BF16, 128, 4, true, false)
             .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
         assert!(kernel_name(DType::F16, 64, 2, false, true)

@@ -12,6 +12,7 @@ pub mod primitives_testing;
 mod profile;
 mod select;
 mod step;
+mod tensor_map;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 pub use context::{driver_present, GpuContext, KernelResources, PTX, PTX_ARCH};

@@ -5,13 +5,14 @@
 //! is loaded once — over split `s` of that pair's tiles of 16 rows ([`rows::RowSource`]). Inside
 //! the block, warp `w` takes every fourth tile of the split (`w, w + 4, ...`) and streams them
 //! through its own [`DECODE_STAGES`]-stage ring (no block barrier in the loop), filled by
-//! `cp.async` (`decode_attention_*`) or by bulk copies (`decode_attention_bulk_*`, for long
-//! splits; [`tiles::TileCopy`]). Per tile it computes `S = Q Kᵀ` and `O += P V` with `mma.sync`
-//! m16n8k16, the group's query heads being the rows of the products ([`tiles`]), with an online
-//! softmax per head in registers ([`online_softmax`]). At the end the warps' states merge through
-//! shared memory and the block writes one partial state per query head; [`combine`] merges the
-//! splits into the output. The `decode_attention_append_*` entry points also append the step's
-//! token ([`newest`]): a step that uses them needs no append launch.
+//! tensor-map bulk copies (`decode_attention_bulk_*`, `decode_attention_append_bulk_*`) or by
+//! `cp.async` (`decode_attention_append_*`, short splits; [`tiles::TileCopy`]). Per tile it
+//! computes `S = Q Kᵀ` and `O += P V` with `mma.sync` m16n8k16, the group's query heads being the
+//! rows of the products ([`tiles`]), with an online softmax per head in registers
+//! ([`online_softmax`]). At the end the warps' states merge through shared memory and the block
+//! writes one partial state per query head; [`combine`] merges the splits into the output. The
+//! `decode_attention_append_*` entry points also append the step's token ([`newest`]): a step that
+//! uses them needs no append launch.
 
 pub mod combine;
 pub mod newest;
@@ -35,7 +36,7 @@ use online_softmax::{merge_weight, HeadSoftmax};
 use rows::{CacheBuffers, PairInputs, RowSource, NO_ROW};
 use tiles::{
     load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, patch_rows, AsyncCopy,
-    BulkCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
+    TensorCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
 };
 
 /// One warp's pass over its tiles: the softmax state of its lane's query head and the
@@ -84,14 +85,11 @@ unsafe fn attend_tiles<
     let q = unsafe { load_q_fragments::<E, D, G>(q_group, lane) };
     // SAFETY: the whole warp is here (`mine` is warp-uniform), before any issue.
     unsafe { C::start::<D>(warp, lane) };
-    // Issues tile `j` (at element offset `offset`) into its stage.
-    let issue = |j: u32, offset: usize| {
-        // SAFETY: `tile(j) < first + count <= tiles`, `offset` is its offset; the stage is free
-        // (see the loop).
-        unsafe {
-            let (k, v) = src.tile_at(offset);
-            C::issue::<D>(warp, j, k, v, src.tile_rows(tile(j)), lane);
-        }
+    // Issues tile `j` (whose rows are at `at`) into its stage.
+    let issue = |j: u32, at: C::At| {
+        // SAFETY: `tile(j) < first + count <= tiles`, `at` is where its rows are; the stage is
+        // free (see the loop).
+        unsafe { C::issue::<D>(warp, j, src, at, src.tile_rows(tile(j)), lane) };
     };
 
     // Prologue: the first STAGES - 1 tiles in flight.
@@ -99,17 +97,17 @@ unsafe fn attend_tiles<
     while j < DECODE_STAGES - 1 {
         if j < mine {
             // SAFETY: `tile(j)` is one of this warp's tiles.
-            issue(j, unsafe { src.tile_offset(p, tile(j)) });
+            issue(j, unsafe { C::locate(src, p, tile(j)) });
         }
         C::commit();
         j += 1;
     }
     // Where the next tile to issue lives, looked up one step ahead: a dense head's page-list
     // read then overlaps a tile's compute instead of stalling the copy issue.
-    let mut next_offset = 0;
+    let mut next_at = C::NOWHERE;
     if DECODE_STAGES - 1 < mine {
         // SAFETY: as above.
-        next_offset = unsafe { src.tile_offset(p, tile(DECODE_STAGES - 1)) };
+        next_at = unsafe { C::locate(src, p, tile(DECODE_STAGES - 1)) };
     }
 
     let mut j = 0;
@@ -122,16 +120,18 @@ unsafe fn attend_tiles<
         unsafe { sync_warp() };
         let next = j + DECODE_STAGES - 1;
         if next < mine {
-            issue(next, next_offset);
+            issue(next, next_at);
         }
         C::commit();
         if next + 1 < mine {
             // SAFETY: `tile(next + 1)` is one of this warp's tiles.
-            next_offset = unsafe { src.tile_offset(p, tile(next + 1)) };
+            next_at = unsafe { C::locate(src, p, tile(next + 1)) };
         }
 
-        let k_tile = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
-        let v_tile = k_tile + Tile::<D>::BYTES;
+        // SAFETY: the whole warp is here, after tile `j`'s wait and barrier.
+        unsafe { C::landed::<D>(warp, j, src.tile_rows(tile(j)), lane) };
+        let k_tile = Tile::<D>::k_tile::<C>(warp, j % DECODE_STAGES);
+        let v_tile = k_tile + Tile::<D>::bytes::<C>();
         if APPEND && tile(j) == newest.tile {
             // SAFETY: the whole warp is here, after the tile's wait and barrier; the newest row
             // is one of the tile's rows.
@@ -142,7 +142,7 @@ unsafe fn attend_tiles<
         crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
             // SAFETY: the tile arrived (wait + warp barrier above); the whole warp is here.
             unsafe {
-                let [b0, b1] = load_k_fragments::<E, D>(k_tile, kk as u32, lane);
+                let [b0, b1] = load_k_fragments::<E, D, C>(k_tile, kk as u32, lane);
                 s[0] = mma_m16n8k16(&q[kk], &b0, &s[0]);
                 s[1] = mma_m16n8k16(&q[kk], &b1, &s[1]);
             }
@@ -165,7 +165,7 @@ unsafe fn attend_tiles<
             }
             // SAFETY: as for K.
             unsafe {
-                let [b0, b1] = load_v_fragments::<E, D>(v_tile, pair as u32, lane);
+                let [b0, b1] = load_v_fragments::<E, D, C>(v_tile, pair as u32, lane);
                 o[2 * pair] = mma_m16n8k16(&pf, &b0, &o[2 * pair]);
                 o[2 * pair + 1] = mma_m16n8k16(&pf, &b1, &o[2 * pair + 1]);
             }
@@ -372,6 +372,7 @@ macro_rules! decode_kernel {
             kmax: *mut u16,
             k_stream: *mut u16,
             v_stream: *mut u16,
+            tensor_maps: *const u8,
             block_tables: *const u32,
             held_pages: *const u32,
             held_lens: *const u32,
@@ -388,6 +389,7 @@ macro_rules! decode_kernel {
                 v_pool,
                 k_stream,
                 v_stream,
+                tensor_maps,
                 block_tables,
                 index_tables: index_pages,
                 index_lens,
@@ -423,51 +425,49 @@ macro_rules! decode_kernel {
     };
 }
 
-/// Declares, per (element type, head dim, group size), the entry points that fill their tiles by
-/// `cp.async` (`$name`, `$append`: short splits, i.e. the sparse and streaming heads and short
-/// sequences) and by bulk copies (`$bulk`, `$append_bulk`: long splits, the dense heads of long
-/// sequences), over the cache as it is (`$name`, `$bulk`) or appending the step's token
-/// (`$append`, `$append_bulk`); the host picks per launch.
+/// Declares, per (element type, head dim, group size), the entry points over the cache as it is
+/// (`$bulk`: tiles by tensor-map bulk copies) and appending the step's token (`$append`: tiles by
+/// `cp.async`, for short splits, i.e. the sparse and streaming heads and short sequences;
+/// `$append_bulk`: by tensor-map bulk copies, for long splits); the host picks per launch.
 macro_rules! decode_kernels {
-    ($($name:ident, $bulk:ident, $append:ident, $append_bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
-        decode_kernel!(AsyncCopy, false, $name: $elem, $d, $g);
-        decode_kernel!(BulkCopy, false, $bulk: $elem, $d, $g);
+    ($($bulk:ident, $append:ident, $append_bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
+        decode_kernel!(TensorCopy, false, $bulk: $elem, $d, $g);
         decode_kernel!(AsyncCopy, true, $append: $elem, $d, $g);
-        decode_kernel!(BulkCopy, true, $append_bulk: $elem, $d, $g);
+        decode_kernel!(TensorCopy, true, $append_bulk: $elem, $d, $g);
     )*};
 }
 
 decode_kernels! {
-    decode_attention_bf16_d64_g1, decode_attention_bulk_bf16_d64_g1,
+    decode_attention_bulk_bf16_d64_g1,
         decode_attention_append_bf16_d64_g1, decode_attention_append_bulk_bf16_d64_g1: Bf16, 64, 1;
-    decode_attention_bf16_d64_g2, decode_attention_bulk_bf16_d64_g2,
+    decode_attention_bulk_bf16_d64_g2,
         decode_attention_append_bf16_d64_g2, decode_attention_append_bulk_bf16_d64_g2: Bf16, 64, 2;
-    decode_attention_bf16_d64_g4, decode_attention_bulk_bf16_d64_g4,
+    decode_attention_bulk_bf16_d64_g4,
         decode_attention_append_bf16_d64_g4, decode_attention_append_bulk_bf16_d64_g4: Bf16, 64, 4;
-    decode_attention_bf16_d64_g8, decode_attention_bulk_bf16_d64_g8,
+    decode_attention_bulk_bf16_d64_g8,
         decode_attention_append_bf16_d64_g8, decode_attention_append_bulk_bf16_d64_g8: Bf16, 64, 8;
-    decode_attention_bf16_d128_g1, decode_attention_bulk_bf16_d128_g1,
+    decode_attention_bulk_bf16_d128_g1,
         decode_attention_append_bf16_d128_g1, decode_attention_append_bulk_bf16_d128_g1: Bf16, 128, 1;
-    decode_attention_bf16_d128_g2, decode_attention_bulk_bf16_d128_g2,
+    decode_attention_bulk_bf16_d128_g2,
         decode_attention_append_bf16_d128_g2, decode_attention_append_bulk_bf16_d128_g2: Bf16, 128, 2;
-    decode_attention_bf16_d128_g4, decode_attention_bulk_bf16_d128_g4,
+    decode_attention_bulk_bf16_d128_g4,
         decode_attention_append_bf16_d128_g4, decode_attention_append_bulk_bf16_d128_g4: Bf16, 128, 4;
-    decode_attention_bf16_d128_g8, decode_attention_bulk_bf16_d128_g8,
+    decode_attention_bulk_bf16_d128_g8,
         decode_attention_append_bf16_d128_g8, decode_attention_append_bulk_bf16_d128_g8: Bf16, 128, 8;
-    decode_attention_f16_d64_g1, decode_attention_bulk_f16_d64_g1,
+    decode_attention_bulk_f16_d64_g1,
         decode_attention_append_f16_d64_g1, decode_attention_append_bulk_f16_d64_g1: F16, 64, 1;
-    decode_attention_f16_d64_g2, decode_attention_bulk_f16_d64_g2,
+    decode_attention_bulk_f16_d64_g2,
         decode_attention_append_f16_d64_g2, decode_attention_append_bulk_f16_d64_g2: F16, 64, 2;
-    decode_attention_f16_d64_g4, decode_attention_bulk_f16_d64_g4,
+    decode_attention_bulk_f16_d64_g4,
         decode_attention_append_f16_d64_g4, decode_attention_append_bulk_f16_d64_g4: F16, 64, 4;
-    decode_attention_f16_d64_g8, decode_attention_bulk_f16_d64_g8,
+    decode_attention_bulk_f16_d64_g8,
         decode_attention_append_f16_d64_g8, decode_attention_append_bulk_f16_d64_g8: F16, 64, 8;
-    decode_attention_f16_d128_g1, decode_attention_bulk_f16_d128_g1,
+    decode_attention_bulk_f16_d128_g1,
         decode_attention_append_f16_d128_g1, decode_attention_append_bulk_f16_d128_g1: F16, 128, 1;
-    decode_attention_f16_d128_g2, decode_attention_bulk_f16_d128_g2,
+    decode_attention_bulk_f16_d128_g2,
         decode_attention_append_f16_d128_g2, decode_attention_append_bulk_f16_d128_g2: F16, 128, 2;
-    decode_attention_f16_d128_g4, decode_attention_bulk_f16_d128_g4,
+    decode_attention_bulk_f16_d128_g4,
         decode_attention_append_f16_d128_g4, decode_attention_append_bulk_f16_d128_g4: F16, 128, 4;
-    decode_attention_f16_d128_g8, decode_attention_bulk_f16_d128_g8,
+    decode_attention_bulk_f16_d128_g8,
         decode_attention_append_f16_d128_g8, decode_attention_append_bulk_f16_d128_g8: F16, 128, 8;
 }

@@ -6,7 +6,10 @@
 //! about order); dense heads read a page list (the block table, or the index table of selected
 //! pages) whose last entry is the newest, partially filled page.
 
-use lserve_abi::decode::{DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING};
+use lserve_abi::decode::{
+    DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING, TENSOR_MAP_BYTES, TENSOR_MAP_POOL,
+    TENSOR_MAP_STREAM,
+};
 use lserve_abi::select::held_newest_at;
 
 use super::newest::EntryTail;
@@ -17,6 +20,8 @@ use crate::math::opaque_u32;
 pub struct RowSource {
     k: *const u16,
     v: *const u16,
+    /// The tensor maps of `k` and `v` (for the tensor-map copies).
+    maps: *const u8,
     /// Dense: the page list; null for streaming heads.
     pages: *const u32,
     /// Dense: pages taken from `pages`; any after them is `newest_page`.
@@ -56,6 +61,9 @@ pub struct CacheBuffers {
     pub k_stream: *const u16,
     /// See `k_stream`.
     pub v_stream: *const u16,
+    /// The layer's [`lserve_abi::decode::DECODE_TENSOR_MAPS`] tensor maps of the four buffers
+    /// above (pool K, pool V, streaming K, streaming V), in global memory.
+    pub tensor_maps: *const u8,
     /// `[slots][max_pages]` physical page ids.
     pub block_tables: *const u32,
     /// `[slots][dense_heads][max_selected]` index tables: a held selection's physical page ids
@@ -167,6 +175,8 @@ impl RowSource {
             return Self {
                 k: bufs.k_stream,
                 v: bufs.v_stream,
+                // SAFETY (pointer arithmetic): inside the maps buffer.
+                maps: unsafe { bufs.tensor_maps.add(TENSOR_MAP_STREAM * TENSOR_MAP_BYTES) },
                 pages: core::ptr::null(),
                 listed: 0,
                 newest_page: 0,
@@ -255,6 +265,8 @@ impl RowSource {
         Self {
             k: bufs.k_pool,
             v: bufs.v_pool,
+            // SAFETY (pointer arithmetic): inside the maps buffer.
+            maps: unsafe { bufs.tensor_maps.add(TENSOR_MAP_POOL * TENSOR_MAP_BYTES) },
             pages: pages_at,
             listed,
             newest_page,
@@ -285,6 +297,33 @@ impl RowSource {
         }
     }
 
+    /// The physical page of a dense head's tile `t`, from the page list (global memory): the
+    /// kernel asks for it a tile ahead.
+    ///
+    /// # Safety
+    /// `t < self.tiles()`, and the head is dense (`pages` is not null).
+    #[inline(always)]
+    unsafe fn page_of(&self, p: &DecodeParams, t: u32) -> u32 {
+        let tiles_per_page = p.paged.page_tokens / DECODE_TILE_ROWS;
+        let at = t / tiles_per_page;
+        if self.newest_after_listed {
+            // The load whatever `at` (inside the list, or its first page if it is empty),
+            // then a select: no branch around the load in the tile loop.
+            // SAFETY: `min(at, listed - 1)` (or 0) is inside the list's table row.
+            let listed = unsafe { *self.pages.add(at.min(self.listed.max(1) - 1) as usize) };
+            // (`opaque_u32`: a value, so LLVM cannot make this a load through a selected
+            // pointer, which put `newest_page` in local memory.)
+            if at < self.listed {
+                listed
+            } else {
+                opaque_u32(self.newest_page)
+            }
+        } else {
+            // SAFETY: `at` is below the listed page count.
+            unsafe { *self.pages.add(at as usize) }
+        }
+    }
+
     /// Element offset of the first row of tile `t` in the K (and V) buffer. For dense heads
     /// this reads the page list (global memory): the kernel asks for it a tile ahead.
     ///
@@ -297,23 +336,8 @@ impl RowSource {
             p.streaming.kv_row(self.slot, self.head, row)
         } else {
             let tiles_per_page = p.paged.page_tokens / DECODE_TILE_ROWS;
-            let at = t / tiles_per_page;
-            let page = if self.newest_after_listed {
-                // The load whatever `at` (inside the list, or its first page if it is empty),
-                // then a select: no branch around the load in the tile loop.
-                // SAFETY: `min(at, listed - 1)` (or 0) is inside the list's table row.
-                let listed = unsafe { *self.pages.add(at.min(self.listed.max(1) - 1) as usize) };
-                // (`opaque_u32`: a value, so LLVM cannot make this a load through a selected
-                // pointer, which put `newest_page` in local memory.)
-                if at < self.listed {
-                    listed
-                } else {
-                    opaque_u32(self.newest_page)
-                }
-            } else {
-                // SAFETY: `at` is below the listed page count.
-                unsafe { *self.pages.add(at as usize) }
-            };
+            // SAFETY: forwarded; the head is dense.
+            let page = unsafe { self.page_of(p, t) };
             p.paged
                 .kv_row(page, self.head, (t % tiles_per_page) * DECODE_TILE_ROWS)
         }
@@ -327,5 +351,33 @@ impl RowSource {
     pub unsafe fn tile_at(&self, offset: usize) -> (*const u16, *const u16) {
         // SAFETY: forwarded; offsets stay inside the buffers by the layouts.
         unsafe { (self.k.add(offset), self.v.add(offset)) }
+    }
+
+    /// Tile `t` as a tensor-map box: `(block, row)`, the block (`page * heads + head`, or
+    /// `slot * heads + head`) and its first row within the block. For dense heads this reads the
+    /// page list, as [`tile_offset`](Self::tile_offset) does.
+    ///
+    /// # Safety
+    /// `t < self.tiles()`.
+    #[inline(always)]
+    pub unsafe fn tile_box(&self, p: &DecodeParams, t: u32) -> (u32, u32) {
+        let row = t * DECODE_TILE_ROWS;
+        if self.pages.is_null() {
+            (self.slot * p.streaming.heads + self.head, row)
+        } else {
+            let tiles_per_page = p.paged.page_tokens / DECODE_TILE_ROWS;
+            // SAFETY: forwarded; the head is dense.
+            let page = unsafe { self.page_of(p, t) };
+            (
+                page * p.paged.heads + self.head,
+                (t % tiles_per_page) * DECODE_TILE_ROWS,
+            )
+        }
+    }
+
+    /// The tensor maps of this source's K buffer and (the next map) its V buffer.
+    #[inline(always)]
+    pub fn maps(&self) -> *const u8 {
+        self.maps
     }
 }

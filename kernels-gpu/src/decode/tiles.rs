@@ -1,12 +1,16 @@
 //! Tile shapes of the decode kernel and the moves between global memory, shared memory and
 //! `mma` fragments.
 //!
-//! A tile is [`DECODE_TILE_ROWS`] (16) consecutive K/V rows of one page. Each warp streams its
-//! own tiles through [`DECODE_STAGES`] stages of shared memory (K tile, then V tile), rows
-//! `D + DECODE_ROW_PAD` elements apart so the eight 16-byte rows of an `ldmatrix` 8x8 load fall in
-//! distinct bank groups. A tile arrives by 16-byte `cp.async` copies ([`AsyncCopy`]) or as 32
-//! bulk copies (`cp.async.bulk`, one K or V row per lane) counted on the stage's `mbarrier`
-//! (after the stage area: one per warp and stage; [`BulkCopy`]).
+//! A tile is [`DECODE_TILE_ROWS`] (16) consecutive K/V rows of one page (or of a slot's streaming
+//! rows). Each warp streams its own tiles through [`DECODE_STAGES`] stages of shared memory (K
+//! tile, then V tile). Two layouts, one per way of copying ([`TileCopy`]):
+//! - [`AsyncCopy`]: 16-byte `cp.async` copies into rows `D + DECODE_ROW_PAD` elements apart, so the
+//!   eight 16-byte rows of an `ldmatrix` 8x8 load fall in distinct bank groups;
+//! - [`TensorCopy`]: tensor-map bulk copies (`cp.async.bulk.tensor`, one per 64 columns of K or V)
+//!   counted on the stage's `mbarrier` (after the stage area: one per warp and stage), landing
+//!   with the 128-byte swizzle: a tile is `D / 64` boxes of 16 rows of 128 bytes, 16-byte chunk `c`
+//!   of row `r` stored at chunk `c ^ (r % 8)`, which spreads an `ldmatrix` load's rows over the
+//!   banks while every copy writes whole aligned 128-byte lines ([`Tile::chunk_addr`]).
 //!
 //! The products, per warp and tile, with the `G` query heads of the KV group as the `M` rows of
 //! the `m16n8k16` products (rows `G..16` are zero and never written out):
@@ -16,18 +20,20 @@
 //!   `V`'s B fragments come from the row-major V tile with `ldmatrix.trans`.
 
 use lserve_abi::decode::{
-    decode_stage_bytes, DECODE_ROW_PAD, DECODE_STAGES, DECODE_THREADS, DECODE_TILE_ROWS,
+    decode_stage_bytes, DecodeParams, DECODE_BOX_COLUMNS, DECODE_ROW_PAD, DECODE_STAGES,
+    DECODE_THREADS, DECODE_TILE_ROWS, TENSOR_MAP_BYTES,
 };
 
 use super::newest::NewestRow;
+use super::rows::RowSource;
 use crate::bulk_copy::{
-    bulk_copy_with_policy, fence_mbarrier_init, fence_proxy_async_shared,
-    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait_parity,
+    fence_mbarrier_init, fence_proxy_async_shared, mbarrier_arrive_expect_tx, mbarrier_init,
+    mbarrier_wait_parity, tensor_copy_3d_with_policy,
 };
 use crate::cp_async::{
     commit_group, cp_async_16_with_policy, l2_evict_first, wait_all, wait_group,
 };
-use crate::ldmatrix::{load_b_pair_k_major, load_b_pair_n_major};
+use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans};
 use crate::mma::{FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr, st_shared_v4_u32};
 use crate::sync::sync_warp;
@@ -43,30 +49,63 @@ pub const MAX_O_TILES: usize = 16;
 /// The tile geometry for head dimension `D` (64 or 128).
 pub struct Tile<const D: usize>;
 
+/// Bytes of one swizzled box row, and of the swizzle's span of rows (8 of them).
+const BOX_ROW_BYTES: u32 = DECODE_BOX_COLUMNS * 2;
+const SWIZZLE_SPAN: u32 = 8 * BOX_ROW_BYTES;
+
 impl<const D: usize> Tile<D> {
-    /// Bytes between consecutive rows in shared memory.
+    /// Bytes between consecutive rows in shared memory ([`AsyncCopy`]'s padded layout).
     pub const ROW_BYTES: u32 = (D as u32 + DECODE_ROW_PAD) * 2;
-    /// Bytes of one K (or V) tile in shared memory.
-    pub const BYTES: u32 = DECODE_TILE_ROWS * Self::ROW_BYTES;
-    /// Bytes of one warp's stage (a K and a V tile).
-    const STAGE_BYTES: u32 = 2 * Self::BYTES;
+    /// Bytes of one K (or V) tile in the padded layout.
+    const PADDED_BYTES: u32 = DECODE_TILE_ROWS * Self::ROW_BYTES;
+    /// Bytes of one K (or V) tile in the swizzled layout: `D / 64` boxes of 16 rows of 128 bytes.
+    const BOX_BYTES: u32 = DECODE_TILE_ROWS * BOX_ROW_BYTES;
+    const SWIZZLED_BYTES: u32 = (D as u32 / DECODE_BOX_COLUMNS) * Self::BOX_BYTES;
     /// 16-byte chunks per row.
     const CHUNKS_PER_ROW: u32 = D as u32 / 8;
     /// Chunks each lane copies per K (or V) tile with `cp.async`.
     const CHUNKS_PER_LANE: u32 = DECODE_TILE_ROWS * Self::CHUNKS_PER_ROW / WARP_SIZE;
-    /// Bytes of one K (or V) row in global memory: one bulk copy.
-    const ROW_COPY_BYTES: u32 = D as u32 * 2;
     /// Bytes a stage's barrier counts per tile: 16 K and 16 V rows.
-    pub const TILE_COPY_BYTES: u32 = 2 * DECODE_TILE_ROWS * Self::ROW_COPY_BYTES;
+    pub const TILE_COPY_BYTES: u32 = 2 * DECODE_TILE_ROWS * D as u32 * 2;
     /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
     pub const D_STEPS: usize = D / 16;
     /// Accumulators of 8 dims in `O`.
     pub const O_TILES: usize = D / 8;
 
-    /// Shared-window address of warp `warp`'s K tile in `stage` (its V tile follows).
+    /// Bytes of one K (or V) tile in `C`'s layout.
     #[inline(always)]
-    pub fn k_tile(warp: u32, stage: u32) -> u32 {
-        shared_addr(dynamic_smem::<u8>(0)) + (warp * DECODE_STAGES + stage) * Self::STAGE_BYTES
+    pub fn bytes<C: TileCopy>() -> u32 {
+        if C::SWIZZLED {
+            Self::SWIZZLED_BYTES
+        } else {
+            Self::PADDED_BYTES
+        }
+    }
+
+    /// Shared-window address of warp `warp`'s K tile in `stage` in `C`'s layout (its V tile
+    /// follows, [`bytes`](Self::bytes) later). Swizzled stages start at the first 1024-byte
+    /// boundary of the stage area (the swizzle's alignment; the area has room for that).
+    #[inline(always)]
+    pub fn k_tile<C: TileCopy>(warp: u32, stage: u32) -> u32 {
+        let base = shared_addr(dynamic_smem::<u8>(0));
+        let base = if C::SWIZZLED {
+            (base + SWIZZLE_SPAN - 1) & !(SWIZZLE_SPAN - 1)
+        } else {
+            base
+        };
+        base + (warp * DECODE_STAGES + stage) * 2 * Self::bytes::<C>()
+    }
+
+    /// Shared-window address of 16-byte chunk `chunk` (elements `8 * chunk ..`) of row `row` of
+    /// the K or V tile at `tile`, in `C`'s layout.
+    #[inline(always)]
+    pub fn chunk_addr<C: TileCopy>(tile: u32, row: u32, chunk: u32) -> u32 {
+        if C::SWIZZLED {
+            let (box_index, c) = (chunk / 8, chunk % 8);
+            tile + box_index * Self::BOX_BYTES + row * BOX_ROW_BYTES + ((c ^ (row % 8)) * 16)
+        } else {
+            tile + row * Self::ROW_BYTES + chunk * 16
+        }
     }
 
     /// Shared-window address of the `mbarrier` that counts the copies into warp `warp`'s
@@ -79,18 +118,29 @@ impl<const D: usize> Tile<D> {
     }
 }
 
-// The layout above is what `decode_stage_bytes` sizes; `decode_smem_bytes` adds the barriers.
-const _: () = assert!(decode_stage_bytes(128) == WARPS * DECODE_STAGES * Tile::<128>::STAGE_BYTES);
-const _: () = assert!(decode_stage_bytes(64) == WARPS * DECODE_STAGES * Tile::<64>::STAGE_BYTES);
+// The padded layout is what `decode_stage_bytes` sizes; the swizzled one fits in it after
+// rounding its start up to 1024 bytes; `decode_smem_bytes` adds the barriers.
+const _: () =
+    assert!(decode_stage_bytes(128) == WARPS * DECODE_STAGES * 2 * Tile::<128>::PADDED_BYTES);
+const _: () =
+    assert!(decode_stage_bytes(64) == WARPS * DECODE_STAGES * 2 * Tile::<64>::PADDED_BYTES);
+const _: () = assert!(
+    WARPS * DECODE_STAGES * 2 * Tile::<128>::SWIZZLED_BYTES + SWIZZLE_SPAN - 16
+        <= decode_stage_bytes(128)
+);
+const _: () = assert!(
+    WARPS * DECODE_STAGES * 2 * Tile::<64>::SWIZZLED_BYTES + SWIZZLE_SPAN - 16
+        <= decode_stage_bytes(64)
+);
 const _: () = assert!(
     lserve_abi::decode::decode_smem_bytes(128)
         == decode_stage_bytes(128) + WARPS * DECODE_STAGES * 8
 );
-// One row copy per lane: 16 K rows and 16 V rows.
-const _: () = assert!(2 * DECODE_TILE_ROWS == WARP_SIZE);
+// Swizzled boxes keep the span's alignment: every box starts on a 1024-byte boundary.
+const _: () = assert!(Tile::<64>::BOX_BYTES % SWIZZLE_SPAN == 0);
 
 /// How a warp's K/V tiles travel from global memory into its stages: the kernel is generic over
-/// it, the host picks per launch (`AsyncCopy` for short splits, `BulkCopy` for long ones;
+/// it, the host picks per launch (`AsyncCopy` for short splits, `TensorCopy` for long ones;
 /// `host/src/gpu/decode.rs` says where the line is and why).
 ///
 /// The ring protocol: [`start`](TileCopy::start) once; per tile `j` [`issue`](TileCopy::issue)
@@ -98,25 +148,41 @@ const _: () = assert!(2 * DECODE_TILE_ROWS == WARP_SIZE);
 /// loop step (whether or not a tile was issued); [`wait`](TileCopy::wait) for tile `j` before
 /// reading it; at the end [`finish`](TileCopy::finish) before the stage area is reused.
 pub trait TileCopy {
+    /// Whether tiles land swizzled ([`Tile::chunk_addr`]) rather than in padded rows.
+    const SWIZZLED: bool;
+
+    /// Where a tile's rows are, as this copy addresses them ([`locate`](TileCopy::locate)).
+    type At: Copy;
+
+    /// An `At` for a tile that is never issued.
+    const NOWHERE: Self::At;
+
+    /// Where tile `t` of `src` is. For dense heads this reads the page list (global memory):
+    /// the kernel asks for it a tile ahead.
+    ///
+    /// # Safety
+    /// `t < src.tiles()`.
+    unsafe fn locate(src: &RowSource, p: &DecodeParams, t: u32) -> Self::At;
+
     /// Prepares warp `warp`'s stages.
     ///
     /// # Safety
     /// All 32 lanes of the warp call it, once, before the first issue.
     unsafe fn start<const D: usize>(warp: u32, lane: u32);
 
-    /// Starts the copy of tile `j`'s K and V rows into its stage of warp `warp`: row `r` comes
-    /// from row `min(r, valid_rows - 1)` of the source (rows past the end repeat the last existing
-    /// row, so every value `P V` multiplies is finite; their scores are masked).
+    /// Starts the copy of tile `j`'s K and V rows into its stage of warp `warp`. Rows past
+    /// `valid_rows` must end up finite in V once [`landed`](TileCopy::landed) has run (their
+    /// scores are masked, but `P V` multiplies them by zero).
     ///
     /// # Safety
     /// All 32 lanes of the warp call it; the stage is not being read (its previous tile was
     /// waited for and every lane is past reading it); `1 <= valid_rows <= 16` rows of `D`
-    /// elements are readable at `k_src` and `v_src` (rows contiguous, 16-byte aligned).
+    /// elements exist at `at` (a [`locate`](TileCopy::locate) of `src`'s tile).
     unsafe fn issue<const D: usize>(
         warp: u32,
         j: u32,
-        k_src: *const u16,
-        v_src: *const u16,
+        src: &RowSource,
+        at: Self::At,
         valid_rows: u32,
         lane: u32,
     );
@@ -130,6 +196,13 @@ pub trait TileCopy {
     /// Tiles `0..=j` of the warp were issued in order and the ring protocol above was followed.
     unsafe fn wait<const D: usize>(warp: u32, j: u32);
 
+    /// Run by the whole warp after tile `j`'s wait and warp barrier, before it is read: makes
+    /// rows past `valid_rows` finite where the copy did not.
+    ///
+    /// # Safety
+    /// All 32 lanes call it, after the wait and a warp barrier for tile `j`.
+    unsafe fn landed<const D: usize>(warp: u32, j: u32, valid_rows: u32, lane: u32);
+
     /// Waits for every copy still in flight.
     fn finish();
 
@@ -142,34 +215,51 @@ pub trait TileCopy {
 pub struct AsyncCopy;
 
 impl TileCopy for AsyncCopy {
+    const SWIZZLED: bool = false;
+
+    /// The tile's element offset in the K and V buffers.
+    type At = usize;
+
+    const NOWHERE: usize = 0;
+
+    #[inline(always)]
+    unsafe fn locate(src: &RowSource, p: &DecodeParams, t: u32) -> usize {
+        // SAFETY: forwarded.
+        unsafe { src.tile_offset(p, t) }
+    }
+
     #[inline(always)]
     unsafe fn start<const D: usize>(_warp: u32, _lane: u32) {}
 
+    /// Row `r` comes from row `min(r, valid_rows - 1)` of the source: rows past the end repeat
+    /// the last existing row.
     #[inline(always)]
     unsafe fn issue<const D: usize>(
         warp: u32,
         j: u32,
-        k_src: *const u16,
-        v_src: *const u16,
+        src: &RowSource,
+        at: usize,
         valid_rows: u32,
         lane: u32,
     ) {
+        // SAFETY: `at` is a tile offset of `src`.
+        let (k_src, v_src) = unsafe { src.tile_at(at) };
         // K and V are read once per step: keep them from pushing other lines out of the L2.
         let policy = l2_evict_first();
-        let k_dst = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
+        let k_dst = Tile::<D>::k_tile::<Self>(warp, j % DECODE_STAGES);
         let mut i = 0;
         while i < Tile::<D>::CHUNKS_PER_LANE {
             let c = lane + i * WARP_SIZE;
             let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
-            let src = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
-            let dst = k_dst + row * Tile::<D>::ROW_BYTES + chunk * 16;
+            let from = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
+            let dst = Tile::<D>::chunk_addr::<Self>(k_dst, row, chunk);
             // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is inside
             // the stage (`row < 16`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
             unsafe {
-                cp_async_16_with_policy(dst, k_src.add(src) as *const u8, policy);
+                cp_async_16_with_policy(dst, k_src.add(from) as *const u8, policy);
                 cp_async_16_with_policy(
-                    dst + Tile::<D>::BYTES,
-                    v_src.add(src) as *const u8,
+                    dst + Tile::<D>::bytes::<Self>(),
+                    v_src.add(from) as *const u8,
                     policy,
                 );
             }
@@ -189,6 +279,11 @@ impl TileCopy for AsyncCopy {
     }
 
     #[inline(always)]
+    unsafe fn landed<const D: usize>(_warp: u32, _j: u32, _valid_rows: u32, _lane: u32) {
+        // The padding rows repeat the last existing row (`issue`).
+    }
+
+    #[inline(always)]
     fn finish() {
         wait_all();
     }
@@ -200,12 +295,28 @@ impl TileCopy for AsyncCopy {
     }
 }
 
-/// Bulk copies (`cp.async.bulk`, the tensor memory accelerator): one K or V row per lane, counted
-/// in bytes on one `mbarrier` per stage (tile `j` is phase `j / DECODE_STAGES` of its stage's
-/// barrier). Fewer instructions and requests per byte than [`AsyncCopy`], more latency per tile.
-pub struct BulkCopy;
+/// Tensor-map bulk copies (`cp.async.bulk.tensor`, the tensor memory accelerator): per tile,
+/// one copy per 64 columns of K and of V (lanes `0 .. D / 32`), landing swizzled, counted in
+/// bytes on one `mbarrier` per stage (tile `j` is phase `j / DECODE_STAGES` of its stage's
+/// barrier). Each copy writes whole aligned 128-byte lines, which the L2 serves as whole-line
+/// requests (decode NOTES, session 8). Fewer instructions per byte than [`AsyncCopy`], more
+/// latency per tile.
+pub struct TensorCopy;
 
-impl TileCopy for BulkCopy {
+impl TileCopy for TensorCopy {
+    const SWIZZLED: bool = true;
+
+    /// The tile's box: its block and first row in the block ([`RowSource::tile_box`]).
+    type At = (u32, u32);
+
+    const NOWHERE: (u32, u32) = (0, 0);
+
+    #[inline(always)]
+    unsafe fn locate(src: &RowSource, p: &DecodeParams, t: u32) -> (u32, u32) {
+        // SAFETY: forwarded.
+        unsafe { src.tile_box(p, t) }
+    }
+
     #[inline(always)]
     unsafe fn start<const D: usize>(warp: u32, lane: u32) {
         // One barrier per stage, one arrival (lane 0's) per phase.
@@ -223,15 +334,18 @@ impl TileCopy for BulkCopy {
         unsafe { sync_warp() };
     }
 
+    /// Rows past `valid_rows` land as whatever the buffer holds there (or zeros past the
+    /// block): [`landed`](TileCopy::landed) zeroes them in V.
     #[inline(always)]
     unsafe fn issue<const D: usize>(
         warp: u32,
         j: u32,
-        k_src: *const u16,
-        v_src: *const u16,
-        valid_rows: u32,
+        src: &RowSource,
+        at: (u32, u32),
+        _valid_rows: u32,
         lane: u32,
     ) {
+        let (block, row) = at;
         // K and V are read once per step: keep them from pushing other lines out of the L2.
         let policy = l2_evict_first();
         let stage = j % DECODE_STAGES;
@@ -241,23 +355,29 @@ impl TileCopy for BulkCopy {
             // arrived on yet (the previous phase was waited for); 8 KiB < 2^20.
             unsafe { mbarrier_arrive_expect_tx(bar, Tile::<D>::TILE_COPY_BYTES) };
         }
-        let (row, is_v) = (lane % DECODE_TILE_ROWS, lane / DECODE_TILE_ROWS);
-        let src = if is_v == 0 { k_src } else { v_src };
-        let dst =
-            Tile::<D>::k_tile(warp, stage) + is_v * Tile::<D>::BYTES + row * Tile::<D>::ROW_BYTES;
-        // SAFETY: the source row exists (`min(row, valid_rows - 1) < valid_rows`) and is 16-byte
-        // aligned; `ROW_COPY_BYTES` (128 or 256) is a multiple of 16; the destination row is
-        // inside the stage (`row < 16`) and 16-byte aligned (`ROW_BYTES` is a multiple of 16);
-        // the 32 copies add up to the `TILE_COPY_BYTES` lane 0 announced.
-        unsafe {
-            let from = src.add((row.min(valid_rows - 1) * D as u32) as usize);
-            bulk_copy_with_policy(
-                dst,
-                from as *const u8,
-                Tile::<D>::ROW_COPY_BYTES,
-                bar,
-                policy,
-            );
+        let boxes = D as u32 / DECODE_BOX_COLUMNS;
+        if lane < 2 * boxes {
+            let (is_v, box_index) = (lane / boxes, lane % boxes);
+            let dst = Tile::<D>::k_tile::<Self>(warp, stage)
+                + is_v * Tile::<D>::SWIZZLED_BYTES
+                + box_index * Tile::<D>::BOX_BYTES;
+            // SAFETY: the maps (K, then V) describe the buffers the rows are in, and the box at
+            // (column `64 * box_index`, row `row`, block `block`) is the tile's rows of
+            // those columns (the caller's contract); the destination box is inside the stage and
+            // 1024-byte aligned (`k_tile` rounds the area up, boxes are multiples of 1024 bytes);
+            // the 2 * D / 64 boxes of 16 x 128 bytes add up to the `TILE_COPY_BYTES` lane 0
+            // announced.
+            unsafe {
+                tensor_copy_3d_with_policy(
+                    dst,
+                    src.maps().add(is_v as usize * TENSOR_MAP_BYTES),
+                    box_index * DECODE_BOX_COLUMNS,
+                    row,
+                    block,
+                    bar,
+                    policy,
+                );
+            }
         }
     }
 
@@ -276,6 +396,31 @@ impl TileCopy for BulkCopy {
         };
     }
 
+    /// A partial tile (the last of a list) zeroes its V rows past `valid_rows`: the copy brought
+    /// whatever the page holds there, possibly not finite.
+    #[inline(always)]
+    unsafe fn landed<const D: usize>(warp: u32, j: u32, valid_rows: u32, lane: u32) {
+        if valid_rows < DECODE_TILE_ROWS {
+            let v_tile =
+                Tile::<D>::k_tile::<Self>(warp, j % DECODE_STAGES) + Tile::<D>::SWIZZLED_BYTES;
+            let chunks = (DECODE_TILE_ROWS - valid_rows) * Tile::<D>::CHUNKS_PER_ROW;
+            let mut i = lane;
+            while i < chunks {
+                let row = valid_rows + i / Tile::<D>::CHUNKS_PER_ROW;
+                let chunk = i % Tile::<D>::CHUNKS_PER_ROW;
+                // SAFETY: row `< 16`, chunk `< D / 8`: inside the landed V tile, 16-byte
+                // aligned; no lane reads it before the barrier below.
+                unsafe {
+                    st_shared_v4_u32(Tile::<D>::chunk_addr::<Self>(v_tile, row, chunk), [0; 4])
+                };
+                i += WARP_SIZE;
+            }
+            Self::after_plain_stores();
+            // SAFETY: every lane is here (the caller's contract; `valid_rows` is warp-uniform).
+            unsafe { sync_warp() };
+        }
+    }
+
     #[inline(always)]
     fn finish() {
         // Every warp waited for each tile it issued.
@@ -283,7 +428,7 @@ impl TileCopy for BulkCopy {
 
     #[inline(always)]
     fn after_plain_stores() {
-        // The bulk copies write through the async proxy.
+        // The tensor copies write through the async proxy.
         fence_proxy_async_shared();
     }
 }
@@ -311,13 +456,13 @@ pub unsafe fn patch_rows<const D: usize, C: TileCopy>(
     if lane < Tile::<D>::CHUNKS_PER_ROW {
         let mut r = newest.row;
         while r < end {
-            let at = k_tile + r * Tile::<D>::ROW_BYTES + 16 * lane;
+            let at = Tile::<D>::chunk_addr::<C>(k_tile, r, lane);
             // SAFETY: row `r < 16` of the stage, chunk `lane < D / 8`: inside it, 16-byte
             // aligned; the copy landed (the caller's wait) and no lane reads the tile before the
             // barrier below.
             unsafe {
                 st_shared_v4_u32(at, newest.key.0);
-                st_shared_v4_u32(at + Tile::<D>::BYTES, newest.value.0);
+                st_shared_v4_u32(at + Tile::<D>::bytes::<C>(), newest.value.0);
             }
             r += 1;
         }
@@ -357,14 +502,24 @@ pub unsafe fn load_q_fragments<E: MmaElement, const D: usize, const G: usize>(
 ///
 /// # Safety
 /// The whole warp calls it after the tile arrived and a warp barrier.
+///
+/// Matrices: (keys 0..8, dims +0..8), (keys 0..8, dims +8..16), (keys 8..16, dims +0..8),
+/// (keys 8..16, dims +8..16); lane `l` addresses row `l % 8` of matrix `l / 8`.
 #[inline(always)]
-pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
+pub unsafe fn load_k_fragments<E: MmaElement, const D: usize, C: TileCopy>(
     k_tile: u32,
     kk: u32,
     lane: u32,
 ) -> [FragB<E>; 2] {
-    // SAFETY: 16 keys x dims `16 kk .. + 16 <= D`: inside the tile; forwarded barrier.
-    unsafe { load_b_pair_n_major(k_tile, Tile::<D>::ROW_BYTES, 0, 16 * kk, lane) }
+    let (matrix, row) = (lane / 8, lane % 8);
+    let key = row + 8 * (matrix / 2);
+    let chunk = 2 * kk + matrix % 2;
+    // SAFETY: key `< 16`, chunk `< D / 8`: inside the tile; forwarded barrier.
+    let r = unsafe { ldmatrix_x4(Tile::<D>::chunk_addr::<C>(k_tile, key, chunk)) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
 }
 
 /// The B fragments of `V` for the tile's 16 keys and dims `16 * pair .. + 16` (two accumulators
@@ -372,14 +527,24 @@ pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
 ///
 /// # Safety
 /// As [`load_k_fragments`].
+///
+/// Matrices: (keys 0..8, dims +0..8), (keys 8..16, dims +0..8), (keys 0..8, dims +8..16),
+/// (keys 8..16, dims +8..16); the transpose gives each lane two consecutive keys of one dim.
 #[inline(always)]
-pub unsafe fn load_v_fragments<E: MmaElement, const D: usize>(
+pub unsafe fn load_v_fragments<E: MmaElement, const D: usize, C: TileCopy>(
     v_tile: u32,
     pair: u32,
     lane: u32,
 ) -> [FragB<E>; 2] {
-    // SAFETY: 16 keys x dims `16 pair .. + 16 <= D`: inside the tile; forwarded barrier.
-    unsafe { load_b_pair_k_major(v_tile, Tile::<D>::ROW_BYTES, 0, 16 * pair, lane) }
+    let (matrix, row) = (lane / 8, lane % 8);
+    let key = row + 8 * (matrix % 2);
+    let chunk = 2 * pair + matrix / 2;
+    // SAFETY: key `< 16`, chunk `< D / 8`: inside the tile; forwarded barrier.
+    let r = unsafe { ldmatrix_x4_trans(Tile::<D>::chunk_addr::<C>(v_tile, key, chunk)) };
+    [
+        FragB::from_regs([r[0], r[1]]),
+        FragB::from_regs([r[2], r[3]]),
+    ]
 }
 
 /// The A fragment of `P` from the two `S` accumulators of a tile (FlashAttention-2's register
