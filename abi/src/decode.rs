@@ -18,9 +18,10 @@ pub const DECODE_TILE_ROWS: u32 = 16;
 /// Copy stages per warp (`cp.async` or bulk copies): each warp streams its own tiles (two in
 /// flight while it computes on a third).
 pub const DECODE_STAGES: u32 = 3;
-/// Elements of padding after each K/V row in shared memory, so the eight 16-byte rows of an
-/// `ldmatrix` 8x8 load fall in distinct bank groups.
-pub const DECODE_ROW_PAD: u32 = 8;
+/// Alignment of the decode kernel's tile stages in shared memory: the 128-byte swizzle the tiles
+/// are laid out with repeats every 8 rows of 128 bytes, and a tensor copy's destination starts on
+/// such a boundary.
+pub const DECODE_STAGE_ALIGN: u32 = 1024;
 /// Blocks of the decode attention kernel that fit on one SM (shared memory bound at D 128); the
 /// host sizes splits to fill the GPU with this many per SM.
 pub const DECODE_BLOCKS_PER_SM: u32 = 2;
@@ -41,12 +42,11 @@ pub const fn combine_smem_bytes() -> u32 {
 pub const HEAD_STREAMING: u32 = 1 << 31;
 
 /// Bytes of the stage area of the decode attention kernel for head dimension `head_dim`: per
-/// warp, [`DECODE_STAGES`] K and V tiles of [`DECODE_TILE_ROWS`] padded rows (the cross-warp
-/// merge area reuses it at the end).
+/// warp, [`DECODE_STAGES`] K and V tiles of [`DECODE_TILE_ROWS`] rows, and room to start them on
+/// a [`DECODE_STAGE_ALIGN`] boundary (the cross-warp merge area reuses it at the end).
 pub const fn decode_stage_bytes(head_dim: u32) -> u32 {
     let warps = DECODE_THREADS / 32;
-    let row_bytes = (head_dim + DECODE_ROW_PAD) * 2;
-    warps * DECODE_STAGES * 2 * DECODE_TILE_ROWS * row_bytes
+    warps * DECODE_STAGES * 2 * DECODE_TILE_ROWS * head_dim * 2 + DECODE_STAGE_ALIGN
 }
 
 /// Bytes of the decode kernel's copy barriers, after the stage area: one 8-byte `mbarrier` per

@@ -3,14 +3,14 @@
 //!
 //! A tile is [`DECODE_TILE_ROWS`] (16) consecutive K/V rows of one page (or of a slot's streaming
 //! rows). Each warp streams its own tiles through [`DECODE_STAGES`] stages of shared memory (K
-//! tile, then V tile). Two layouts, one per way of copying ([`TileCopy`]):
-//! - [`AsyncCopy`]: 16-byte `cp.async` copies into rows `D + DECODE_ROW_PAD` elements apart, so the
-//!   eight 16-byte rows of an `ldmatrix` 8x8 load fall in distinct bank groups;
-//! - [`TensorCopy`]: tensor-map bulk copies (`cp.async.bulk.tensor`, one per 64 columns of K or V)
-//!   counted on the stage's `mbarrier` (after the stage area: one per warp and stage), landing
-//!   with the 128-byte swizzle: a tile is `D / 64` boxes of 16 rows of 128 bytes, 16-byte chunk `c`
-//!   of row `r` stored at chunk `c ^ (r % 8)`, which spreads an `ldmatrix` load's rows over the
-//!   banks while every copy writes whole aligned 128-byte lines ([`Tile::chunk_addr`]).
+//! tile, then V tile), laid out with the 128-byte swizzle: a tile is `D / 64` boxes of 16 rows of
+//! 128 bytes, 16-byte chunk `c` of a box row `r` stored at chunk `c ^ (r % 8)`
+//! ([`Tile::chunk_addr`]). The eight rows an `ldmatrix` 8x8 load reads then fall in distinct bank
+//! groups, and every row starts on a 128-byte line, so a copy fills whole aligned lines. Two ways
+//! of copying ([`TileCopy`]): tensor-map bulk copies ([`TensorCopy`], `cp.async.bulk.tensor`,
+//! one per 64 columns of K or V, swizzled by the copy engine and counted on the stage's
+//! `mbarrier`, after the stage area: one per warp and stage), or 16-byte `cp.async` copies
+//! ([`AsyncCopy`], each chunk placed where the swizzle puts it).
 //!
 //! The products, per warp and tile, with the `G` query heads of the KV group as the `M` rows of
 //! the `m16n8k16` products (rows `G..16` are zero and never written out):
@@ -20,7 +20,7 @@
 //!   `V`'s B fragments come from the row-major V tile with `ldmatrix.trans`.
 
 use lserve_abi::decode::{
-    decode_stage_bytes, DecodeParams, DECODE_BOX_COLUMNS, DECODE_ROW_PAD, DECODE_STAGES,
+    decode_stage_bytes, DecodeParams, DECODE_BOX_COLUMNS, DECODE_STAGES, DECODE_STAGE_ALIGN,
     DECODE_THREADS, DECODE_TILE_ROWS, TENSOR_MAP_BYTES,
 };
 
@@ -49,63 +49,43 @@ pub const MAX_O_TILES: usize = 16;
 /// The tile geometry for head dimension `D` (64 or 128).
 pub struct Tile<const D: usize>;
 
-/// Bytes of one swizzled box row, and of the swizzle's span of rows (8 of them).
+/// Bytes of one box row: 64 elements.
 const BOX_ROW_BYTES: u32 = DECODE_BOX_COLUMNS * 2;
-const SWIZZLE_SPAN: u32 = 8 * BOX_ROW_BYTES;
 
 impl<const D: usize> Tile<D> {
-    /// Bytes between consecutive rows in shared memory ([`AsyncCopy`]'s padded layout).
-    pub const ROW_BYTES: u32 = (D as u32 + DECODE_ROW_PAD) * 2;
-    /// Bytes of one K (or V) tile in the padded layout.
-    const PADDED_BYTES: u32 = DECODE_TILE_ROWS * Self::ROW_BYTES;
-    /// Bytes of one K (or V) tile in the swizzled layout: `D / 64` boxes of 16 rows of 128 bytes.
+    /// Bytes of one box: 16 rows of 64 elements.
     const BOX_BYTES: u32 = DECODE_TILE_ROWS * BOX_ROW_BYTES;
-    const SWIZZLED_BYTES: u32 = (D as u32 / DECODE_BOX_COLUMNS) * Self::BOX_BYTES;
+    /// Bytes of one K (or V) tile: `D / 64` boxes.
+    pub const BYTES: u32 = (D as u32 / DECODE_BOX_COLUMNS) * Self::BOX_BYTES;
     /// 16-byte chunks per row.
     const CHUNKS_PER_ROW: u32 = D as u32 / 8;
     /// Chunks each lane copies per K (or V) tile with `cp.async`.
     const CHUNKS_PER_LANE: u32 = DECODE_TILE_ROWS * Self::CHUNKS_PER_ROW / WARP_SIZE;
     /// Bytes a stage's barrier counts per tile: 16 K and 16 V rows.
-    pub const TILE_COPY_BYTES: u32 = 2 * DECODE_TILE_ROWS * D as u32 * 2;
+    pub const TILE_COPY_BYTES: u32 = 2 * Self::BYTES;
     /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
     pub const D_STEPS: usize = D / 16;
     /// Accumulators of 8 dims in `O`.
     pub const O_TILES: usize = D / 8;
 
-    /// Bytes of one K (or V) tile in `C`'s layout.
+    /// Shared-window address of warp `warp`'s K tile in `stage` (its V tile follows,
+    /// [`BYTES`](Self::BYTES) later). The stages start at the first [`DECODE_STAGE_ALIGN`]
+    /// boundary of the stage area, which has room for that.
     #[inline(always)]
-    pub fn bytes<C: TileCopy>() -> u32 {
-        if C::SWIZZLED {
-            Self::SWIZZLED_BYTES
-        } else {
-            Self::PADDED_BYTES
-        }
-    }
-
-    /// Shared-window address of warp `warp`'s K tile in `stage` in `C`'s layout (its V tile
-    /// follows, [`bytes`](Self::bytes) later). Swizzled stages start at the first 1024-byte
-    /// boundary of the stage area (the swizzle's alignment; the area has room for that).
-    #[inline(always)]
-    pub fn k_tile<C: TileCopy>(warp: u32, stage: u32) -> u32 {
+    pub fn k_tile(warp: u32, stage: u32) -> u32 {
         let base = shared_addr(dynamic_smem::<u8>(0));
-        let base = if C::SWIZZLED {
-            (base + SWIZZLE_SPAN - 1) & !(SWIZZLE_SPAN - 1)
-        } else {
-            base
-        };
-        base + (warp * DECODE_STAGES + stage) * 2 * Self::bytes::<C>()
+        let base = (base + DECODE_STAGE_ALIGN - 1) & !(DECODE_STAGE_ALIGN - 1);
+        base + (warp * DECODE_STAGES + stage) * 2 * Self::BYTES
     }
 
     /// Shared-window address of 16-byte chunk `chunk` (elements `8 * chunk ..`) of row `row` of
-    /// the K or V tile at `tile`, in `C`'s layout.
+    /// the K or V tile at `tile`: box `chunk / 8`, box row `row`, swizzled chunk
+    /// `(chunk % 8) ^ (row % 8)` (what the tensor copies' 128-byte swizzle does, the tile being
+    /// [`DECODE_STAGE_ALIGN`]-aligned).
     #[inline(always)]
-    pub fn chunk_addr<C: TileCopy>(tile: u32, row: u32, chunk: u32) -> u32 {
-        if C::SWIZZLED {
-            let (box_index, c) = (chunk / 8, chunk % 8);
-            tile + box_index * Self::BOX_BYTES + row * BOX_ROW_BYTES + ((c ^ (row % 8)) * 16)
-        } else {
-            tile + row * Self::ROW_BYTES + chunk * 16
-        }
+    pub fn chunk_addr(tile: u32, row: u32, chunk: u32) -> u32 {
+        let (box_index, c) = (chunk / 8, chunk % 8);
+        tile + box_index * Self::BOX_BYTES + row * BOX_ROW_BYTES + ((c ^ (row % 8)) * 16)
     }
 
     /// Shared-window address of the `mbarrier` that counts the copies into warp `warp`'s
@@ -118,26 +98,21 @@ impl<const D: usize> Tile<D> {
     }
 }
 
-// The padded layout is what `decode_stage_bytes` sizes; the swizzled one fits in it after
-// rounding its start up to 1024 bytes; `decode_smem_bytes` adds the barriers.
-const _: () =
-    assert!(decode_stage_bytes(128) == WARPS * DECODE_STAGES * 2 * Tile::<128>::PADDED_BYTES);
-const _: () =
-    assert!(decode_stage_bytes(64) == WARPS * DECODE_STAGES * 2 * Tile::<64>::PADDED_BYTES);
+// The stages and the alignment room are what `decode_stage_bytes` sizes; `decode_smem_bytes`
+// adds the barriers.
 const _: () = assert!(
-    WARPS * DECODE_STAGES * 2 * Tile::<128>::SWIZZLED_BYTES + SWIZZLE_SPAN - 16
-        <= decode_stage_bytes(128)
+    decode_stage_bytes(128) == WARPS * DECODE_STAGES * 2 * Tile::<128>::BYTES + DECODE_STAGE_ALIGN
 );
 const _: () = assert!(
-    WARPS * DECODE_STAGES * 2 * Tile::<64>::SWIZZLED_BYTES + SWIZZLE_SPAN - 16
-        <= decode_stage_bytes(64)
+    decode_stage_bytes(64) == WARPS * DECODE_STAGES * 2 * Tile::<64>::BYTES + DECODE_STAGE_ALIGN
 );
 const _: () = assert!(
     lserve_abi::decode::decode_smem_bytes(128)
         == decode_stage_bytes(128) + WARPS * DECODE_STAGES * 8
 );
-// Swizzled boxes keep the span's alignment: every box starts on a 1024-byte boundary.
-const _: () = assert!(Tile::<64>::BOX_BYTES % SWIZZLE_SPAN == 0);
+// Every box (and so every tile and stage) starts on a swizzle span: 8 rows of 128 bytes.
+const _: () = assert!(Tile::<64>::BOX_BYTES % DECODE_STAGE_ALIGN == 0);
+const _: () = assert!(8 * BOX_ROW_BYTES == DECODE_STAGE_ALIGN);
 
 /// How a warp's K/V tiles travel from global memory into its stages: the kernel is generic over
 /// it, the host picks per launch (`AsyncCopy` for short splits, `TensorCopy` for long ones;
@@ -148,8 +123,9 @@ const _: () = assert!(Tile::<64>::BOX_BYTES % SWIZZLE_SPAN == 0);
 /// loop step (whether or not a tile was issued); [`wait`](TileCopy::wait) for tile `j` before
 /// reading it; at the end [`finish`](TileCopy::finish) before the stage area is reused.
 pub trait TileCopy {
-    /// Whether tiles land swizzled ([`Tile::chunk_addr`]) rather than in padded rows.
-    const SWIZZLED: bool;
+    /// Whether [`issue`](TileCopy::issue) fills rows past `valid_rows` by repeating the last
+    /// row, so [`landed`](TileCopy::landed) has nothing to do.
+    const REPEATS_LAST_ROW: bool;
 
     /// Where a tile's rows are, as this copy addresses them ([`locate`](TileCopy::locate)).
     type At: Copy;
@@ -215,7 +191,7 @@ pub trait TileCopy {
 pub struct AsyncCopy;
 
 impl TileCopy for AsyncCopy {
-    const SWIZZLED: bool = false;
+    const REPEATS_LAST_ROW: bool = true;
 
     /// The tile's element offset in the K and V buffers.
     type At = usize;
@@ -246,19 +222,19 @@ impl TileCopy for AsyncCopy {
         let (k_src, v_src) = unsafe { src.tile_at(at) };
         // K and V are read once per step: keep them from pushing other lines out of the L2.
         let policy = l2_evict_first();
-        let k_dst = Tile::<D>::k_tile::<Self>(warp, j % DECODE_STAGES);
+        let k_dst = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
         let mut i = 0;
         while i < Tile::<D>::CHUNKS_PER_LANE {
             let c = lane + i * WARP_SIZE;
             let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
             let from = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
-            let dst = Tile::<D>::chunk_addr::<Self>(k_dst, row, chunk);
-            // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is inside
-            // the stage (`row < 16`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
+            let dst = Tile::<D>::chunk_addr(k_dst, row, chunk);
+            // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is chunk
+            // `chunk` of row `row < 16` of the stage's K (and V) tile, 16-byte aligned.
             unsafe {
                 cp_async_16_with_policy(dst, k_src.add(from) as *const u8, policy);
                 cp_async_16_with_policy(
-                    dst + Tile::<D>::bytes::<Self>(),
+                    dst + Tile::<D>::BYTES,
                     v_src.add(from) as *const u8,
                     policy,
                 );
@@ -304,7 +280,7 @@ impl TileCopy for AsyncCopy {
 pub struct TensorCopy;
 
 impl TileCopy for TensorCopy {
-    const SWIZZLED: bool = true;
+    const REPEATS_LAST_ROW: bool = false;
 
     /// The tile's box: its block and first row in the block ([`RowSource::tile_box`]).
     type At = (u32, u32);
@@ -358,8 +334,8 @@ impl TileCopy for TensorCopy {
         let boxes = D as u32 / DECODE_BOX_COLUMNS;
         if lane < 2 * boxes {
             let (is_v, box_index) = (lane / boxes, lane % boxes);
-            let dst = Tile::<D>::k_tile::<Self>(warp, stage)
-                + is_v * Tile::<D>::SWIZZLED_BYTES
+            let dst = Tile::<D>::k_tile(warp, stage)
+                + is_v * Tile::<D>::BYTES
                 + box_index * Tile::<D>::BOX_BYTES;
             // SAFETY: the maps (K, then V) describe the buffers the rows are in, and the box at
             // (column `64 * box_index`, row `row`, block `block`) is the tile's rows of
@@ -401,8 +377,7 @@ impl TileCopy for TensorCopy {
     #[inline(always)]
     unsafe fn landed<const D: usize>(warp: u32, j: u32, valid_rows: u32, lane: u32) {
         if valid_rows < DECODE_TILE_ROWS {
-            let v_tile =
-                Tile::<D>::k_tile::<Self>(warp, j % DECODE_STAGES) + Tile::<D>::SWIZZLED_BYTES;
+            let v_tile = Tile::<D>::k_tile(warp, j % DECODE_STAGES) + Tile::<D>::BYTES;
             let chunks = (DECODE_TILE_ROWS - valid_rows) * Tile::<D>::CHUNKS_PER_ROW;
             let mut i = lane;
             while i < chunks {
@@ -410,9 +385,7 @@ impl TileCopy for TensorCopy {
                 let chunk = i % Tile::<D>::CHUNKS_PER_ROW;
                 // SAFETY: row `< 16`, chunk `< D / 8`: inside the landed V tile, 16-byte
                 // aligned; no lane reads it before the barrier below.
-                unsafe {
-                    st_shared_v4_u32(Tile::<D>::chunk_addr::<Self>(v_tile, row, chunk), [0; 4])
-                };
+                unsafe { st_shared_v4_u32(Tile::<D>::chunk_addr(v_tile, row, chunk), [0; 4]) };
                 i += WARP_SIZE;
             }
             Self::after_plain_stores();
@@ -456,13 +429,13 @@ pub unsafe fn patch_rows<const D: usize, C: TileCopy>(
     if lane < Tile::<D>::CHUNKS_PER_ROW {
         let mut r = newest.row;
         while r < end {
-            let at = Tile::<D>::chunk_addr::<C>(k_tile, r, lane);
+            let at = Tile::<D>::chunk_addr(k_tile, r, lane);
             // SAFETY: row `r < 16` of the stage, chunk `lane < D / 8`: inside it, 16-byte
             // aligned; the copy landed (the caller's wait) and no lane reads the tile before the
             // barrier below.
             unsafe {
                 st_shared_v4_u32(at, newest.key.0);
-                st_shared_v4_u32(at + Tile::<D>::bytes::<C>(), newest.value.0);
+                st_shared_v4_u32(at + Tile::<D>::BYTES, newest.value.0);
             }
             r += 1;
         }
@@ -506,7 +479,7 @@ pub unsafe fn load_q_fragments<E: MmaElement, const D: usize, const G: usize>(
 /// Matrices: (keys 0..8, dims +0..8), (keys 0..8, dims +8..16), (keys 8..16, dims +0..8),
 /// (keys 8..16, dims +8..16); lane `l` addresses row `l % 8` of matrix `l / 8`.
 #[inline(always)]
-pub unsafe fn load_k_fragments<E: MmaElement, const D: usize, C: TileCopy>(
+pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
     k_tile: u32,
     kk: u32,
     lane: u32,
@@ -515,7 +488,7 @@ pub unsafe fn load_k_fragments<E: MmaElement, const D: usize, C: TileCopy>(
     let key = row + 8 * (matrix / 2);
     let chunk = 2 * kk + matrix % 2;
     // SAFETY: key `< 16`, chunk `< D / 8`: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4(Tile::<D>::chunk_addr::<C>(k_tile, key, chunk)) };
+    let r = unsafe { ldmatrix_x4(Tile::<D>::chunk_addr(k_tile, key, chunk)) };
     [
         FragB::from_regs([r[0], r[1]]),
         FragB::from_regs([r[2], r[3]]),
@@ -531,7 +504,7 @@ pub unsafe fn load_k_fragments<E: MmaElement, const D: usize, C: TileCopy>(
 /// Matrices: (keys 0..8, dims +0..8), (keys 8..16, dims +0..8), (keys 0..8, dims +8..16),
 /// (keys 8..16, dims +8..16); the transpose gives each lane two consecutive keys of one dim.
 #[inline(always)]
-pub unsafe fn load_v_fragments<E: MmaElement, const D: usize, C: TileCopy>(
+pub unsafe fn load_v_fragments<E: MmaElement, const D: usize>(
     v_tile: u32,
     pair: u32,
     lane: u32,
@@ -540,7 +513,7 @@ pub unsafe fn load_v_fragments<E: MmaElement, const D: usize, C: TileCopy>(
     let key = row + 8 * (matrix % 2);
     let chunk = 2 * pair + matrix / 2;
     // SAFETY: key `< 16`, chunk `< D / 8`: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4_trans(Tile::<D>::chunk_addr::<C>(v_tile, key, chunk)) };
+    let r = unsafe { ldmatrix_x4_trans(Tile::<D>::chunk_addr(v_tile, key, chunk)) };
     [
         FragB::from_regs([r[0], r[1]]),
         FragB::from_regs([r[2], r[3]]),
