@@ -13,8 +13,9 @@ pub const PTX_NAME: &str = "lserve_kernels.ptx";
 /// NVPTX target and `-C target-cpu=<arch>` into `target_dir`, with the calling cargo's
 /// `CARGO*` / `RUST*` variables (toolchain, flags, jobserver) removed from its environment.
 ///
-/// PTX ISA 8.0 (CUDA 12.0 drivers and later) is requested: the decode kernel's bulk copies
-/// (`cp.async.bulk`, `mbarrier` transaction counts) need it; 7.8 is the back end's default.
+/// PTX ISA 8.0 (CUDA 12.0 drivers and later) is requested: the decode kernel's tensor-map bulk
+/// copies (`cp.async.bulk.tensor`, `mbarrier` transaction counts) need it; 7.8 is the back end's
+/// default.
 pub fn kernel_build_command(
     kernel_dir: &Path,
     toolchain: &str,

@@ -1,8 +1,9 @@
 //! Bulk asynchronous global -> shared copies on the tensor memory accelerator
-//! (`cp.async.bulk`, sm_90, PTX ISA 8.0) and the shared-memory barriers (`mbarrier`) that count
-//! their bytes.
+//! (`cp.async.bulk.tensor`, sm_90, PTX ISA 8.0) and the shared-memory barriers (`mbarrier`) that
+//! count their bytes.
 //!
-//! One instruction moves a whole contiguous run (a multiple of 16 bytes) and reports completion
+//! One instruction moves a whole box of a tensor that a tensor map (`CUtensorMap`, encoded on the
+//! host) describes, laid out in shared memory as the map's swizzle says, and reports completion
 //! to an `mbarrier` in shared memory as a byte count ("transaction count"), not per issuing
 //! thread: no `commit_group`/`wait_group`, and no register per 16-byte chunk. The pattern per
 //! buffer (one barrier initialized with one expected arrival):
@@ -10,7 +11,7 @@
 //! init(bar, 1); fence_init(); (barrier for the threads that use it)
 //! loop:
 //!     one thread: arrive_expect_tx(bar, total bytes)   // the phase now waits for the bytes
-//!     copies: bulk_copy(dst, src, n, bar) ...           // each completes n bytes on bar
+//!     copies: tensor_copy(dst, map, coords, bar) ...    // each completes its box's bytes on bar
 //!     everyone: wait_parity(bar, phase & 1)             // data visible to the waiting thread
 //! ```
 //! A phase completes when its expected arrival came and every expected byte landed; the
