@@ -67,7 +67,6 @@ fn encode(ptr: u64, dims: [u64; 3]) -> Result<[u8; TENSOR_MAP_BYTES]> {
 
 /// The layer's [`DECODE_TENSOR_MAPS`] tensor maps (pool K, pool V, streaming K, streaming V),
 /// in one new device buffer.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_tensor_maps<E>(
     stream: &Arc<CudaStream>,
     paged: &PagedLayout,
