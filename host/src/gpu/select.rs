@@ -44,7 +44,7 @@
 //! # Ok::<(), lserve::LserveError>(())
 //! ```
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::select::{
     SelectParams, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS, SELECT_SMEM_BYTES, SELECT_THREADS,
     STEP_THREADS,
@@ -207,6 +207,186 @@ fn check_launch<E: DeviceElement>(
     Ok(pairs)
 }
 
+/// A top-K launch whose arguments passed every check, with its kernel looked up
+/// ([`select_top_k`]; a part of [`SelectLaunch`]).
+pub(crate) struct TopKLaunch {
+    /// The top-K selector.
+    function: CudaFunction,
+    /// (sequence, dense KV head) pairs: `B * Hd`; 0 for a layer without dense heads.
+    pairs: usize,
+    /// The launch parameters (the scorer's too).
+    params: SelectParams,
+}
+
+impl TopKLaunch {
+    /// Every check of [`select_top_k`], and the kernel's lookup. Launches nothing.
+    fn check<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        ws: &SelectWorkspace,
+    ) -> Result<Self> {
+        let l = cache.layer(layer)?;
+        Ok(Self {
+            pairs: check_launch(cache, l, batch, ws)?,
+            params: select_params(cache, l, batch.len())?,
+            function: gpu.function("select_pages")?,
+        })
+    }
+
+    /// Enqueues the top-K selector. Its only errors are the launch's own; the arguments must be
+    /// the ones [`check`](Self::check) passed.
+    fn launch<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        ws: &SelectWorkspace,
+    ) -> Result<()> {
+        if self.pairs == 0 {
+            return Ok(());
+        }
+        let params = ByValue(self.params);
+        let cfg = LaunchConfig {
+            grid_dim: (self.pairs as u32, 1, 1),
+            block_dim: (SELECT_THREADS, 1, 1),
+            shared_mem_bytes: SELECT_SMEM_BYTES,
+        };
+        let (l, block_tables, decode_steps) = cache.layer_parts_mut(layer)?;
+        let mut launch = OverlappedLaunch::new(gpu.stream(), &self.function);
+        launch
+            .value(&params)
+            .buf(&ws.scores)
+            .buf(block_tables)
+            .buf(&batch.seq_len)
+            .buf(&batch.seq_slot)
+            .buf(decode_steps)
+            .buf_mut(&mut l.held_pages)
+            .buf_mut(&mut l.held_lens)
+            .buf_mut(&mut l.index_pages)
+            .buf_mut(&mut l.index_lens);
+        // SAFETY: the arguments match `select_pages` (kernels-gpu/src/select/mod.rs). Grid
+        // `B * Hd`, `SELECT_THREADS` threads, `SELECT_SMEM_BYTES` of shared memory as the kernel
+        // requires; the capacities were checked (`held_capacity >= K + 3`, `entry_capacity >=
+        // min(K + 3, max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair
+        // owns its held state and index entry; the workspace rows were written by the scorer for
+        // the due pairs of this batch (the only rows whose scores the selector uses; it may load
+        // a not-due pair's row before deciding, harmlessly: the workspace is allocated, zeroed,
+        // for `max_batch`). Overlapped: the kernel reads `seq_len`, `seq_slot` and the block
+        // tables (host copies, enqueued before the previous kernel) before it waits for the
+        // previous kernel (`overlapped_entry`), everything else after.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// A page selection (scorer, then top-K) whose arguments passed every check, with its kernels
+/// looked up: [`select_pages`] and a decode step check once ([`SelectLaunch::check`]) and then
+/// enqueue both kernels without checking again ([`SelectLaunch::score`],
+/// [`SelectLaunch::top_k`]), with the same cache, layer, batch, `q` and workspace.
+pub(crate) struct SelectLaunch {
+    /// The scorer for the model's element type, head dim and group.
+    scorer: CudaFunction,
+    /// The top-K half, whose checks are a part of the scorer's.
+    top_k: TopKLaunch,
+}
+
+impl SelectLaunch {
+    /// Every check of [`score_pages`] and [`select_top_k`], and the kernels' lookup. Launches
+    /// nothing.
+    pub(crate) fn check<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        q: &CudaSlice<E>,
+        ws: &SelectWorkspace,
+    ) -> Result<Self> {
+        let geometry = *cache.pattern().geometry();
+        let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
+        let name = score_kernel_name(E::DTYPE, d, group)?;
+        let top_k = TopKLaunch::check(gpu, cache, layer, batch, ws)?;
+        if q.len() < batch.len() * hq * d {
+            return Err(LserveError::ShapeMismatch {
+                what: "q",
+                expected: batch.len() * hq * d,
+                actual: q.len(),
+            });
+        }
+        Ok(Self {
+            scorer: gpu.function(&name)?,
+            top_k,
+        })
+    }
+
+    /// Enqueues the scorer ([`score_pages`]). Its only errors are the launch's own; the
+    /// arguments must be the ones [`check`](Self::check) passed.
+    pub(crate) fn score<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        q: &CudaSlice<E>,
+        ws: &mut SelectWorkspace,
+    ) -> Result<()> {
+        let pairs = self.top_k.pairs;
+        if pairs == 0 {
+            return Ok(()); // no dense heads in this layer
+        }
+        let params = ByValue(self.top_k.params);
+        let l = cache.layer(layer)?;
+        let d = cache.pattern().geometry().head_dim();
+        let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
+        let pages = longest.div_ceil(l.paged.page_tokens);
+        let row_groups = SCORE_THREADS / (d as u32 / 8);
+        let blocks = score_blocks_per_pair(gpu.sm_count(), pairs as u32, pages, row_groups);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, pairs as u32, 1),
+            block_dim: (SCORE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = gpu.stream();
+        let mut launch = OverlappedLaunch::new(stream, &self.scorer);
+        launch
+            .value(&params)
+            .buf(q)
+            .buf(&l.kmin)
+            .buf(&l.kmax)
+            .buf(&cache.block_tables)
+            .buf(&batch.seq_len)
+            .buf(&batch.seq_slot)
+            .buf(&l.head_map)
+            .buf(&cache.decode_steps)
+            .buf(&l.held_lens)
+            .buf_mut(&mut ws.scores);
+        // SAFETY: the arguments match `score_pages_*` (kernels-gpu/src/select/mod.rs): the params
+        // by value, then the buffers in order. Grid `(blocks, B * Hd)` with `SCORE_THREADS`
+        // threads as the kernel requires; `q` holds `B * Hq * D` elements (checked); the
+        // statistics have the layout in `params.paged` (built from this layer); the batch's slots
+        // and lengths are live (validated by `DecodeBatch::set`) and their block tables hold pool
+        // page ids; the workspace holds `B * Hd * max_pages` scores (checked). Overlapped: the
+        // kernel waits for the previous one (`overlapped_entry`) before touching anything a
+        // kernel writes.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Enqueues the top-K selector ([`select_top_k`]), after [`score`](Self::score).
+    pub(crate) fn top_k<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        ws: &SelectWorkspace,
+    ) -> Result<()> {
+        self.top_k.launch(gpu, cache, layer, batch, ws)
+    }
+}
+
 /// Scores the physical pages of every (sequence, dense KV head) pair of `layer` whose selection
 /// is due on this step, into `ws` (`q` is `[B][Hq][D]`). Pairs that are not due (dense decode,
 /// or reusing their held selection) are skipped. Enqueued on the context's stream; allocates
@@ -223,47 +403,7 @@ pub fn score_pages<E: DeviceElement>(
     q: &CudaSlice<E>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    let (name, pairs, params) = check_scores(cache, layer, batch, q, ws)?;
-    let params = ByValue(params);
-    if pairs == 0 {
-        return Ok(()); // no dense heads in this layer
-    }
-    let l = cache.layer(layer)?;
-    let d = cache.pattern().geometry().head_dim();
-    let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
-    let pages = longest.div_ceil(l.paged.page_tokens);
-    let row_groups = SCORE_THREADS / (d as u32 / 8);
-    let blocks = score_blocks_per_pair(gpu.sm_count(), pairs as u32, pages, row_groups);
-    let f = gpu.function(&name)?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, pairs as u32, 1),
-        block_dim: (SCORE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let stream = gpu.stream();
-    let mut launch = OverlappedLaunch::new(stream, &f);
-    launch
-        .value(&params)
-        .buf(q)
-        .buf(&l.kmin)
-        .buf(&l.kmax)
-        .buf(&cache.block_tables)
-        .buf(&batch.seq_len)
-        .buf(&batch.seq_slot)
-        .buf(&l.head_map)
-        .buf(&cache.decode_steps)
-        .buf(&l.held_lens)
-        .buf_mut(&mut ws.scores);
-    // SAFETY: the arguments match `score_pages_*` (kernels-gpu/src/select/mod.rs): the params by
-    // value, then the buffers in order. Grid `(blocks, B * Hd)` with `SCORE_THREADS` threads as
-    // the kernel requires; `q` holds `B * Hq * D` elements (checked); the statistics have the
-    // layout in `params.paged` (built from this layer); the batch's slots and lengths are live
-    // (validated by `DecodeBatch::set`) and their block tables hold pool page ids; the
-    // workspace holds `B * Hd * max_pages` scores (checked).
-    // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
-    // anything a kernel writes.
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
+    SelectLaunch::check(gpu, cache, layer, batch, q, ws)?.score(gpu, cache, layer, batch, q, ws)
 }
 
 /// Runs the top-K selection of every due pair of `layer` from the scores in `ws` (written by
@@ -276,7 +416,7 @@ pub fn score_pages<E: DeviceElement>(
 /// reads their block table).
 /// Enqueued on the context's stream; allocates nothing and does not synchronize.
 ///
-/// Errors as [`score_pages`].
+/// Errors as [`score_pages`], less the ones about `q`.
 pub fn select_top_k<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -284,46 +424,12 @@ pub fn select_top_k<E: DeviceElement>(
     batch: &DecodeBatch,
     ws: &SelectWorkspace,
 ) -> Result<()> {
-    let pairs = check_launch(cache, cache.layer(layer)?, batch, ws)?;
-    let params = ByValue(select_params(cache, cache.layer(layer)?, batch.len())?);
-    if pairs == 0 {
-        return Ok(());
-    }
-    let f = gpu.function("select_pages")?;
-    let cfg = LaunchConfig {
-        grid_dim: (pairs as u32, 1, 1),
-        block_dim: (SELECT_THREADS, 1, 1),
-        shared_mem_bytes: SELECT_SMEM_BYTES,
-    };
-    let (l, block_tables, decode_steps) = cache.layer_parts_mut(layer)?;
-    let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
-    launch
-        .value(&params)
-        .buf(&ws.scores)
-        .buf(block_tables)
-        .buf(&batch.seq_len)
-        .buf(&batch.seq_slot)
-        .buf(decode_steps)
-        .buf_mut(&mut l.held_pages)
-        .buf_mut(&mut l.held_lens)
-        .buf_mut(&mut l.index_pages)
-        .buf_mut(&mut l.index_lens);
-    // SAFETY: the arguments match `select_pages` (kernels-gpu/src/select/mod.rs). Grid `B * Hd`,
-    // `SELECT_THREADS` threads, `SELECT_SMEM_BYTES` of shared memory as the kernel requires; the
-    // capacities were checked (`held_capacity >= K + 3`, `entry_capacity >= min(K + 3,
-    // max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair owns its
-    // held state and index entry; the workspace rows were written by the scorer for the due
-    // pairs of this batch (the only rows whose scores the selector uses; it may load a not-due
-    // pair's row before deciding, harmlessly: the workspace is allocated, zeroed, for
-    // `max_batch`). Overlapped: the kernel reads `seq_len`, `seq_slot` and the block tables
-    // (host copies, enqueued before the previous kernel) before it waits for the previous
-    // kernel (`overlapped_entry`), everything else after.
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
+    TopKLaunch::check(gpu, cache, layer, batch, ws)?.launch(gpu, cache, layer, batch, ws)
 }
 
 /// Page selection of `layer` for `batch`: [`score_pages`] then [`select_top_k`]. After it, the
-/// layer's index tables hold every selecting pair's pages for this step.
+/// layer's index tables hold every selecting pair's pages for this step. Every check runs before
+/// the first launch.
 pub fn select_pages<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -332,48 +438,9 @@ pub fn select_pages<E: DeviceElement>(
     q: &CudaSlice<E>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    score_pages(gpu, cache, layer, batch, q, ws)?;
-    select_top_k(gpu, cache, layer, batch, ws)
-}
-
-/// The checks of [`score_pages`] (which [`select_top_k`]'s are a part of): its kernel's name,
-/// the (sequence, dense KV head) pairs and the launch parameters.
-fn check_scores<E: DeviceElement>(
-    cache: &DeviceKvCache<E>,
-    layer: usize,
-    batch: &DecodeBatch,
-    q: &CudaSlice<E>,
-    ws: &SelectWorkspace,
-) -> Result<(String, usize, SelectParams)> {
-    let geometry = *cache.pattern().geometry();
-    let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
-    let name = score_kernel_name(E::DTYPE, d, group)?;
-    let l = cache.layer(layer)?;
-    let pairs = check_launch(cache, l, batch, ws)?;
-    if q.len() < batch.len() * hq * d {
-        return Err(LserveError::ShapeMismatch {
-            what: "q",
-            expected: batch.len() * hq * d,
-            actual: q.len(),
-        });
-    }
-    Ok((name, pairs, select_params(cache, l, batch.len())?))
-}
-
-/// Every check [`select_pages`] makes before it launches anything, without launching: a decode
-/// step validates all its launches first, so that a bad argument leaves the cache unchanged.
-pub(crate) fn check_select_pages<E: DeviceElement>(
-    gpu: &GpuContext,
-    cache: &DeviceKvCache<E>,
-    layer: usize,
-    batch: &DecodeBatch,
-    q: &CudaSlice<E>,
-    ws: &SelectWorkspace,
-) -> Result<()> {
-    let (name, _, _) = check_scores(cache, layer, batch, q, ws)?;
-    gpu.function(&name)?;
-    gpu.function("select_pages")?;
-    Ok(())
+    let launch = SelectLaunch::check(gpu, cache, layer, batch, q, ws)?;
+    launch.score(gpu, cache, layer, batch, q, ws)?;
+    launch.top_k(gpu, cache, layer, batch, ws)
 }
 
 /// Advances the decode step counter of every sequence of `batch` by one: call once per model

@@ -15,7 +15,7 @@ use cudarc::driver::CudaSlice;
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 use super::decode::{AppendAttend, AppendLaunch, DecodeWorkspace};
-use super::select::{advance_decode_steps, check_select_pages, select_pages, SelectWorkspace};
+use super::select::{advance_decode_steps, SelectLaunch, SelectWorkspace};
 use super::GpuContext;
 use crate::Result;
 
@@ -244,15 +244,25 @@ impl DecodeStep {
             out,
             &self.attention,
         )?;
-        if selects {
-            check_select_pages(gpu, cache, layer, batch, q, &self.selection)?;
-        }
+        let select = if selects {
+            Some(SelectLaunch::check(
+                gpu,
+                cache,
+                layer,
+                batch,
+                q,
+                &self.selection,
+            )?)
+        } else {
+            None
+        };
         // The append kernel (where the append is not inside the attention launch), then the
         // selector: it may also run before the append, since it never ranks the newest page (always
         // attended), the one page whose statistics the append changes.
         attend.append_first(gpu, cache, layer, batch, (k, v))?;
-        if selects {
-            select_pages(gpu, cache, layer, batch, q, &mut self.selection)?;
+        if let Some(select) = select {
+            select.score(gpu, cache, layer, batch, q, &mut self.selection)?;
+            select.top_k(gpu, cache, layer, batch, &self.selection)?;
             self.selected = true;
         }
         attend.attend(
