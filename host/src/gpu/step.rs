@@ -244,18 +244,9 @@ impl DecodeStep {
             out,
             &self.attention,
         )?;
-        let select = if selects {
-            Some(SelectLaunch::check(
-                gpu,
-                cache,
-                layer,
-                batch,
-                q,
-                &self.selection,
-            )?)
-        } else {
-            None
-        };
+        let select = selects
+            .then(|| SelectLaunch::check(gpu, cache, layer, batch, q, &self.selection))
+            .transpose()?;
         // The append kernel (where the append is not inside the attention launch), then the
         // selector: it may also run before the append, since it never ranks the newest page (always
         // attended), the one page whose statistics the append changes.
