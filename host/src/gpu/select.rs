@@ -209,7 +209,7 @@ fn check_launch<E: DeviceElement>(
 
 /// A top-K launch whose arguments passed every check, with its kernel looked up
 /// ([`select_top_k`]; a part of [`SelectLaunch`]).
-pub(crate) struct TopKLaunch {
+struct TopKLaunch {
     /// The top-K selector.
     function: CudaFunction,
     /// (sequence, dense KV head) pairs: `B * Hd`; 0 for a layer without dense heads.
