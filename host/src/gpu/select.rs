@@ -284,8 +284,8 @@ impl TopKLaunch {
 
 /// A page selection (scorer, then top-K) whose arguments passed every check, with its kernels
 /// looked up: [`select_pages`] and a decode step check once ([`SelectLaunch::check`]) and then
-/// enqueue both kernels without checking again ([`SelectLaunch::score`],
-/// [`SelectLaunch::top_k`]), with the same cache, layer, batch, `q` and workspace.
+/// enqueue both kernels without checking again ([`SelectLaunch::launch`]), with the same cache,
+/// layer, batch, `q` and workspace.
 pub(crate) struct SelectLaunch {
     /// The scorer for the model's element type, head dim and group.
     scorer: CudaFunction,
@@ -321,9 +321,24 @@ impl SelectLaunch {
         })
     }
 
+    /// Enqueues the scorer, then the top-K selector ([`select_pages`]). Its only errors are the
+    /// launches' own; the arguments must be the ones [`check`](Self::check) passed.
+    pub(crate) fn launch<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        batch: &DecodeBatch,
+        q: &CudaSlice<E>,
+        ws: &mut SelectWorkspace,
+    ) -> Result<()> {
+        self.score(gpu, cache, layer, batch, q, ws)?;
+        self.top_k.launch(gpu, cache, layer, batch, ws)
+    }
+
     /// Enqueues the scorer ([`score_pages`]). Its only errors are the launch's own; the
     /// arguments must be the ones [`check`](Self::check) passed.
-    pub(crate) fn score<E: DeviceElement>(
+    fn score<E: DeviceElement>(
         &self,
         gpu: &GpuContext,
         cache: &DeviceKvCache<E>,
@@ -372,18 +387,6 @@ impl SelectLaunch {
         // kernel writes.
         unsafe { launch.launch(cfg) }?;
         Ok(())
-    }
-
-    /// Enqueues the top-K selector ([`select_top_k`]), after [`score`](Self::score).
-    pub(crate) fn top_k<E: DeviceElement>(
-        &self,
-        gpu: &GpuContext,
-        cache: &mut DeviceKvCache<E>,
-        layer: usize,
-        batch: &DecodeBatch,
-        ws: &SelectWorkspace,
-    ) -> Result<()> {
-        self.top_k.launch(gpu, cache, layer, batch, ws)
     }
 }
 
@@ -438,9 +441,7 @@ pub fn select_pages<E: DeviceElement>(
     q: &CudaSlice<E>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    let launch = SelectLaunch::check(gpu, cache, layer, batch, q, ws)?;
-    launch.score(gpu, cache, layer, batch, q, ws)?;
-    launch.top_k(gpu, cache, layer, batch, ws)
+    SelectLaunch::check(gpu, cache, layer, batch, q, ws)?.launch(gpu, cache, layer, batch, q, ws)
 }
 
 /// Advances the decode step counter of every sequence of `batch` by one: call once per model

@@ -252,8 +252,7 @@ impl DecodeStep {
         // attended), the one page whose statistics the append changes.
         attend.append_first(gpu, cache, layer, batch, (k, v))?;
         if let Some(select) = select {
-            select.score(gpu, cache, layer, batch, q, &mut self.selection)?;
-            select.top_k(gpu, cache, layer, batch, &self.selection)?;
+            select.launch(gpu, cache, layer, batch, q, &mut self.selection)?;
             self.selected = true;
         }
         attend.attend(
