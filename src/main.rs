@@ -1,4 +1,4 @@
-//! The main job: one LServe decode step for a long sequence with Llama-3-8B geometry.
+//! The main job: one LServe decode step for a long sequence (Llama-3-8B geometry by default).
 //!
 //! It builds one layer's paged KV cache for a `--context`-token sequence (random keys and values,
 //! statistics pooled), runs a decode step (append the token, select pages, attend) on the GPU when
@@ -9,12 +9,11 @@
 mod accounting;
 mod run;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
-use lserve::head_pattern::HeadPattern;
+use lserve::head_pattern::{HeadPattern, PublishedGating};
 
 const USAGE: &str = "\
 lserve-demo: one LServe decode step for a long sequence (Llama-3-8B geometry)
@@ -23,7 +22,9 @@ USAGE: cargo run --release -- [OPTIONS]
 
 OPTIONS:
   --context N      tokens in the sequence before the step (default 131072)
-  --pattern FILE   DuoAttention full_attention_heads.tsv (default: built-in interleaved pattern)
+  --pattern P      a published DuoAttention pattern by model name (Llama-3-8B-Instruct-Gradient-1048k,
+                   Llama-2-7B-32K-Instruct: that model's geometry) or a full_attention_heads.tsv
+                   file for Llama-3-8B geometry (default: built-in interleaved pattern)
   --fraction S     streaming-head fraction (default 0.5)
   --budget T       decode token budget (default 4096)
   --layer L        which layer's decode step to run (default 0)
@@ -33,7 +34,7 @@ OPTIONS:
 /// The command line.
 struct Options {
     context: usize,
-    pattern: Option<PathBuf>,
+    pattern: Option<String>,
     fraction: f64,
     budget: usize,
     layer: usize,
@@ -55,7 +56,7 @@ fn parse_args() -> Result<Option<Options>, String> {
         match a.as_str() {
             "-h" | "--help" => return Ok(None),
             "--context" => o.context = parse(&value("--context")?)?,
-            "--pattern" => o.pattern = Some(PathBuf::from(value("--pattern")?)),
+            "--pattern" => o.pattern = Some(value("--pattern")?),
             "--fraction" => o.fraction = parse(&value("--fraction")?)?,
             "--budget" => o.budget = parse(&value("--budget")?)?,
             "--layer" => o.layer = parse(&value("--layer")?)?,
@@ -92,14 +93,17 @@ fn main() -> ExitCode {
 }
 
 fn run_main(o: &Options) -> lserve::Result<()> {
-    let geometry = ModelGeometry::llama3_8b();
     let (pattern, source) = match &o.pattern {
+        Some(name) if PublishedGating::find(name).is_ok() => (
+            HeadPattern::published(name, o.fraction)?,
+            format!("DuoAttention's {name} at streaming fraction {}", o.fraction),
+        ),
         Some(path) => (
-            HeadPattern::from_gating_file(path, geometry, o.fraction)?,
-            format!("{} at streaming fraction {}", path.display(), o.fraction),
+            HeadPattern::from_gating_file(path, ModelGeometry::llama3_8b(), o.fraction)?,
+            format!("{path} at streaming fraction {}", o.fraction),
         ),
         None => (
-            HeadPattern::interleaved(geometry, o.fraction)?,
+            HeadPattern::interleaved(ModelGeometry::llama3_8b(), o.fraction)?,
             format!(
                 "built-in interleaved pattern at streaming fraction {}",
                 o.fraction
@@ -112,6 +116,7 @@ fn run_main(o: &Options) -> lserve::Result<()> {
         ..SparsityConfig::default()
     };
     config.validate()?;
+    let geometry = *pattern.geometry();
     if o.layer >= geometry.layers() {
         return Err(lserve::LserveError::InvalidArgument {
             what: "--layer",
@@ -119,7 +124,13 @@ fn run_main(o: &Options) -> lserve::Result<()> {
         });
     }
 
-    println!("LServe decode step, Llama-3-8B geometry (Hq 32, Hkv 8, D 128, 32 layers), bf16");
+    println!(
+        "LServe decode step, geometry Hq {} Hkv {} D {}, {} layers, bf16",
+        geometry.q_heads(),
+        geometry.kv_heads(),
+        geometry.head_dim(),
+        geometry.layers()
+    );
     println!(
         "head pattern: {source}: {} of {} KV heads streaming",
         pattern.total_streaming_heads(),

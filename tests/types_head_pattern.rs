@@ -2,10 +2,11 @@
 //! the synthetic default, and geometry mismatches.
 
 use lserve::geometry::ModelGeometry;
-use lserve::head_pattern::{parse_gating_tsv, HeadKind, HeadPattern};
+use lserve::head_pattern::{parse_gating_tsv, HeadKind, HeadPattern, PublishedGating};
 use lserve::LserveError;
 
-const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data/duo-attention");
+/// The gating files as the repository ships them (the crate embeds the same files).
+const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/host/data/duo-attention");
 
 fn gating_path(model: &str) -> String {
     format!("{DATA}/{model}/full_attention_heads.tsv")
@@ -285,4 +286,34 @@ fn interleaved_spreads_streaming_heads_evenly() {
             assert_eq!(p, HeadPattern::interleaved(g, fraction).unwrap()); // deterministic
         }
     }
+}
+
+#[test]
+fn published_patterns_are_the_shipped_files() {
+    assert_eq!(PublishedGating::ALL.len(), MODELS.len());
+    for (model, geometry) in MODELS {
+        let g = geometry();
+        let published = PublishedGating::find(model).unwrap();
+        assert_eq!(published.geometry, g);
+        let text = std::fs::read_to_string(gating_path(model)).unwrap();
+        assert_eq!(published.tsv, text);
+        assert_eq!(
+            published.values().unwrap(),
+            parse_gating_tsv(&text).unwrap()
+        );
+        for fraction in [0.0, 0.25, 0.5, 1.0] {
+            assert_eq!(
+                HeadPattern::published(model, fraction).unwrap(),
+                HeadPattern::from_gating_file(gating_path(model), g, fraction).unwrap()
+            );
+        }
+    }
+    assert!(matches!(
+        HeadPattern::published("Llama-3-8B", 0.5),
+        Err(LserveError::HeadPattern(_))
+    ));
+    assert!(matches!(
+        HeadPattern::published(MODELS[0].0, 1.5),
+        Err(LserveError::InvalidConfig { .. })
+    ));
 }

@@ -1,7 +1,8 @@
 //! Static (head-level) sparsity: which (layer, KV head) is dense and which is streaming.
 //!
-//! A pattern comes from DuoAttention's gating values (`full_attention_heads.tsv`) and a target
-//! streaming fraction, from explicit per-layer kinds, or from a deterministic synthetic default.
+//! A pattern comes from DuoAttention's gating values (`full_attention_heads.tsv`, from a file or
+//! one of the published files embedded in lserve, [`PublishedGating`]) and a target streaming
+//! fraction, from explicit per-layer kinds, or from a deterministic synthetic default.
 //! All query heads of a KV group follow their KV head.
 //!
 //! Per layer, the dense heads and the streaming heads each get a *compact index* (their rank
@@ -301,6 +302,89 @@ impl HeadPattern {
     /// The fraction of all (layer, KV head) pairs that are streaming.
     pub fn streaming_fraction(&self) -> f64 {
         self.total_streaming_heads() as f64 / self.geometry.total_kv_heads() as f64
+    }
+}
+
+/// Head-gating values published with a model's DuoAttention training run, embedded in the
+/// library (`host/data/duo-attention/`, MIT license, from MIT HAN Lab's DuoAttention release):
+/// the model's name as published, its geometry and its `full_attention_heads.tsv`.
+///
+/// ```
+/// use lserve::head_pattern::PublishedGating;
+/// let names: Vec<&str> = PublishedGating::ALL.iter().map(|p| p.name).collect();
+/// assert!(names.contains(&"Llama-3-8B-Instruct-Gradient-1048k"));
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct PublishedGating {
+    /// The model's name as DuoAttention publishes it (the folder of its gating file).
+    pub name: &'static str,
+    /// The model's geometry.
+    pub geometry: ModelGeometry,
+    /// The gating file's text (`full_attention_heads.tsv`).
+    pub tsv: &'static str,
+}
+
+impl PublishedGating {
+    /// Every embedded gating file.
+    pub const ALL: &'static [PublishedGating] = &[
+        PublishedGating {
+            name: "Llama-3-8B-Instruct-Gradient-1048k",
+            geometry: ModelGeometry::llama3_8b(),
+            tsv: include_str!(
+                "../data/duo-attention/Llama-3-8B-Instruct-Gradient-1048k/full_attention_heads.tsv"
+            ),
+        },
+        PublishedGating {
+            name: "Llama-2-7B-32K-Instruct",
+            geometry: ModelGeometry::llama2_7b(),
+            tsv: include_str!(
+                "../data/duo-attention/Llama-2-7B-32K-Instruct/full_attention_heads.tsv"
+            ),
+        },
+    ];
+
+    /// The embedded gating file of model `name`; an unknown name is a `HeadPattern` error that
+    /// lists the known ones.
+    ///
+    /// ```
+    /// use lserve::head_pattern::PublishedGating;
+    /// let g = PublishedGating::find("Llama-2-7B-32K-Instruct")?;
+    /// assert_eq!(g.geometry.kv_heads(), 32);
+    /// assert!(PublishedGating::find("no-such-model").is_err());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn find(name: &str) -> Result<&'static PublishedGating> {
+        Self::ALL.iter().find(|p| p.name == name).ok_or_else(|| {
+            let known: Vec<&str> = Self::ALL.iter().map(|p| p.name).collect();
+            LserveError::HeadPattern(format!(
+                "no published gating values for {name:?} (known: {})",
+                known.join(", ")
+            ))
+        })
+    }
+
+    /// The gating values, `[layer][kv_head]`.
+    pub fn values(&self) -> Result<Vec<Vec<f64>>> {
+        parse_gating_tsv(self.tsv)
+    }
+}
+
+impl HeadPattern {
+    /// The pattern of a model whose DuoAttention gating values ship with lserve
+    /// ([`PublishedGating::ALL`]), thresholded at `streaming_fraction` as
+    /// [`from_gating_values`](Self::from_gating_values) does, on that model's geometry.
+    ///
+    /// ```
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::HeadPattern;
+    /// let p = HeadPattern::published("Llama-3-8B-Instruct-Gradient-1048k", 0.5)?;
+    /// assert_eq!(*p.geometry(), ModelGeometry::llama3_8b());
+    /// assert_eq!(p.total_streaming_heads(), 128);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn published(name: &str, streaming_fraction: f64) -> Result<Self> {
+        let gating = PublishedGating::find(name)?;
+        Self::from_gating_tsv(gating.tsv, gating.geometry, streaming_fraction)
     }
 }
 

@@ -277,8 +277,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   ./run.sh            the GPU test executables with --include-ignored, then every bench
 #                       executable with --bench; a summary at the end
 #   ./run.sh tests      the GPU tests only
-#   ./run.sh all-tests  every test executable (CPU tests too; those that read ../shared/data
-#                       need the repository's shared/ folder beside the bundle's source path)
+#   ./run.sh all-tests  every test executable (CPU tests too)
 #   ./run.sh sanitize   the GPU test executables under compute-sanitizer
 #                       (memcheck, racecheck, initcheck, synccheck; SANITIZE_TOOLS picks)
 #
