@@ -1,6 +1,7 @@
 //! How the kernel crate (`kernels-gpu`) is built to PTX, shared by `host/build.rs` (which embeds
-//! the PTX) and `cargo xtask ptx` (which checks it with `ptxas`; it includes this file by path),
-//! so the PTX that is checked is built exactly like the PTX that ships.
+//! the PTX), `cargo xtask ptx` (which checks it with `ptxas`) and `cargo xtask package` (which
+//! ships it in the published crate); the xtasks include this file by path, so the PTX that is
+//! checked and shipped is built exactly like the PTX that is embedded.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -8,6 +9,66 @@ use std::process::Command;
 
 /// File name of the PTX the kernel crate's build writes.
 pub const PTX_NAME: &str = "lserve_kernels.ptx";
+
+/// The architectures the library's PTX is built for, oldest first: the host loads the newest
+/// one the device runs.
+pub const ARCHES: [&str; 2] = ["sm_80", "sm_90"];
+
+/// The architecture the test-kernel module is built for (the tests run on Hopper).
+pub const TEST_ARCH: &str = "sm_90";
+
+/// One PTX module lserve embeds: the library's kernels for an architecture, or the test kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PtxModule {
+    /// `-C target-cpu` of the build.
+    pub arch: &'static str,
+    /// The kernel crate's `test-kernels` feature: the device-primitive test kernels only.
+    pub test_kernels: bool,
+}
+
+impl PtxModule {
+    /// The library's kernels for every architecture in [`ARCHES`].
+    pub fn library() -> impl Iterator<Item = PtxModule> {
+        ARCHES.into_iter().map(|arch| PtxModule {
+            arch,
+            test_kernels: false,
+        })
+    }
+
+    /// The test-kernel module.
+    pub const TESTS: PtxModule = PtxModule {
+        arch: TEST_ARCH,
+        test_kernels: true,
+    };
+
+    /// The module's file name where lserve keeps it (`OUT_DIR`, the package's `ptx/`):
+    /// `lserve_kernels.sm_90.ptx`, `lserve_test_kernels.sm_90.ptx`.
+    pub fn file_name(&self) -> String {
+        let stem = if self.test_kernels {
+            "lserve_test_kernels"
+        } else {
+            "lserve_kernels"
+        };
+        format!("{stem}.{}.ptx", self.arch)
+    }
+
+    /// A target directory of the module's own under `root` (the builds differ in flags and
+    /// features, and run in parallel).
+    pub fn target_dir(&self, root: &Path) -> PathBuf {
+        let tests = if self.test_kernels { "-tests" } else { "" };
+        root.join(format!("{}{tests}", self.arch))
+    }
+
+    /// `rustup run <toolchain> cargo build --release` of the kernel crate in `kernel_dir` for
+    /// this module into `target_dir` ([`kernel_build_command`]).
+    pub fn build_command(&self, kernel_dir: &Path, toolchain: &str, target_dir: &Path) -> Command {
+        let mut cmd = kernel_build_command(kernel_dir, toolchain, target_dir, self.arch);
+        if self.test_kernels {
+            cmd.args(["--features", "test-kernels"]);
+        }
+        cmd
+    }
+}
 
 /// `rustup run <toolchain> cargo build --release` of the kernel crate in `kernel_dir` for the
 /// NVPTX target and `-C target-cpu=<arch>` into `target_dir`, with the calling cargo's
@@ -47,6 +108,49 @@ pub fn built_ptx(target_dir: &Path) -> PathBuf {
     target_dir
         .join("nvptx64-nvidia-cuda/release")
         .join(PTX_NAME)
+}
+
+/// Builds `modules` from the kernel crate in `kernel_dir` with `toolchain`, all at once (one
+/// child `cargo` each, in its own target directory under `target_root`), and copies each PTX to
+/// `out_dir` under its [`PtxModule::file_name`]. An error says which build failed and why.
+pub fn build_modules(
+    kernel_dir: &Path,
+    toolchain: &str,
+    target_root: &Path,
+    modules: &[PtxModule],
+    out_dir: &Path,
+) -> Result<(), String> {
+    let mut children = Vec::new();
+    for m in modules {
+        let target_dir = m.target_dir(target_root);
+        let child = m
+            .build_command(kernel_dir, toolchain, &target_dir)
+            .spawn()
+            .map_err(|e| format!("could not run `rustup` to build the GPU kernels ({e})"))?;
+        children.push((m, target_dir, child));
+    }
+    let mut failed = Vec::new();
+    for (m, target_dir, mut child) in children {
+        let ok = child.wait().map(|s| s.success()).unwrap_or(false);
+        if !ok {
+            failed.push(m.file_name());
+            continue;
+        }
+        let ptx = built_ptx(&target_dir);
+        let to = out_dir.join(m.file_name());
+        fs::copy(&ptx, &to).map_err(|e| format!("copying {}: {e}", ptx.display()))?;
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "building {} failed. The kernels need the toolchain `{toolchain}` with components \
+             rust-src, llvm-bitcode-linker-preview, llvm-tools-preview: `rustup toolchain install \
+             {toolchain} --profile minimal -c rust-src -c llvm-bitcode-linker-preview -c \
+             llvm-tools-preview`",
+            failed.join(", ")
+        ))
+    }
 }
 
 /// The `channel` of a `rust-toolchain.toml` (the kernel crate's pins its nightly there).

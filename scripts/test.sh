@@ -2,8 +2,9 @@
 # The project's test command (README, "Run the tests"; .ci/run calls it).
 # Installs what a fresh machine lacks (the pinned nightly with its components, a stable
 # toolchain for the consumer check, ptxas from PyPI), then runs every check:
-# formatting, `cargo xtask ptx` (PTX valid, no spills), clippy, the workspace's tests (GPU tests
-# show as ignored without a GPU), and a stable build of a crate that depends on lserve.
+# formatting, `cargo xtask ptx` (PTX valid, no spills, for sm_90 and sm_80), clippy, the workspace's
+# tests from a bare copy of the tree (GPU tests show as ignored without a GPU), `cargo xtask
+# package`, and a stable, offline build of a crate that depends on the packaged lserve.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,8 +26,9 @@ step "rustfmt"
 cargo fmt --all --check
 (cd kernels-gpu && cargo fmt --check)
 
-step "cargo xtask ptx"
+step "cargo xtask ptx (sm_90, sm_80)"
 cargo xtask ptx
+cargo xtask ptx --arch sm_80
 
 step "clippy"
 cargo clippy --workspace --all-targets -- -D warnings
@@ -44,5 +46,13 @@ done
 (cd "$bare" && CARGO_TARGET_DIR="$repo/target/bare-copy" cargo test --workspace)
 rm -rf "$(dirname "$bare")"
 
-step "a crate depending on lserve builds with stable"
-(cd consumer-check && cargo +stable build)
+step "the publishable crates: cargo xtask package"
+cargo xtask package
+
+# The packaged lserve as a dependent sees it: stable Rust alone on the PATH (no rustup, so no
+# nightly can be reached), no network.
+step "a crate depending on the packaged lserve builds with stable Rust, offline, without rustup"
+stable_bin="$(dirname "$(rustup +stable which cargo)")"
+(cd consumer-check && cargo +stable fetch --locked)
+(cd consumer-check && env -i HOME="$HOME" CARGO_HOME="${CARGO_HOME:-$HOME/.cargo}" \
+    PATH="$stable_bin:/usr/bin:/bin" cargo build --offline --locked)

@@ -558,8 +558,13 @@ fn cp_async_multi_stage_pipeline() {
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn no_kernel_uses_local_memory() {
     let gpu = gpu();
-    let names = lserve::gpu::GpuContext::kernel_names();
-    assert!(names.len() > 50, "{} kernels in the PTX", names.len());
+    let names = gpu.kernel_names();
+    assert!(
+        names.len() > 50,
+        "{} kernels in the {} PTX",
+        names.len(),
+        gpu.ptx().arch
+    );
     let mut spilling = Vec::new();
     for name in names {
         let r = gpu.kernel_resources(name).unwrap();

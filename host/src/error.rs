@@ -87,6 +87,15 @@ pub enum LserveError {
     /// The CUDA driver library (`libcuda`) could not be loaded: no NVIDIA driver on this machine.
     #[error("no CUDA driver: libcuda could not be loaded (is this a machine with an NVIDIA GPU?)")]
     NoCudaDriver,
+    /// The GPU's compute capability runs none of lserve's PTX modules (sm_80 and newer), or not
+    /// the one `LSERVE_PTX_ARCH` asked for.
+    #[error("unsupported GPU: compute capability {}.{} runs {}", .capability.0, .capability.1, match .requested { Some(a) => format!("not the requested {a} PTX"), None => "none of lserve's PTX (sm_80 or newer)".to_string() })]
+    UnsupportedDevice {
+        /// The device's compute capability (major, minor).
+        capability: (u32, u32),
+        /// The module `LSERVE_PTX_ARCH` asked for, if any.
+        requested: Option<String>,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),

@@ -17,9 +17,14 @@
 //! - [`select`]: the page scorer, the top-K selector and the decode step counters;
 //! - [`decode`]: paged sparse decode attention and its split combine.
 //!
-//! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`);
-//! the selector's warp scan, ballot and vector shared-memory loads are covered by
-//! `tests/gpu_select.rs` instead.
+//! The crate builds one of two PTX modules: the kernels above (the default), or, with the
+//! `test-kernels` feature, only [`primitive_tests`], one test kernel per primitive (driven by
+//! `tests/gpu_primitives.rs`, loaded by tests alone). The selector's warp scan, ballot and vector
+//! shared-memory loads are covered by `tests/gpu_select.rs` instead.
+//!
+//! Targets: sm_90 and sm_80 PTX are built from the same source. Hopper's instructions (tensor-map
+//! bulk copies, `mbarrier` transaction counts, programmatic dependent launch) are behind
+//! `cfg(target_feature = "sm_90")`; the sm_80 build uses `cp.async` tiles and plain launches.
 #![no_std]
 #![feature(
     abi_gpu_kernel,
@@ -32,18 +37,24 @@
 // which is exactly the bytes the host's launch copies; the GPU tests exercise every such kernel.
 #![allow(improper_gpu_kernel_arg)]
 
-use core::arch::nvptx::*;
+use core::arch::nvptx::trap;
 
+#[cfg(target_feature = "sm_90")]
 pub mod bulk_copy;
 pub mod convert;
 pub mod cp_async;
+#[cfg(not(feature = "test-kernels"))]
 pub mod decode;
+#[cfg(not(feature = "test-kernels"))]
 pub mod kv_write;
 pub mod ldmatrix;
 pub mod math;
 pub mod mma;
+#[cfg(not(feature = "test-kernels"))]
 pub mod prefill;
+#[cfg(feature = "test-kernels")]
 pub mod primitive_tests;
+#[cfg(not(feature = "test-kernels"))]
 pub mod select;
 pub mod smem;
 pub mod sync;
@@ -54,16 +65,4 @@ pub mod warp;
 fn panic(_: &core::panic::PanicInfo) -> ! {
     // SAFETY: `trap` aborts the kernel; there is nothing to unwind to on the device.
     unsafe { trap() }
-}
-
-/// Writes `value` into `y[0..n]`.
-///
-/// # Safety
-/// `y` points to `n` writable `f32` in device memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn fill_f32(n: u32, value: f32, y: *mut f32) {
-    let i = unsafe { _block_idx_x() * _block_dim_x() + _thread_idx_x() } as u32;
-    if i < n {
-        unsafe { *y.add(i as usize) = value };
-    }
 }

@@ -44,12 +44,18 @@ pub unsafe fn sync_warp() {
 /// copies complete before the previous kernel started (the batch's `seq_len` / `seq_slot`, the
 /// head map, the block tables) may be read before it.
 ///
+/// Hopper's instruction: in the sm_80 build it is empty, and the host never launches that
+/// build's kernels overlapped (each starts after the previous one completed).
+///
 /// # Safety
-/// None beyond being device code on sm_90 or later; `unsafe` like the other barriers.
+/// None; `unsafe` like the other barriers.
 #[inline(always)]
 pub unsafe fn grid_dependency_wait() {
     // SAFETY: no operands. No `nomem`: memory accesses must not move above it.
-    unsafe { asm!("griddepcontrol.wait;", options(nostack)) };
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!("griddepcontrol.wait;", options(nostack))
+    };
 }
 
 /// Lets the kernel launched after this one (overlapped) start its blocks once every block of
@@ -60,8 +66,12 @@ pub unsafe fn grid_dependency_wait() {
 /// As [`grid_dependency_wait`].
 #[inline(always)]
 pub unsafe fn launch_dependents() {
-    // SAFETY: no operands; a scheduling hint with no memory effect.
-    unsafe { asm!("griddepcontrol.launch_dependents;", options(nostack)) };
+    // SAFETY: no operands; a scheduling hint with no memory effect (empty in the sm_80 build, as
+    // `grid_dependency_wait`).
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!("griddepcontrol.launch_dependents;", options(nostack))
+    };
 }
 
 /// The entry of a kernel launched overlapped with the previous one: waits for it

@@ -5,23 +5,31 @@
 //!   memory, stack, spills), writes it to `target/ptx-report.txt`, and fails on invalid PTX, on
 //!   spills not listed in `kernels-gpu/spills-allowed.txt`, or when the workspace's and the kernel
 //!   crate's `rust-toolchain.toml` channels differ.
+//! - `package`: builds the library's PTX from the kernel sources into `host/ptx/`, packages
+//!   `lserve-abi` and `lserve` (`target/package/`), and checks the shipped PTX is what the sources
+//!   build.
 //! - `gpu-bundle [--out DIR]`: builds every test and bench executable (release, stripped) into one
 //!   folder (default `./gpu-bundle`) with a `run.sh` to run them all on a GPU machine.
 
 mod bundle;
 mod json;
+mod package;
 mod ptx;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask ptx [--arch sm_XX] | cargo xtask gpu-bundle [--out DIR]";
+const USAGE: &str =
+    "usage: cargo xtask ptx [--arch sm_XX] | cargo xtask package | cargo xtask gpu-bundle [--out DIR]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ptx") => option(&args[1..], "--arch")
             .and_then(|arch| ptx::run(&workspace_root(), arch.as_deref().unwrap_or("sm_90"))),
+        Some("package") => {
+            option(&args[1..], "--none").and_then(|_| package::run(&workspace_root()))
+        }
         Some("gpu-bundle") => option(&args[1..], "--out").and_then(|out| {
             let root = workspace_root();
             let out = out

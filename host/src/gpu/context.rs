@@ -1,4 +1,5 @@
-//! Device context: one CUDA context and stream plus the kernel module loaded from the embedded PTX.
+//! Device context: one CUDA context and stream plus the kernel module loaded from the embedded PTX
+//! that suits the device ([`module_for`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -7,13 +8,8 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 
+use super::ptx::{module_for, KernelPtx, PTX_ARCH_VAR};
 use crate::{LserveError, Result};
-
-/// The kernels' PTX, compiled from `kernels-gpu/` by `build.rs` and embedded in the library.
-pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lserve_kernels.ptx"));
-
-/// The `-C target-cpu` the embedded PTX was built for (`sm_90` unless `LSERVE_CUDA_ARCH` said otherwise).
-pub const PTX_ARCH: &str = env!("LSERVE_CUDA_ARCH");
 
 /// Dynamic shared memory a kernel may use without opting in.
 const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
@@ -33,6 +29,11 @@ pub struct GpuContext {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
+    /// The PTX `module` was loaded from.
+    ptx: &'static KernelPtx,
+    /// The test kernels' module, loaded on first use.
+    #[cfg(feature = "test-kernels")]
+    test_module: std::sync::OnceLock<Arc<CudaModule>>,
     sm_count: u32,
     /// Kernels looked up so far: a decode step launches the same few every layer.
     functions: Mutex<HashMap<String, LoadedKernel>>,
@@ -46,9 +47,12 @@ struct LoadedKernel {
 }
 
 impl GpuContext {
-    /// Opens device `ordinal` (loading `libcuda` at run time) and loads the embedded kernels.
+    /// Opens device `ordinal` (loading `libcuda` at run time) and loads the embedded kernels: the
+    /// newest PTX module the device runs, or the one the environment variable `LSERVE_PTX_ARCH`
+    /// names (`sm_80` on a Hopper GPU tests that module there).
     ///
-    /// On a machine without an NVIDIA driver this is [`LserveError::NoCudaDriver`], not a panic.
+    /// On a machine without an NVIDIA driver this is [`LserveError::NoCudaDriver`], not a panic;
+    /// on a GPU older than sm_80, [`LserveError::UnsupportedDevice`].
     pub fn new(ordinal: usize) -> Result<Self> {
         if !driver_present() {
             return Err(LserveError::NoCudaDriver);
@@ -62,7 +66,13 @@ impl GpuContext {
         unsafe { ctx.disable_event_tracking() };
         // A stream of our own, not the legacy default stream: only those can be captured.
         let stream = ctx.new_stream()?;
-        let module = ctx.load_module(Ptx::from_src(PTX))?;
+        let capability = ctx.compute_capability()?;
+        let requested = std::env::var(PTX_ARCH_VAR).ok();
+        let ptx = module_for(
+            (capability.0 as u32, capability.1 as u32),
+            requested.as_deref(),
+        )?;
+        let module = ctx.load_module(Ptx::from_src(ptx.text))?;
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
@@ -70,6 +80,9 @@ impl GpuContext {
             ctx,
             stream,
             module,
+            ptx,
+            #[cfg(feature = "test-kernels")]
+            test_module: std::sync::OnceLock::new(),
             sm_count,
             functions: Mutex::new(HashMap::new()),
         })
@@ -95,17 +108,20 @@ impl GpuContext {
         self.sm_count
     }
 
-    /// The names of the kernels in the embedded PTX (its `.entry` symbols), in PTX order.
+    /// The PTX module this context loaded ([`module_for`]).
     ///
+    /// ```no_run
+    /// let gpu = lserve::gpu::GpuContext::new(0)?;
+    /// println!("kernels built for {}", gpu.ptx().arch);
+    /// # Ok::<(), lserve::LserveError>(())
     /// ```
-    /// let names = lserve::gpu::GpuContext::kernel_names();
-    /// assert!(names.contains(&"decode_combine_bf16"));
-    /// ```
-    pub fn kernel_names() -> Vec<&'static str> {
-        PTX.lines()
-            .filter_map(|line| line.trim_start().strip_prefix(".visible .entry "))
-            .map(|rest| rest.split('(').next().unwrap_or(rest).trim())
-            .collect()
+    pub fn ptx(&self) -> &'static KernelPtx {
+        self.ptx
+    }
+
+    /// The names of the kernels this context loaded, in PTX order.
+    pub fn kernel_names(&self) -> Vec<&'static str> {
+        self.ptx.kernel_names()
     }
 
     /// What the driver compiled kernel `name` into on this GPU (the PTX is compiled when the
@@ -127,6 +143,19 @@ impl GpuContext {
                 .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?
                 as u32,
         })
+    }
+
+    /// A kernel of the test-kernel module (loaded on first use) by its symbol name.
+    #[cfg(feature = "test-kernels")]
+    pub(crate) fn test_function(&self, name: &str) -> Result<CudaFunction> {
+        let module = match self.test_module.get() {
+            Some(m) => m.clone(),
+            None => {
+                let m = self.ctx.load_module(Ptx::from_src(super::ptx::TEST_PTX))?;
+                self.test_module.get_or_init(|| m).clone()
+            }
+        };
+        Ok(module.load_function(name)?)
     }
 
     /// A kernel of the embedded module by its symbol name.
@@ -166,7 +195,7 @@ impl GpuContext {
 ///
 /// ```no_run
 /// let gpu = lserve::gpu::GpuContext::new(0)?;
-/// for name in lserve::gpu::GpuContext::kernel_names() {
+/// for name in gpu.kernel_names() {
 ///     let r: lserve::gpu::KernelResources = gpu.kernel_resources(name)?;
 ///     println!("{name}: {} registers, {} local bytes", r.registers, r.local_bytes);
 /// }

@@ -619,8 +619,7 @@ fn launch_attention<E: DeviceElement>(
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: decode_smem_bytes(d as u32),
     };
-    let stream = gpu.stream();
-    let mut launch = OverlappedLaunch::new(stream, &kernels.attention);
+    let mut launch = OverlappedLaunch::new(gpu, &kernels.attention);
     // Without a token the kernel reads `k_new`/`v_new` never: `q` stands in for them.
     let (k_new, v_new) = new.unwrap_or((q, q));
     launch
@@ -672,7 +671,7 @@ fn launch_attention<E: DeviceElement>(
         block_dim: (COMBINE_THREADS, 1, 1),
         shared_mem_bytes: combine_smem_bytes(),
     };
-    let mut launch = OverlappedLaunch::new(stream, &kernels.combine);
+    let mut launch = OverlappedLaunch::new(gpu, &kernels.combine);
     launch
         .value(&combine)
         .buf(&ws.part_acc)

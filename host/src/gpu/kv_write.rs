@@ -148,7 +148,7 @@ pub fn append_kv<E: DeviceElement>(
         block_dim: (KV_WRITE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
+    let mut launch = OverlappedLaunch::new(gpu, &f);
     launch
         .value(&params)
         .buf(k)

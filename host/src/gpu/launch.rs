@@ -9,6 +9,7 @@ use cudarc::driver::{
 };
 
 use super::cache::DeviceElement;
+use super::GpuContext;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
 
@@ -82,6 +83,9 @@ pub(crate) struct OverlappedLaunch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
     args: Vec<Arg<'a>>,
+    /// Whether the loaded module's kernels wait for the previous kernel themselves (the sm_90
+    /// build's `griddepcontrol.wait`): only then may the launch overlap it.
+    overlap: bool,
 }
 
 /// One kernel argument: a device pointer (held here, so the parameter array can point at it) or
@@ -92,12 +96,15 @@ enum Arg<'a> {
 }
 
 impl<'a> OverlappedLaunch<'a> {
-    /// A launch of `func` on `stream`.
-    pub(crate) fn new(stream: &'a CudaStream, func: &'a CudaFunction) -> Self {
+    /// A launch of `func` on `gpu`'s stream, overlapped with the previous kernel where `gpu`'s
+    /// module supports it ([`KernelPtx::is_hopper`](super::KernelPtx::is_hopper)); a plain
+    /// launch otherwise.
+    pub(crate) fn new(gpu: &'a GpuContext, func: &'a CudaFunction) -> Self {
         Self {
-            stream,
+            stream: gpu.stream(),
             func,
             args: Vec::with_capacity(16),
+            overlap: gpu.ptx().is_hopper(),
         }
     }
 
@@ -158,7 +165,7 @@ impl<'a> OverlappedLaunch<'a> {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: 1,
+            numAttrs: u32::from(self.overlap),
         };
         self.stream.context().bind_to_thread()?;
         // SAFETY: `config` and `attr` live across the call; `params` holds one pointer per kernel

@@ -7,15 +7,17 @@ mod decode;
 mod kv_write;
 mod launch;
 mod prefill;
+#[cfg(feature = "test-kernels")]
 #[doc(hidden)]
 pub mod primitives_testing;
 mod profile;
+mod ptx;
 mod select;
 mod step;
 mod tensor_map;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-pub use context::{driver_present, GpuContext, KernelResources, PTX, PTX_ARCH};
+pub use context::{driver_present, GpuContext, KernelResources};
 pub use decode::{
     append_and_attend, append_and_attend_as, decode_attention, AppendLaunch, DecodeWorkspace,
     MAX_SPLITS,
@@ -26,6 +28,7 @@ pub use kv_write::{
 };
 pub use prefill::{prefill_attention, prefill_into_cache, PrefillArgs, PrefillPlan};
 pub use profile::{profile_dynamic_min_len, CrossoverProfile, ProfilePoint};
+pub use ptx::{module_for, KernelPtx, KERNEL_PTX, PTX_ARCH_VAR};
 pub use select::{
     advance_decode_steps, download_selection, poison_index_tables, reset_selection_state,
     score_pages, select_pages, select_top_k, upload_key_stats, SelectWorkspace, SelectionState,

@@ -76,7 +76,7 @@ pub fn thread_indices(
         "1..=1024 threads per block",
     )?;
     let mut out = poisoned(gpu, threads * THREAD_RECORD_WORDS, POISON_U32)?;
-    let f = gpu.function("test_thread_indices")?;
+    let f = gpu.test_function("test_thread_indices")?;
     let cfg = LaunchConfig {
         grid_dim: (grid.0, grid.1, 1),
         block_dim: (block.0, block.1, 1),
@@ -120,7 +120,7 @@ pub fn smem_reverse_f32(
     check("smem_offset", smem_offset % 4 == 0, "a multiple of 4")?;
     let x_dev = gpu.stream().clone_htod(x)?;
     let mut y = poisoned(gpu, x.len(), POISON_F32)?;
-    let f = gpu.function("test_smem_reverse_f32")?;
+    let f = gpu.test_function("test_smem_reverse_f32")?;
     let cfg = LaunchConfig {
         grid_dim: ((x.len() / block as usize) as u32, 1, 1),
         block_dim: (block, 1, 1),
@@ -164,7 +164,7 @@ pub fn warp_shuffle(
     let x_dev = gpu.stream().clone_htod(x)?;
     let mut by_xor = poisoned(gpu, x.len(), POISON_F32)?;
     let mut by_idx = poisoned(gpu, x.len(), POISON_F32)?;
-    let f = gpu.function("test_warp_shuffle")?;
+    let f = gpu.test_function("test_warp_shuffle")?;
     // SAFETY: full warps (PRIMITIVE_BLOCK % 32 == 0); one f32 per thread in each array.
     unsafe {
         gpu.stream()
@@ -184,7 +184,7 @@ pub fn warp_reduce(gpu: &GpuContext, x: &[f32]) -> Result<Vec<[f32; 4]>> {
     let cfg = warp_launch(x.len())?;
     let x_dev = gpu.stream().clone_htod(x)?;
     let mut out = poisoned(gpu, 4 * x.len(), POISON_F32)?;
-    let f = gpu.function("test_warp_reduce")?;
+    let f = gpu.test_function("test_warp_reduce")?;
     // SAFETY: full warps; x one f32 per thread, out four.
     unsafe {
         gpu.stream()
@@ -225,7 +225,7 @@ pub fn convert(gpu: &GpuContext, dtype: DType, x: &[f32], bits: &[u16]) -> Resul
     let mut rounded = poisoned(gpu, n, POISON_U16)?;
     let mut packed = poisoned(gpu, n / 2, POISON_U32)?;
     let mut widened = poisoned(gpu, n, POISON_F32)?;
-    let f = gpu.function(kernel_for(dtype, "test_convert_bf16", "test_convert_f16"))?;
+    let f = gpu.test_function(kernel_for(dtype, "test_convert_bf16", "test_convert_f16"))?;
     let n32 = n as u32;
     let cfg = LaunchConfig::for_num_elems(n32);
     // SAFETY: the kernel guards i < n; every array is sized n (packed n / 2), n even.
@@ -271,7 +271,7 @@ pub fn mma(gpu: &GpuContext, dtype: DType, a: &[u16], b: &[u16], c: &[f32]) -> R
     let b_dev = gpu.stream().clone_htod(b)?;
     let c_dev = gpu.stream().clone_htod(c)?;
     let mut d = poisoned(gpu, c.len(), POISON_F32)?;
-    let f = gpu.function(kernel_for(dtype, "test_mma_bf16", "test_mma_f16"))?;
+    let f = gpu.test_function(kernel_for(dtype, "test_mma_bf16", "test_mma_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (count as u32, 1, 1),
         ..one_warp(0)
@@ -307,7 +307,7 @@ pub fn mma_smem(
     let nk_dev = gpu.stream().clone_htod(b_nk)?;
     let mut d_kn = poisoned(gpu, MMA_M * MMA_N, POISON_F32)?;
     let mut d_nk = poisoned(gpu, MMA_M * MMA_N, POISON_F32)?;
-    let f = gpu.function(kernel_for(dtype, "test_mma_smem_bf16", "test_mma_smem_f16"))?;
+    let f = gpu.test_function(kernel_for(dtype, "test_mma_smem_bf16", "test_mma_smem_f16"))?;
     // SAFETY: one warp, MMA_SMEM_BYTES of shared memory, device allocations are 256-byte aligned.
     unsafe {
         gpu.stream()
@@ -349,7 +349,7 @@ pub fn ldmatrix(gpu: &GpuContext, tile: &[u16], ld: u32) -> Result<LdmatrixOutpu
     let mut x4_trans = poisoned(gpu, 128, POISON_U32)?;
     let mut x2 = poisoned(gpu, 64, POISON_U32)?;
     let mut x2_trans = poisoned(gpu, 64, POISON_U32)?;
-    let f = gpu.function("test_ldmatrix")?;
+    let f = gpu.test_function("test_ldmatrix")?;
     // SAFETY: one warp; shared memory holds 16 rows of `ld` u16; outputs sized as documented.
     unsafe {
         gpu.stream()
@@ -382,7 +382,7 @@ pub fn cp_async_pipeline(gpu: &GpuContext, src: &[u8]) -> Result<Vec<u8>> {
     let n_tiles = (src.len() / tile) as u32;
     let src_dev = gpu.stream().clone_htod(src)?;
     let mut dst = poisoned(gpu, src.len(), POISON_U8)?;
-    let f = gpu.function("test_cp_async_pipeline")?;
+    let f = gpu.test_function("test_cp_async_pipeline")?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (PRIMITIVE_BLOCK, 1, 1),

@@ -255,7 +255,7 @@ impl TopKLaunch {
             shared_mem_bytes: SELECT_SMEM_BYTES,
         };
         let (l, block_tables, decode_steps) = cache.layer_parts_mut(layer)?;
-        let mut launch = OverlappedLaunch::new(gpu.stream(), &self.function);
+        let mut launch = OverlappedLaunch::new(gpu, &self.function);
         launch
             .value(&params)
             .buf(&ws.scores)
@@ -363,8 +363,7 @@ impl SelectLaunch {
             block_dim: (SCORE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let stream = gpu.stream();
-        let mut launch = OverlappedLaunch::new(stream, &self.scorer);
+        let mut launch = OverlappedLaunch::new(gpu, &self.scorer);
         launch
             .value(&params)
             .buf(q)
@@ -460,7 +459,7 @@ pub fn advance_decode_steps<E: DeviceElement>(
         shared_mem_bytes: 0,
     };
     let n = b as u32;
-    let mut launch = OverlappedLaunch::new(gpu.stream(), &f);
+    let mut launch = OverlappedLaunch::new(gpu, &f);
     launch
         .value(&n)
         .buf(&batch.seq_slot)

@@ -36,7 +36,7 @@ use online_softmax::{merge_weight, HeadSoftmax};
 use rows::{CacheBuffers, PairInputs, RowSource, NO_ROW};
 use tiles::{
     load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, patch_rows, AsyncCopy,
-    TensorCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
+    LongSplitCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
 };
 
 /// One warp's pass over its tiles: the softmax state of its lane's query head and the
@@ -436,9 +436,9 @@ macro_rules! decode_kernel {
 /// `$append_bulk`: by tensor-map bulk copies, for long splits); the host picks per launch.
 macro_rules! decode_kernels {
     ($($bulk:ident, $append:ident, $append_bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
-        decode_kernel!(TensorCopy, false, $bulk: $elem, $d, $g);
+        decode_kernel!(LongSplitCopy, false, $bulk: $elem, $d, $g);
         decode_kernel!(AsyncCopy, true, $append: $elem, $d, $g);
-        decode_kernel!(TensorCopy, true, $append_bulk: $elem, $d, $g);
+        decode_kernel!(LongSplitCopy, true, $append_bulk: $elem, $d, $g);
     )*};
 }
 

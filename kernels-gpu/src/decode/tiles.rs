@@ -26,6 +26,7 @@ use lserve_abi::decode::{
 
 use super::newest::NewestRow;
 use super::rows::RowSource;
+#[cfg(target_feature = "sm_90")]
 use crate::bulk_copy::{
     fence_mbarrier_init, fence_proxy_async_shared, mbarrier_arrive_expect_tx, mbarrier_init,
     mbarrier_wait_parity, tensor_copy_3d_with_policy,
@@ -271,14 +272,25 @@ impl TileCopy for AsyncCopy {
     }
 }
 
+/// The copy of the launches over long splits: [`TensorCopy`] on Hopper; the sm_80 build has no
+/// tensor memory accelerator and copies those tiles with [`AsyncCopy`] too.
+#[cfg(target_feature = "sm_90")]
+pub type LongSplitCopy = TensorCopy;
+/// The copy of the launches over long splits: [`TensorCopy`] on Hopper; the sm_80 build has no
+/// tensor memory accelerator and copies those tiles with [`AsyncCopy`] too.
+#[cfg(not(target_feature = "sm_90"))]
+pub type LongSplitCopy = AsyncCopy;
+
 /// Tensor-map bulk copies (`cp.async.bulk.tensor`, the tensor memory accelerator): per tile,
 /// one copy per 64 columns of K and of V (lanes `0 .. D / 32`), landing swizzled, counted in
 /// bytes on one `mbarrier` per stage (tile `j` is phase `j / DECODE_STAGES` of its stage's
 /// barrier). Each copy writes whole aligned 128-byte lines, which the L2 serves as whole-line
 /// requests (decode NOTES, session 8). Fewer instructions per byte than [`AsyncCopy`], more
 /// latency per tile.
+#[cfg(target_feature = "sm_90")]
 pub struct TensorCopy;
 
+#[cfg(target_feature = "sm_90")]
 impl TileCopy for TensorCopy {
     const REPEATS_LAST_ROW: bool = false;
 

@@ -1,0 +1,82 @@
+//! `cargo xtask package`: the publishable crates. Builds the library's PTX modules from the
+//! kernel sources into `host/ptx/` (the only way that folder is written: it is not in git),
+//! packages `lserve-abi` and `lserve` with `cargo package` (which builds the packaged `lserve`
+//! from its shipped PTX, with no kernel sources beside it), and checks that the packaged PTX is
+//! byte for byte what the sources build. The unpacked crates stay in `target/package/`, where
+//! `consumer-check/` depends on them.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+#[path = "../../host/kernel_build.rs"]
+#[allow(dead_code)] // shared with host/build.rs and the ptx task, which use the rest
+mod kernel_build;
+
+use kernel_build::{build_modules, toolchain_channel, PtxModule};
+
+/// The features `cargo package` builds the packaged `lserve` with: the linking mode and CUDA
+/// version a final binary would choose (lserve chooses none).
+const VERIFY_FEATURES: &str = "lserve/cudarc-dynamic-loading,lserve/cudarc-cuda-12000";
+
+pub fn run(root: &Path) -> Result<(), String> {
+    let kernel_dir = root.join("kernels-gpu");
+    let channel = toolchain_channel(&kernel_dir.join("rust-toolchain.toml"))?;
+    let ptx_dir = root.join("host/ptx");
+    if ptx_dir.exists() {
+        fs::remove_dir_all(&ptx_dir).map_err(|e| format!("clearing {}: {e}", ptx_dir.display()))?;
+    }
+    fs::create_dir_all(&ptx_dir).map_err(|e| format!("creating {}: {e}", ptx_dir.display()))?;
+    let modules: Vec<PtxModule> = PtxModule::library().collect();
+    build_modules(
+        &kernel_dir,
+        &channel,
+        &root.join("target/package-ptx"),
+        &modules,
+        &ptx_dir,
+    )?;
+
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(root)
+        .args([
+            "package",
+            "-p",
+            "lserve-abi",
+            "-p",
+            "lserve",
+            "--allow-dirty",
+        ])
+        .args(["--features", VERIFY_FEATURES])
+        .status()
+        .map_err(|e| format!("running cargo package: {e}"))?;
+    if !status.success() {
+        return Err("cargo package failed".into());
+    }
+
+    let version = env!("CARGO_PKG_VERSION");
+    let packaged = root.join(format!("target/package/lserve-{version}/ptx"));
+    for m in &modules {
+        let name = m.file_name();
+        let built = fs::read(ptx_dir.join(&name)).map_err(|e| format!("{name}: {e}"))?;
+        let shipped = fs::read(packaged.join(&name))
+            .map_err(|e| format!("the package has no {name}: {e}"))?;
+        if built != shipped {
+            return Err(format!(
+                "the packaged {name} differs from the kernel sources' build"
+            ));
+        }
+        println!(
+            "ptx/{name}: {} bytes, as the kernel sources build it",
+            built.len()
+        );
+    }
+    for krate in ["lserve-abi", "lserve"] {
+        let path = root.join(format!("target/package/{krate}-{version}.crate"));
+        let size = fs::metadata(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .len();
+        println!("{}: {size} bytes", path.display());
+    }
+    Ok(())
+}
