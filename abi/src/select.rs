@@ -101,7 +101,7 @@ pub const fn selection_due(
     } else {
         reuse_interval
     };
-    len > dynamic_min_len && (step.is_multiple_of(interval) || held_len == 0)
+    len > dynamic_min_len && (step % interval == 0 || held_len == 0)
 }
 
 /// Offset of pair (`b`, `dense_head`)'s first page score in the workspace

@@ -13,6 +13,10 @@
 
 mod bundle;
 mod json;
+// How the kernels are built, shared with host/build.rs (which uses all of it).
+#[path = "../../host/kernel_build.rs"]
+#[allow(dead_code)]
+mod kernel_build;
 mod package;
 mod ptx;
 

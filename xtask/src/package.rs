@@ -9,11 +9,7 @@ use std::fs;
 use std::path::Path;
 use std::process::Command;
 
-#[path = "../../host/kernel_build.rs"]
-#[allow(dead_code)] // shared with host/build.rs and the ptx task, which use the rest
-mod kernel_build;
-
-use kernel_build::{build_modules, toolchain_channel, PtxModule};
+use crate::kernel_build::{build_modules, toolchain_channel, PtxModule};
 
 /// The features `cargo package` builds the packaged `lserve` with: the linking mode and CUDA
 /// version a final binary would choose (lserve chooses none).

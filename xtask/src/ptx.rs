@@ -6,11 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-#[path = "../../host/kernel_build.rs"]
-#[allow(dead_code)] // shared with host/build.rs and the package task, which use the rest
-mod kernel_build;
-
-use kernel_build::{built_ptx, kernel_build_command, toolchain_channel};
+use crate::kernel_build::{built_ptx, kernel_build_command, toolchain_channel};
 
 /// What `ptxas -v` says about one function.
 #[derive(Debug, Default, Clone, PartialEq)]
