@@ -16,8 +16,9 @@ use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager};
-use lserve::reference::decode_step::{decode_step, stored_key_stats, write_tokens, HeadVisit};
-use lserve::reference::ReuseState;
+use lserve::reference::decode::{decode_step, HeadVisit};
+use lserve::reference::kv_write::{stored_key_stats, write_tokens};
+use lserve::reference::select::ReuseState;
 use proptest::prelude::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 

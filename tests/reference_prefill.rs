@@ -2,7 +2,8 @@
 //! explicit token mask matrix (causal, Λ, and a caller block mask expanded to tokens).
 
 use half::bf16;
-use lserve::reference::{prefill_attention, BlockCoord, PrefillInput, TokenPattern};
+use lserve::reference::prefill::{prefill_attention, BlockCoord, PrefillInput};
+use lserve::reference::TokenPattern;
 use proptest::prelude::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -335,7 +336,7 @@ proptest! {
         use lserve::config::SparsityConfig;
         use lserve::geometry::ModelGeometry;
         use lserve::head_pattern::{HeadKind, HeadPattern};
-        use lserve::reference::prefill_layer;
+        use lserve::reference::prefill::prefill_layer;
 
         const D: usize = 64;
         let (hkv, hq) = (kinds.len(), kinds.len() * group);

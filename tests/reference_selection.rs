@@ -3,10 +3,9 @@
 
 use half::bf16;
 use lserve::config::GqaAggregation;
-use lserve::reference::{
-    attend_tokens, key_stats, logical_scores, select_pages, tokens_of_pages, top_k_pages,
-    SelectionParams,
-};
+use lserve::reference::decode::{attend_tokens, tokens_of_pages};
+use lserve::reference::kv_write::key_stats;
+use lserve::reference::select::{logical_scores, select_pages, top_k_pages, SelectionParams};
 use proptest::prelude::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 

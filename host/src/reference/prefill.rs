@@ -1,15 +1,18 @@
-//! Prefill attention of a ragged batch: causal for dense heads, Λ for streaming heads, optionally
-//! intersected with a caller block mask (dynamic prefill sparsity).
+//! The reference of `lserve-kernels`' `prefill`: prefill attention of a ragged batch, causal for
+//! dense heads, Λ for streaming heads, optionally intersected with a caller block mask (dynamic
+//! prefill sparsity). Which keys a query sees ([`PrefillInput::visible`]) is what the kernels'
+//! `prefill::block_iter` and `prefill::mask` decide per block and element; every row is one
+//! softmax over exactly those keys ([`attend_rows`]).
 
 use lserve_abi::prefill::{BLOCK_KV, BLOCK_Q};
 
-use super::attend::{attend_rows, check_len};
-use super::TokenPattern;
 use crate::block_iter::BlockMask;
 use crate::config::SparsityConfig;
 use crate::dtype::Element;
 use crate::error::{LserveError, Result};
 use crate::head_pattern::{HeadKind, HeadPattern};
+use crate::reference::decode::attend_rows;
+use crate::reference::{check_len, to_f32, TokenPattern};
 
 /// One bit of a caller block mask: may query block `q_block` of query head `q_head` in sequence
 /// `seq` visit KV block `kv_block`? Blocks are sequence-local, `BLOCK_Q` queries and `BLOCK_KV`
@@ -140,7 +143,8 @@ impl PrefillInput<'_> {
 /// no tokens; `ShapeMismatch` for buffers of the wrong size.
 ///
 /// ```
-/// use lserve::reference::{prefill_attention, PrefillInput, TokenPattern};
+/// use lserve::reference::prefill::{prefill_attention, PrefillInput};
+/// use lserve::reference::TokenPattern;
 /// // Two sequences (2 and 1 tokens), MHA with 2 heads of D = 1: head 0 causal, head 1 a Λ head
 /// // with no sink and one local token (every query sees only itself).
 /// let q = [1.0f32, 1.0, 1.0, 1.0, 1.0, 1.0];
@@ -216,7 +220,7 @@ pub fn layer_token_patterns(
 /// use lserve::config::SparsityConfig;
 /// use lserve::geometry::ModelGeometry;
 /// use lserve::head_pattern::HeadPattern;
-/// use lserve::reference::prefill_layer;
+/// use lserve::reference::prefill::prefill_layer;
 ///
 /// let g = ModelGeometry::new(1, 2, 1, 64)?;
 /// let x: Vec<f16> = (0..5 * 2 * 64).map(|i| f16::from_f32((i % 13) as f32 / 13.0)).collect();
@@ -279,8 +283,4 @@ pub fn prefill_layer<E: Element>(
         block_mask: block_masks.map(|_| &bit as &dyn Fn(BlockCoord) -> bool),
         scale: config.softmax_scale_for(g.head_dim()) as f64,
     })
-}
-
-fn to_f32<E: Element>(xs: &[E]) -> Vec<f32> {
-    xs.iter().map(|x| x.to_f32()).collect()
 }

@@ -1,7 +1,10 @@
-//! Key statistics: per-channel minimum and maximum of the keys of each logical page.
+//! Key statistics: per-channel minimum and maximum of the keys of each logical page (the
+//! kernels' `kv_write::stats`), on plain slices and as stored in the cache.
 
-use super::attend::check_len;
+use crate::dtype::Element;
 use crate::error::{LserveError, Result};
+use crate::paging::{HostKvCache, SequenceView};
+use crate::reference::check_len;
 
 /// Per-logical-page key statistics of one KV head: `kmin`, `kmax` are `[pages][head_dim]`.
 ///
@@ -57,7 +60,7 @@ pub fn page_stats<'a>(rows: impl IntoIterator<Item = &'a [f32]>) -> (Vec<f32>, V
 /// exist.
 ///
 /// ```
-/// use lserve::reference::key_stats;
+/// use lserve::reference::kv_write::key_stats;
 /// // Three keys of D = 2, logical pages of 2 tokens: pages {0, 1} and {2}.
 /// let s = key_stats(&[1.0, -1.0, 3.0, -2.0, 0.5, 0.25], 2, 2).unwrap();
 /// assert_eq!(s.pages(), 2);
@@ -87,4 +90,50 @@ pub fn key_stats(keys: &[f32], head_dim: usize, logical_tokens: usize) -> Result
         stats.kmax.extend(hi);
     }
     Ok(stats)
+}
+
+/// The stored key statistics of dense KV head `kv_head` of `layer` for a sequence: its
+/// `ceil(len / N_L)` logical pages in order, read from the cache (as `f32`).
+///
+/// Errors: `InvalidArgument` if `kv_head` is not dense; the cache's errors otherwise.
+pub fn stored_key_stats<E: Element>(
+    cache: &HostKvCache<E>,
+    layer: usize,
+    view: &SequenceView<'_>,
+    kv_head: usize,
+) -> Result<KeyStats> {
+    let head = dense_index(cache, layer, kv_head)?;
+    let config = cache.config();
+    let (n_p, n_l) = (config.page_tokens, config.logical_page_tokens);
+    let d = cache.pattern().geometry().head_dim();
+    let mut stats = KeyStats {
+        head_dim: d,
+        kmin: Vec::new(),
+        kmax: Vec::new(),
+    };
+    for logical in 0..view.len.div_ceil(n_l) {
+        let page = view.block_table.physical(logical * n_l / n_p)?;
+        let (lo, hi) = cache
+            .dense(layer)?
+            .stats(page, head, (logical * n_l % n_p) / n_l)?;
+        stats.kmin.extend(lo.iter().map(|x| x.to_f32()));
+        stats.kmax.extend(hi.iter().map(|x| x.to_f32()));
+    }
+    Ok(stats)
+}
+
+fn dense_index<E: Element>(cache: &HostKvCache<E>, layer: usize, kv_head: usize) -> Result<usize> {
+    let pattern = cache.pattern();
+    if layer >= pattern.geometry().layers() || kv_head >= pattern.geometry().kv_heads() {
+        return Err(LserveError::InvalidArgument {
+            what: "layer / kv_head",
+            reason: format!("({layer}, {kv_head}) out of range"),
+        });
+    }
+    pattern
+        .dense_index(layer, kv_head)
+        .ok_or_else(|| LserveError::InvalidArgument {
+            what: "kv_head",
+            reason: format!("KV head {kv_head} of layer {layer} is streaming"),
+        })
 }
