@@ -562,3 +562,31 @@ fn streaming_ring_keeps_the_last_local_tokens_f16() {
     assert!(cache.dense(0).unwrap().key(8, 0, 0).is_err()); // capacity 8
     assert!(cache.dense(2).is_err());
 }
+
+/// An empty ring and ring sizes past `usize` are `InvalidConfig`, never a division by zero or an
+/// overflow panic; residency near `usize::MAX` does not overflow.
+#[test]
+fn streaming_store_rejects_an_empty_or_overflowing_ring() {
+    assert!(matches!(
+        StreamingStore::ring_row(7, 2, 0),
+        Err(LserveError::InvalidConfig {
+            field: "local_tokens",
+            ..
+        })
+    ));
+    assert_eq!(StreamingStore::ring_row(7, 2, 3).unwrap(), 2 + (7 - 2) % 3);
+    assert!(matches!(
+        StreamingStore::new(1, 2, 0),
+        Err(LserveError::InvalidConfig { .. })
+    ));
+    for (sink, local) in [(usize::MAX, 1), (1, usize::MAX), (usize::MAX, usize::MAX)] {
+        assert!(matches!(
+            StreamingStore::new(1, sink, local),
+            Err(LserveError::InvalidConfig { .. })
+        ));
+    }
+    let big = usize::MAX;
+    assert!(StreamingStore::is_resident(big - 1, big, 0, 1));
+    assert!(!StreamingStore::is_resident(big - 2, big, 0, 1));
+    assert!(StreamingStore::is_resident(big - 8, big, 0, big));
+}

@@ -10,6 +10,7 @@
 //! that also hold an invisible pair (the kernel masks elements there). A caller [`BlockMask`]
 //! is intersected with this, the diagonal block always kept.
 
+use std::num::NonZeroUsize;
 use std::ops::Range;
 
 use crate::error::{LserveError, Result};
@@ -451,7 +452,7 @@ pub struct StreamingToken {
 pub struct StreamingDecodeTokens {
     positions: std::iter::Chain<Range<usize>, Range<usize>>,
     sink_tokens: usize,
-    local_tokens: usize,
+    local_tokens: NonZeroUsize,
 }
 
 /// The tokens a streaming head of a sequence of length `len` (after this step's token)
@@ -464,16 +465,14 @@ pub fn streaming_decode_tokens(
     if len == 0 {
         return Err(LserveError::Empty("decode sequence"));
     }
-    if local_tokens == 0 {
-        return Err(LserveError::InvalidConfig {
-            field: "local_tokens",
-            reason: "must be > 0".into(),
-        });
-    }
+    let ring = NonZeroUsize::new(local_tokens).ok_or_else(|| LserveError::InvalidConfig {
+        field: "local_tokens",
+        reason: "must be > 0".into(),
+    })?;
     Ok(StreamingDecodeTokens {
         positions: StreamingStore::resident_positions(len, sink_tokens, local_tokens),
         sink_tokens,
-        local_tokens,
+        local_tokens: ring,
     })
 }
 
@@ -482,7 +481,7 @@ impl Iterator for StreamingDecodeTokens {
 
     fn next(&mut self) -> Option<StreamingToken> {
         let pos = self.positions.next()?;
-        let row = StreamingStore::ring_row(pos, self.sink_tokens, self.local_tokens);
+        let row = StreamingStore::row_in(pos, self.sink_tokens, self.local_tokens);
         Some(StreamingToken { pos, row })
     }
 }
