@@ -11,7 +11,9 @@ use lserve::config::SparsityConfig;
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
-use lserve::paging::{HostKvCache, KvCacheManager, SeqId, SequenceView, StreamingStore, PAD_PAGE};
+use lserve::paging::{
+    BlockTable, HostKvCache, KvCacheManager, SeqId, SequenceView, StreamingStore, PAD_PAGE,
+};
 use lserve::LserveError;
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
@@ -589,4 +591,45 @@ fn streaming_store_rejects_an_empty_or_overflowing_ring() {
     assert!(StreamingStore::is_resident(big - 1, big, 0, 1));
     assert!(!StreamingStore::is_resident(big - 2, big, 0, 1));
     assert!(StreamingStore::is_resident(big - 8, big, 0, big));
+}
+
+/// A token position past `u32` (the device layouts' positions) is an error for writes and
+/// reads, never truncated onto another row; `u32::MAX` itself is stored.
+#[test]
+fn host_cache_positions_past_u32_are_errors() {
+    let g = ModelGeometry::new(1, 2, 2, 64).unwrap();
+    let pattern = HeadPattern::from_kinds(g, vec![vec![HeadKind::Streaming; 2]]).unwrap();
+    let (_, _, config) = small_setup();
+    let mut cache = HostKvCache::<bf16>::new(&pattern, &config, 1, 1).unwrap();
+    let table = BlockTable::from_pages(Vec::new());
+    let row = |x: f32| vec![bf16::from_f32(x); 2 * 64];
+    // Past u32: a truncating cache would write sink row 1.
+    let pos = (1usize << 32) + 1;
+    let view = SequenceView {
+        slot: 0,
+        len: pos + 1,
+        block_table: &table,
+    };
+    let before = cache.clone();
+    assert!(matches!(
+        cache.write_token(0, &view, pos, &row(1.0), &row(2.0)),
+        Err(LserveError::InvalidArgument { what: "pos", .. })
+    ));
+    assert_eq!(cache, before);
+    assert!(matches!(
+        cache.token(0, &view, 0, pos),
+        Err(LserveError::InvalidArgument { what: "pos", .. })
+    ));
+    // The last position that fits.
+    let pos = u32::MAX as usize;
+    let view = SequenceView {
+        slot: 0,
+        len: pos + 1,
+        block_table: &table,
+    };
+    cache
+        .write_token(0, &view, pos, &row(3.0), &row(4.0))
+        .unwrap();
+    let (k, v) = cache.token(0, &view, 1, pos).unwrap();
+    assert_eq!((k, v), (&row(3.0)[..64], &row(4.0)[..64]));
 }

@@ -344,9 +344,9 @@ impl<E: Element> HostKvCache<E> {
     /// ring would have overwritten it), so write order does not matter.
     ///
     /// Errors (nothing written): layer out of range, `ShapeMismatch` for `k`/`v`,
-    /// `TokenNotStored` if `pos >= view.len`, `InvalidArgument` if the block table lacks the
-    /// page, `PageOutOfRange` for a page id past the capacity, `InvalidArgument` for a slot
-    /// past the store.
+    /// `TokenNotStored` if `pos >= view.len`, `InvalidArgument` for a position past `u32` or if
+    /// the block table lacks the page, `PageOutOfRange` for a page id past the capacity,
+    /// `InvalidArgument` for a slot past the store.
     pub fn write_token(
         &mut self,
         layer: usize,
@@ -389,7 +389,8 @@ impl<E: Element> HostKvCache<E> {
     }
 
     /// The key row (`D` elements) of token `pos` of `kv_head` in `layer` for a sequence.
-    /// `TokenNotStored` if `pos >= view.len` or a streaming head no longer holds `pos`.
+    /// `TokenNotStored` if `pos >= view.len` or a streaming head no longer holds `pos`;
+    /// `InvalidArgument` for a position past `u32`.
     pub fn key(
         &self,
         layer: usize,
@@ -451,12 +452,7 @@ impl<E: Element> HostKvCache<E> {
         view: &SequenceView<'_>,
         pos: usize,
     ) -> Result<Option<u32>> {
-        if pos >= view.len {
-            return Err(LserveError::TokenNotStored {
-                position: pos,
-                len: view.len,
-            });
-        }
+        check_position(view, pos)?;
         if self.pattern.dense_heads(layer) == 0 {
             return Ok(None);
         }
@@ -476,12 +472,7 @@ impl<E: Element> HostKvCache<E> {
         view: &SequenceView<'_>,
         pos: usize,
     ) -> Result<Option<usize>> {
-        if pos >= view.len {
-            return Err(LserveError::TokenNotStored {
-                position: pos,
-                len: view.len,
-            });
-        }
+        let position = check_position(view, pos)?;
         let layout = self.streaming[layer].layout;
         if layout.heads == 0 {
             return Ok(None);
@@ -491,8 +482,23 @@ impl<E: Element> HostKvCache<E> {
         if !StreamingStore::is_resident(pos, view.len, sink, local) {
             return Ok(None);
         }
-        Ok(Some(layout.row_of_token(pos as u32) as usize))
+        Ok(Some(layout.row_of_token(position) as usize))
     }
+}
+
+/// `pos` as the device layouts' `u32` position: `TokenNotStored` unless `pos < view.len`,
+/// `InvalidArgument` for a position past `u32` (never truncated).
+fn check_position(view: &SequenceView<'_>, pos: usize) -> Result<u32> {
+    if pos >= view.len {
+        return Err(LserveError::TokenNotStored {
+            position: pos,
+            len: view.len,
+        });
+    }
+    u32::try_from(pos).map_err(|_| LserveError::InvalidArgument {
+        what: "pos",
+        reason: format!("token position {pos} does not fit u32"),
+    })
 }
 
 fn check_index(what: &'static str, index: usize, bound: usize) -> Result<()> {
