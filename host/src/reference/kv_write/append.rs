@@ -16,6 +16,7 @@ pub fn update_key_stats<E: Element>(
     view: &SequenceView<'_>,
     pos: usize,
 ) -> Result<()> {
+    cache.dense(layer)?;
     if pos >= view.len {
         return Err(LserveError::TokenNotStored {
             position: pos,

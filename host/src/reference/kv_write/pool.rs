@@ -13,14 +13,15 @@ use crate::reference::to_f32;
 /// over the page's tokens that exist (below `view.len`). Call after writing those tokens (e.g.
 /// after prefill).
 ///
-/// Errors: `TokenNotStored` if `tokens` reaches past `view.len`; the cache's errors for a bad
-/// layer, block table or page.
+/// Errors: `InvalidArgument` for a layer out of range; `TokenNotStored` if `tokens` reaches
+/// past `view.len`; the cache's errors for a bad block table or page.
 pub fn pool_key_stats<E: Element>(
     cache: &mut HostKvCache<E>,
     layer: usize,
     view: &SequenceView<'_>,
     tokens: Range<usize>,
 ) -> Result<()> {
+    cache.dense(layer)?;
     if tokens.end > view.len {
         return Err(LserveError::TokenNotStored {
             position: tokens.end - 1,
