@@ -9,29 +9,66 @@ use crate::reference::check_len;
 /// Per-logical-page key statistics of one KV head: `kmin`, `kmax` are `[pages][head_dim]`.
 ///
 /// Page `p` covers tokens `p * logical_tokens .. min((p + 1) * logical_tokens, len)`: only
-/// tokens that exist, so the last page may be partial.
+/// tokens that exist, so the last page may be partial. `head_dim` is positive and both buffers
+/// hold whole rows (checked by [`KeyStats::new`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KeyStats {
-    /// Head dimension (`D`).
-    pub head_dim: usize,
-    /// Per-channel minimum of each logical page's keys, `[pages][head_dim]`.
-    pub kmin: Vec<f32>,
-    /// Per-channel maximum of each logical page's keys, `[pages][head_dim]`.
-    pub kmax: Vec<f32>,
+    head_dim: usize,
+    kmin: Vec<f32>,
+    kmax: Vec<f32>,
 }
 
 impl KeyStats {
+    /// Statistics from their rows: `kmin` and `kmax` are `[pages][head_dim]` each.
+    ///
+    /// Errors: `InvalidArgument` for `head_dim == 0`; `ShapeMismatch` unless `kmin` is whole
+    /// rows and `kmax` is as long.
+    ///
+    /// ```
+    /// use lserve::reference::kv_write::KeyStats;
+    /// let s = KeyStats::new(2, vec![0.0, -1.0, 2.0, 3.0], vec![1.0, 0.0, 2.0, 4.0])?;
+    /// assert_eq!((s.pages(), s.kmax(1)), (2, &[2.0, 4.0][..]));
+    /// assert!(KeyStats::new(0, vec![], vec![]).is_err());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn new(head_dim: usize, kmin: Vec<f32>, kmax: Vec<f32>) -> Result<Self> {
+        if head_dim == 0 {
+            return Err(LserveError::InvalidArgument {
+                what: "head_dim",
+                reason: "must be positive".into(),
+            });
+        }
+        check_len("kmin", kmin.len() / head_dim * head_dim, kmin.len())?;
+        check_len("kmax", kmin.len(), kmax.len())?;
+        Ok(Self {
+            head_dim,
+            kmin,
+            kmax,
+        })
+    }
+
+    /// Head dimension (`D`).
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     /// Number of logical pages.
     pub fn pages(&self) -> usize {
         self.kmin.len() / self.head_dim
     }
 
     /// `kmin` of logical page `page`.
+    ///
+    /// # Panics
+    /// If `page >= self.pages()`.
     pub fn kmin(&self, page: usize) -> &[f32] {
         &self.kmin[page * self.head_dim..][..self.head_dim]
     }
 
     /// `kmax` of logical page `page`.
+    ///
+    /// # Panics
+    /// If `page >= self.pages()`.
     pub fn kmax(&self, page: usize) -> &[f32] {
         &self.kmax[page * self.head_dim..][..self.head_dim]
     }

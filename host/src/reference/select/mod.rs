@@ -88,7 +88,7 @@ pub fn select_pages(
     if q_group.is_empty() {
         return Err(LserveError::Empty("query group"));
     }
-    let d = stats.head_dim;
+    let d = stats.head_dim();
     check_len("q_group", q_group.len() / d * d, q_group.len())?;
     let per_head: Vec<Vec<f64>> = q_group
         .chunks_exact(d)

@@ -9,9 +9,9 @@ use crate::reference::kv_write::KeyStats;
 /// the page's keys; unscaled).
 ///
 /// # Panics
-/// If `q.len() != stats.head_dim`.
+/// If `q.len() != stats.head_dim()`.
 pub fn logical_scores(q: &[f32], stats: &KeyStats) -> Vec<f64> {
-    assert_eq!(q.len(), stats.head_dim, "query length");
+    assert_eq!(q.len(), stats.head_dim(), "query length");
     (0..stats.pages())
         .map(|j| {
             let (lo, hi) = (stats.kmin(j), stats.kmax(j));
