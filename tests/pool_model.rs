@@ -633,3 +633,35 @@ fn host_cache_positions_past_u32_are_errors() {
     let (k, v) = cache.token(0, &view, 1, pos).unwrap();
     assert_eq!((k, v), (&row(3.0)[..64], &row(4.0)[..64]));
 }
+
+/// A cache whose K/V buffers would overflow is `InvalidConfig` before anything is allocated,
+/// never an overflow panic.
+#[test]
+fn host_cache_buffer_sizes_that_overflow_are_errors() {
+    // Capacity x dense heads x N_P x D = 2^16 x 2^16 x 2^24 x 2^8 = 2^64 elements.
+    let g = ModelGeometry::new(1, 1 << 16, 1 << 16, 256).unwrap();
+    let config = SparsityConfig {
+        page_tokens: 1 << 24,
+        logical_page_tokens: 1 << 24,
+        token_budget: 1 << 24,
+        ..Default::default()
+    };
+    config.validate().unwrap();
+    let pattern = HeadPattern::all_dense(g);
+    assert!(matches!(
+        HostKvCache::<bf16>::new(&pattern, &config, 1 << 16, 1),
+        Err(LserveError::InvalidConfig { .. })
+    ));
+    // Streaming: slots x heads x (sink + local) x D = 2^8 x 2^16 x 2^31 x 2^8 = 2^63 elements
+    // (a count that fits usize) of 2 bytes each: past isize::MAX bytes.
+    let streaming = HeadPattern::from_kinds(g, vec![vec![HeadKind::Streaming; 1 << 16]]).unwrap();
+    let config = SparsityConfig {
+        sink_tokens: 1 << 30,
+        local_tokens: 1 << 30,
+        ..SparsityConfig::default()
+    };
+    assert!(matches!(
+        HostKvCache::<bf16>::new(&streaming, &config, 1, 1 << 8),
+        Err(LserveError::InvalidConfig { .. })
+    ));
+}

@@ -4,6 +4,7 @@
 use half::bf16;
 use lserve::reference::prefill::{prefill_attention, BlockCoord, PrefillInput};
 use lserve::reference::TokenPattern;
+use lserve::LserveError;
 use proptest::prelude::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -386,4 +387,37 @@ proptest! {
             }
         }
     }
+}
+
+/// A batch whose buffer sizes overflow (`T x heads x D`) is `InvalidArgument`, never an
+/// overflow panic.
+#[test]
+fn overflowing_batch_sizes_are_errors() {
+    let x = [1.0f32; 4];
+    let input = PrefillInput {
+        cu_seqlens: &[0, usize::MAX / 2],
+        q: &x,
+        k: &x,
+        v: &x,
+        q_heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+        patterns: &[TokenPattern::Causal],
+        block_mask: None,
+        scale: 1.0,
+    };
+    assert!(matches!(
+        prefill_attention(&input),
+        Err(LserveError::InvalidArgument {
+            what: "cu_seqlens",
+            ..
+        })
+    ));
+    let fits = PrefillInput {
+        cu_seqlens: &[0, 2],
+        q_heads: 1,
+        head_dim: 2,
+        ..input
+    };
+    assert!(prefill_attention(&fits).is_ok());
 }

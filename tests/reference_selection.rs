@@ -315,3 +315,17 @@ fn key_stats_reject_an_empty_head_dimension() {
     assert_eq!(built, computed);
     assert_eq!((built.head_dim(), built.pages()), (2, 3));
 }
+
+/// A logical page whose size (`N_L x D`) overflows is `InvalidArgument`, never an overflow
+/// panic.
+#[test]
+fn key_stats_of_an_overflowing_page_size_are_errors() {
+    assert!(matches!(
+        key_stats(&[1.0; 4], 2, usize::MAX),
+        Err(LserveError::InvalidArgument {
+            what: "logical_tokens",
+            ..
+        })
+    ));
+    assert_eq!(key_stats(&[1.0; 4], 2, usize::MAX / 2).unwrap().pages(), 1);
+}

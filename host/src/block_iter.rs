@@ -13,7 +13,7 @@
 use std::num::NonZeroUsize;
 use std::ops::Range;
 
-use crate::error::{LserveError, Result};
+use crate::error::{checked_elements, LserveError, Result};
 use crate::head_pattern::HeadKind;
 use crate::paging::{BlockTable, PageId, StreamingStore};
 
@@ -271,6 +271,7 @@ impl BlockMaskRow<'_> {
 
 impl BlockMask {
     /// A mask for `q_heads` query heads and a sequence of `seq_len` tokens, every bit `fill`.
+    /// `Empty` for no heads or no tokens; `InvalidArgument` if the mask's size overflows.
     pub fn new(q_heads: usize, seq_len: usize, fill: bool) -> Result<Self> {
         Self::from_fn(q_heads, seq_len, |_, _, _| fill)
     }
@@ -331,11 +332,18 @@ impl BlockMask {
         }
         let blocks = num_blocks(seq_len);
         let words_per_row = blocks.div_ceil(32);
+        let words =
+            checked_elements::<u32>(&[q_heads, blocks, words_per_row]).ok_or_else(|| {
+                LserveError::InvalidArgument {
+                    what: "block mask",
+                    reason: format!("{q_heads} query heads x {seq_len} tokens overflow its size"),
+                }
+            })?;
         Ok(Self {
             q_heads,
             blocks,
             words_per_row,
-            words: vec![0; q_heads * blocks * words_per_row],
+            words: vec![0; words],
         })
     }
 

@@ -6,7 +6,7 @@ use super::sequences::{KvCacheManager, SequenceView};
 use super::streaming_store::StreamingStore;
 use crate::config::SparsityConfig;
 use crate::dtype::Element;
-use crate::error::{LserveError, Result};
+use crate::error::{checked_elements, LserveError, Result};
 use crate::head_pattern::{HeadKind, HeadPattern};
 
 /// One layer's dense page pool: `k`, `v` `[capacity][Hd][N_P][D]`, `kmin`, `kmax`
@@ -260,6 +260,9 @@ pub struct HostKvCache<E> {
 
 impl<E: Element> HostKvCache<E> {
     /// A zeroed cache of `capacity_pages` pages and `max_sequences` streaming slots per layer.
+    ///
+    /// Errors (`InvalidConfig`): an invalid config, capacity or slot count, or buffers whose
+    /// sizes overflow.
     pub fn new(
         pattern: &HeadPattern,
         config: &SparsityConfig,
@@ -267,10 +270,25 @@ impl<E: Element> HostKvCache<E> {
         max_sequences: usize,
     ) -> Result<Self> {
         config.validate()?;
+        let g = pattern.geometry();
+        // The buffer sizes are checked before anything is allocated.
+        for layer in 0..g.layers() {
+            let (dense, streaming) = (pattern.dense_heads(layer), pattern.streaming_heads(layer));
+            let rows = config.sink_tokens + config.local_tokens; // validate: fits u32
+            let kv = [capacity_pages, dense, config.page_tokens, g.head_dim()];
+            let ring = [max_sequences, streaming, rows, g.head_dim()];
+            if checked_elements::<E>(&kv).is_none() || checked_elements::<E>(&ring).is_none() {
+                return Err(LserveError::InvalidConfig {
+                    field: "capacity_pages",
+                    reason: format!(
+                        "layer {layer}'s K/V buffers overflow: {kv:?} dense, {ring:?} streaming"
+                    ),
+                });
+            }
+        }
         let store = StreamingStore::new(max_sequences, config.sink_tokens, config.local_tokens)?;
         // Validates the capacity.
         super::page_pool::PagePool::new(capacity_pages)?;
-        let g = pattern.geometry();
         let dense = (0..g.layers())
             .map(|layer| {
                 DenseLayerCache::new(super::paged_layout(pattern, config, capacity_pages, layer))

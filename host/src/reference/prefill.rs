@@ -126,9 +126,15 @@ impl PrefillInput<'_> {
             return Err(LserveError::Empty("sequence"));
         }
         let tokens = *self.cu_seqlens.last().unwrap();
-        check_len("q", tokens * self.q_heads * self.head_dim, self.q.len())?;
-        check_len("k", tokens * self.kv_heads * self.head_dim, self.k.len())?;
-        check_len("v", tokens * self.kv_heads * self.head_dim, self.v.len())?;
+        let elements = |heads: usize| {
+            tokens
+                .checked_mul(heads)
+                .and_then(|n| n.checked_mul(self.head_dim))
+                .ok_or_else(|| invalid("cu_seqlens", "tokens x heads x head_dim overflows"))
+        };
+        check_len("q", elements(self.q_heads)?, self.q.len())?;
+        check_len("k", elements(self.kv_heads)?, self.k.len())?;
+        check_len("v", elements(self.kv_heads)?, self.v.len())?;
         Ok(tokens)
     }
 }
@@ -139,8 +145,8 @@ impl PrefillInput<'_> {
 /// to the keys of its own sequence; accumulation in `f64`.
 ///
 /// Errors: `InvalidArgument` for bad head counts, `head_dim == 0`, a streaming pattern with no
-/// local tokens, or `cu_seqlens` not starting at 0; `Empty` for an empty batch or a sequence of
-/// no tokens; `ShapeMismatch` for buffers of the wrong size.
+/// local tokens, `cu_seqlens` not starting at 0, or buffer sizes that overflow; `Empty` for an
+/// empty batch or a sequence of no tokens; `ShapeMismatch` for buffers of the wrong size.
 ///
 /// ```
 /// use lserve::reference::prefill::{prefill_attention, PrefillInput};

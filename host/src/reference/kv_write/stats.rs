@@ -96,6 +96,9 @@ pub fn page_stats<'a>(rows: impl IntoIterator<Item = &'a [f32]>) -> (Vec<f32>, V
 /// `logical_tokens` (`N_L`) tokens: `ceil(len / N_L)` pages, the last one over the tokens that
 /// exist.
 ///
+/// Errors: `InvalidArgument` for `head_dim == 0`, `logical_tokens == 0` or a page size
+/// (`logical_tokens x head_dim`) that overflows; `ShapeMismatch` unless `keys` is whole rows.
+///
 /// ```
 /// use lserve::reference::kv_write::key_stats;
 /// // Three keys of D = 2, logical pages of 2 tokens: pages {0, 1} and {2}.
@@ -116,12 +119,19 @@ pub fn key_stats(keys: &[f32], head_dim: usize, logical_tokens: usize) -> Result
         });
     }
     check_len("keys", keys.len() / head_dim * head_dim, keys.len())?;
+    let page_elements =
+        logical_tokens
+            .checked_mul(head_dim)
+            .ok_or_else(|| LserveError::InvalidArgument {
+                what: "logical_tokens",
+                reason: format!("{logical_tokens} x head_dim {head_dim} overflows"),
+            })?;
     let mut stats = KeyStats {
         head_dim,
         kmin: Vec::new(),
         kmax: Vec::new(),
     };
-    for page in keys.chunks(logical_tokens * head_dim) {
+    for page in keys.chunks(page_elements) {
         let (lo, hi) = page_stats(page.chunks_exact(head_dim));
         stats.kmin.extend(lo);
         stats.kmax.extend(hi);
