@@ -3,7 +3,7 @@
 
 use half::bf16;
 use lserve::config::GqaAggregation;
-use lserve::reference::decode::{attend_tokens, tokens_of_pages};
+use lserve::reference::decode::{attend_tokens, decode_attention, tokens_of_pages};
 use lserve::reference::kv_write::{key_stats, KeyStats};
 use lserve::reference::select::{logical_scores, select_pages, top_k_pages, SelectionParams};
 use lserve::LserveError;
@@ -328,4 +328,23 @@ fn key_stats_of_an_overflowing_page_size_are_errors() {
         })
     ));
     assert_eq!(key_stats(&[1.0; 4], 2, usize::MAX / 2).unwrap().pages(), 1);
+}
+
+/// Decode attention with a softmax scale that is NaN, infinite, zero or negative is
+/// `InvalidArgument`.
+#[test]
+fn decode_attention_rejects_bad_softmax_scales() {
+    let (q, kv) = ([1.0f32, 0.5], [1.0f32, 2.0, 3.0, 4.0]);
+    assert!(decode_attention(&q, &kv, &kv, 2, 0.5).is_ok());
+    assert!(attend_tokens(&q, &kv, &kv, 2, &[0, 1], 0.5).is_ok());
+    for scale in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, -1.0] {
+        assert!(matches!(
+            decode_attention(&q, &kv, &kv, 2, scale),
+            Err(LserveError::InvalidArgument { what: "scale", .. })
+        ));
+        assert!(matches!(
+            attend_tokens(&q, &kv, &kv, 2, &[0, 1], scale),
+            Err(LserveError::InvalidArgument { what: "scale", .. })
+        ));
+    }
 }

@@ -114,3 +114,17 @@ pub(crate) fn check_len(what: &'static str, expected: usize, actual: usize) -> R
         })
     }
 }
+
+/// `Err(InvalidArgument)` unless the softmax scale is finite and positive (as
+/// [`SparsityConfig::validate`](crate::config::SparsityConfig::validate) requires of an explicit
+/// one).
+pub(crate) fn check_scale(scale: f64) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(LserveError::InvalidArgument {
+            what: "scale",
+            reason: format!("{scale} is not finite and > 0"),
+        })
+    }
+}

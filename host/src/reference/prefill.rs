@@ -12,7 +12,7 @@ use crate::dtype::Element;
 use crate::error::{LserveError, Result};
 use crate::head_pattern::{HeadKind, HeadPattern};
 use crate::reference::decode::attend_rows;
-use crate::reference::{check_len, to_f32, TokenPattern};
+use crate::reference::{check_len, check_scale, to_f32, TokenPattern};
 
 /// One bit of a caller block mask: may query block `q_block` of query head `q_head` in sequence
 /// `seq` visit KV block `kv_block`? Blocks are sequence-local, `BLOCK_Q` queries and `BLOCK_KV`
@@ -52,7 +52,7 @@ pub struct PrefillInput<'a> {
     /// Optional caller block mask, intersected with the pattern; the diagonal block
     /// (`kv_block == q_block`) is always kept whatever the mask says.
     pub block_mask: Option<&'a dyn Fn(BlockCoord) -> bool>,
-    /// Softmax scale (usually `1/sqrt(D)`).
+    /// Softmax scale (usually `1/sqrt(D)`), finite and `> 0`.
     pub scale: f64,
 }
 
@@ -104,6 +104,7 @@ impl PrefillInput<'_> {
         if self.head_dim == 0 {
             return Err(invalid("head_dim", "must be positive"));
         }
+        check_scale(self.scale)?;
         check_len("patterns", self.kv_heads, self.patterns.len())?;
         for p in self.patterns {
             if let TokenPattern::Lambda {
@@ -144,9 +145,10 @@ impl PrefillInput<'_> {
 /// Every query row attends, with softmax over exactly the keys [`PrefillInput::visible`] admits,
 /// to the keys of its own sequence; accumulation in `f64`.
 ///
-/// Errors: `InvalidArgument` for bad head counts, `head_dim == 0`, a streaming pattern with no
-/// local tokens, `cu_seqlens` not starting at 0, or buffer sizes that overflow; `Empty` for an
-/// empty batch or a sequence of no tokens; `ShapeMismatch` for buffers of the wrong size.
+/// Errors: `InvalidArgument` for bad head counts, `head_dim == 0`, a scale that is not finite
+/// and positive, a streaming pattern with no local tokens, `cu_seqlens` not starting at 0, or
+/// buffer sizes that overflow; `Empty` for an empty batch or a sequence of no tokens;
+/// `ShapeMismatch` for buffers of the wrong size.
 ///
 /// ```
 /// use lserve::reference::prefill::{prefill_attention, PrefillInput};

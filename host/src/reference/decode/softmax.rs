@@ -3,7 +3,7 @@
 //! rows here).
 
 use crate::error::{LserveError, Result};
-use crate::reference::check_len;
+use crate::reference::{check_len, check_scale};
 
 /// The result of attending one query row: the output row and the log-sum-exp of the scaled
 /// scores (natural log; `lse = m + ln Σ exp(s_j - m)` with `s_j = scale · q·k_j`).
@@ -23,6 +23,8 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
 /// Attends `q` over the rows `keys[j]`, `values[j]` (all of length `q.len()`): softmax over
 /// exactly this set of rows, `f64` throughout. The order of the rows does not matter (up to
 /// rounding).
+///
+/// `scale` is used as given (a checked entry rejects one that is not finite and positive).
 ///
 /// # Panics
 /// If `keys` is empty, `keys.len() != values.len()`, or a row's length differs from `q.len()`
@@ -60,6 +62,9 @@ pub fn attend_rows(q: &[f32], keys: &[&[f32]], values: &[&[f32]], scale: f64) ->
 /// Decode attention of one query head over an explicit list of key/value rows: `keys` and
 /// `values` are `[n][head_dim]` (row-major), `q` is `[head_dim]`.
 ///
+/// Errors: `InvalidArgument` for `head_dim == 0` or a scale that is not finite and positive;
+/// `Empty` for no keys; `ShapeMismatch` for buffers that are not whole rows or differ in size.
+///
 /// ```
 /// use lserve::reference::decode::decode_attention;
 /// // Two keys; equal scores, so the output is the mean of the values.
@@ -81,6 +86,7 @@ pub fn decode_attention(
             reason: "must be positive".into(),
         });
     }
+    check_scale(scale)?;
     check_len("q", head_dim, q.len())?;
     if keys.is_empty() {
         return Err(LserveError::Empty("key set"));
@@ -102,8 +108,9 @@ pub fn decode_attention(
 /// the rows `tokens` of one KV head's `keys` and `values` (`[len][head_dim]`), softmax over that
 /// set only. Returns one [`Attended`] per query head.
 ///
-/// Errors: `Empty` if `tokens` or `q_group` is empty; `InvalidArgument` for `head_dim == 0` or
-/// a token out of range; `ShapeMismatch` for buffers that are not whole rows or differ in size.
+/// Errors: `Empty` if `tokens` or `q_group` is empty; `InvalidArgument` for `head_dim == 0`, a
+/// scale that is not finite and positive, or a token out of range; `ShapeMismatch` for buffers
+/// that are not whole rows or differ in size.
 ///
 /// ```
 /// use lserve::reference::decode::attend_tokens;
@@ -127,6 +134,7 @@ pub fn attend_tokens(
             reason: "must be positive".into(),
         });
     }
+    check_scale(scale)?;
     if tokens.is_empty() {
         return Err(LserveError::Empty("token set"));
     }
