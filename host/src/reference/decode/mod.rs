@@ -9,9 +9,9 @@
 //! - [`decode_attention_tables`]: a layer's decode attention for a batch over the index tables
 //!   and the cache — the decode kernel itself;
 //! - [`decode_step`]: a whole decode step of a layer (append, selection with reuse, attention),
-//!   what `gpu::DecodeStep` launches.
+//!   what [`DecodeStep`](crate::gpu::DecodeStep) launches.
 //!
-//! These take what a GPU decode step takes: the [`KvCacheManager`] (lengths, block tables,
+//! The last two take what a GPU decode step takes: the [`KvCacheManager`] (lengths, block tables,
 //! slots, decode step counters), the cache contents ([`HostKvCache`], same layout as the
 //! device), the [`IndexTables`], and the activations `q [B][Hq][D]`, `k`, `v [B][Hkv][D]` in the
 //! element type.

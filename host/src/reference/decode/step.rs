@@ -1,5 +1,5 @@
 //! A whole decode step of one layer for a batch: the append, the selection with reuse, the
-//! index tables, the attention (the sequence of launches of `gpu::DecodeStep`).
+//! index tables, the attention (the launches of [`DecodeStep`](crate::gpu::DecodeStep)).
 
 use super::{batch_views, decode_attention_tables};
 use crate::dtype::Element;
