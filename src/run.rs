@@ -8,8 +8,9 @@ use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::reference::decode_step::{decode_step as reference_step, write_tokens, HeadVisit};
-use lserve::reference::ReuseState;
+use lserve::reference::decode::{decode_step as reference_step, HeadVisit};
+use lserve::reference::kv_write::write_tokens;
+use lserve::reference::select::ReuseState;
 use lserve::Result;
 
 /// What the step ran on and what it did.

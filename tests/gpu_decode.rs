@@ -27,8 +27,9 @@ use lserve::gpu::{
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::reference::decode_step::{decode_step, write_tokens, DecodeStepOutput};
-use lserve::reference::ReuseState;
+use lserve::reference::decode::{decode_step, DecodeStepOutput};
+use lserve::reference::kv_write::write_tokens;
+use lserve::reference::select::ReuseState;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -370,7 +371,8 @@ fn run_steps<E: DeviceElement>(
     max_splits: u32,
 ) -> Result<(), TestCaseError> {
     use lserve::gpu::DecodeStep;
-    use lserve::reference::decode_step::{decode_attention_tables, select_from_cache};
+    use lserve::reference::decode::decode_attention_tables;
+    use lserve::reference::select::select_from_cache;
 
     let mut p = prompted::<E>(case);
     // Start at decode step `first_step` (the cache is uploaded holding no selection: the first
@@ -478,7 +480,7 @@ fn run_steps<E: DeviceElement>(
                     // near-tie), where the entry is the selection (logical pages below).
                     let selected_now = matches!(
                         want.visits[b][h],
-                        lserve::reference::decode_step::HeadVisit::Selected {
+                        lserve::reference::decode::HeadVisit::Selected {
                             selected_now: true,
                             ..
                         }

@@ -1,6 +1,6 @@
 //! GPU tests of the KV-cache write kernels (`kernels-gpu/src/kv_write`): decode append, prefill
 //! row writes, key-statistics pooling and the random fill, each against the CPU reference
-//! (`reference::decode_step::{write_tokens, update_key_stats, pool_key_stats}` and
+//! (`reference::kv_write::{write_tokens, update_key_stats, pool_key_stats}` and
 //! `HostKvCache::write_token`) on the same cache state, comparing the *whole* cache (K, V,
 //! `kmin`, `kmax`, streaming store, every layer) bit for bit.
 //!
@@ -28,7 +28,7 @@ use lserve::gpu::{
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId, StreamingStore};
-use lserve::reference::decode_step::{pool_key_stats as ref_pool, update_key_stats, write_tokens};
+use lserve::reference::kv_write::{pool_key_stats as ref_pool, update_key_stats, write_tokens};
 use lserve::LserveError;
 use proptest::prelude::*;
 use proptest::test_runner::{TestCaseError, TestRunner};

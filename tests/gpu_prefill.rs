@@ -1,5 +1,5 @@
 //! GPU block-sparse prefill attention (`kernels-gpu/src/prefill`) against the CPU reference
-//! (`lserve::reference::prefill_attention`, f64).
+//! (`lserve::reference::prefill::prefill_attention`, f64).
 //!
 //! Each case draws a ragged batch (lengths not multiples of the 64-token blocks), MHA or GQA,
 //! random head kinds, random sink / local tokens (multiples of 64 and not), optionally random
@@ -18,7 +18,8 @@ use lserve::block_iter::BlockMask;
 use lserve::dtype::Element;
 use lserve::gpu::{prefill_attention, DeviceElement, GpuContext, PrefillArgs, PrefillPlan};
 use lserve::head_pattern::HeadKind;
-use lserve::reference::{self, BlockCoord, PrefillInput, TokenPattern};
+use lserve::reference::prefill::{BlockCoord, PrefillInput};
+use lserve::reference::{self, TokenPattern};
 use lserve::LserveError;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -184,7 +185,7 @@ fn run_reference<E: Element>(
             .get(c.q_head, c.q_block, c.kv_block)
             .unwrap()
     };
-    reference::prefill_attention(&PrefillInput {
+    reference::prefill::prefill_attention(&PrefillInput {
         cu_seqlens: cu,
         q: &q,
         k: &k,
@@ -587,7 +588,7 @@ fn invalid_arguments_are_typed_errors() {
 /// `prefill_into_cache`: whole prompts of two sequences (pages interleaved) into layer 1 of a
 /// two-layer cache with mixed head kinds; the downloaded cache equals the reference's
 /// `write_tokens` (K/V pages, key statistics, streaming sinks and ring) bit for bit, and the
-/// output matches `reference::prefill_layer`.
+/// output matches `reference::prefill::prefill_layer`.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn prefill_into_cache_writes_the_cache_and_attends() {
@@ -597,7 +598,7 @@ fn prefill_into_cache_writes_the_cache_and_attends() {
     use lserve::head_pattern::HeadPattern;
     use lserve::index_table::IndexTables;
     use lserve::paging::{HostKvCache, KvCacheManager};
-    use lserve::reference::decode_step::write_tokens;
+    use lserve::reference::kv_write::write_tokens;
 
     let gpu = gpu();
     let (d, layer) = (64, 1);
@@ -671,7 +672,7 @@ fn prefill_into_cache_writes_the_cache_and_attends() {
             );
         }
     }
-    let want = reference::prefill_layer(&pattern, &config, layer, &cu, &q, &k, &v, None)
+    let want = reference::prefill::prefill_layer(&pattern, &config, layer, &cu, &q, &k, &v, None)
         .unwrap()
         .out;
     let (err, head) = worst_head_error(&out, &want, 4, d).unwrap();

@@ -1,5 +1,5 @@
 //! GPU page selection (`kernels-gpu/src/select`: scorer, top-K with reuse, step counters)
-//! against the CPU reference (`reference::decode_step::select_from_cache`).
+//! against the CPU reference (`reference::select::select_from_cache`).
 //!
 //! Each case builds a random paged cache (random head kinds over one or two layers, MHA or GQA,
 //! D 64 / 128, lengths not multiples of pages, physical pages shuffled by a freed filler
@@ -37,7 +37,8 @@ use lserve::gpu::{
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId, SequenceView};
-use lserve::reference::decode_step::{select_from_cache, write_tokens};
+use lserve::reference::kv_write::write_tokens;
+use lserve::reference::select::select_from_cache;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use rand::rngs::StdRng;

@@ -11,7 +11,9 @@ use lserve::config::SparsityConfig;
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
-use lserve::paging::{HostKvCache, KvCacheManager, SeqId, SequenceView, StreamingStore, PAD_PAGE};
+use lserve::paging::{
+    BlockTable, HostKvCache, KvCacheManager, SeqId, SequenceView, StreamingStore, PAD_PAGE,
+};
 use lserve::LserveError;
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
@@ -561,4 +563,105 @@ fn streaming_ring_keeps_the_last_local_tokens_f16() {
     assert!(cache.dense(0).unwrap().stats(page, 0, 2).is_err()); // 2 logical pages per page
     assert!(cache.dense(0).unwrap().key(8, 0, 0).is_err()); // capacity 8
     assert!(cache.dense(2).is_err());
+}
+
+/// An empty ring and ring sizes past `usize` are `InvalidConfig`, never a division by zero or an
+/// overflow panic; residency near `usize::MAX` does not overflow.
+#[test]
+fn streaming_store_rejects_an_empty_or_overflowing_ring() {
+    assert!(matches!(
+        StreamingStore::ring_row(7, 2, 0),
+        Err(LserveError::InvalidConfig {
+            field: "local_tokens",
+            ..
+        })
+    ));
+    assert_eq!(StreamingStore::ring_row(7, 2, 3).unwrap(), 2 + (7 - 2) % 3);
+    assert!(matches!(
+        StreamingStore::new(1, 2, 0),
+        Err(LserveError::InvalidConfig { .. })
+    ));
+    for (sink, local) in [(usize::MAX, 1), (1, usize::MAX), (usize::MAX, usize::MAX)] {
+        assert!(matches!(
+            StreamingStore::new(1, sink, local),
+            Err(LserveError::InvalidConfig { .. })
+        ));
+    }
+    let big = usize::MAX;
+    assert!(StreamingStore::is_resident(big - 1, big, 0, 1));
+    assert!(!StreamingStore::is_resident(big - 2, big, 0, 1));
+    assert!(StreamingStore::is_resident(big - 8, big, 0, big));
+}
+
+/// A token position past `u32` (the device layouts' positions) is an error for writes and
+/// reads, never truncated onto another row; `u32::MAX` itself is stored.
+#[test]
+fn host_cache_positions_past_u32_are_errors() {
+    let g = ModelGeometry::new(1, 2, 2, 64).unwrap();
+    let pattern = HeadPattern::from_kinds(g, vec![vec![HeadKind::Streaming; 2]]).unwrap();
+    let (_, _, config) = small_setup();
+    let mut cache = HostKvCache::<bf16>::new(&pattern, &config, 1, 1).unwrap();
+    let table = BlockTable::from_pages(Vec::new());
+    let row = |x: f32| vec![bf16::from_f32(x); 2 * 64];
+    // Past u32: a truncating cache would write sink row 1.
+    let pos = (1usize << 32) + 1;
+    let view = SequenceView {
+        slot: 0,
+        len: pos + 1,
+        block_table: &table,
+    };
+    let before = cache.clone();
+    assert!(matches!(
+        cache.write_token(0, &view, pos, &row(1.0), &row(2.0)),
+        Err(LserveError::InvalidArgument { what: "pos", .. })
+    ));
+    assert_eq!(cache, before);
+    assert!(matches!(
+        cache.token(0, &view, 0, pos),
+        Err(LserveError::InvalidArgument { what: "pos", .. })
+    ));
+    // The last position that fits.
+    let pos = u32::MAX as usize;
+    let view = SequenceView {
+        slot: 0,
+        len: pos + 1,
+        block_table: &table,
+    };
+    cache
+        .write_token(0, &view, pos, &row(3.0), &row(4.0))
+        .unwrap();
+    let (k, v) = cache.token(0, &view, 1, pos).unwrap();
+    assert_eq!((k, v), (&row(3.0)[..64], &row(4.0)[..64]));
+}
+
+/// A cache whose K/V buffers would overflow is `InvalidConfig` before anything is allocated,
+/// never an overflow panic.
+#[test]
+fn host_cache_buffer_sizes_that_overflow_are_errors() {
+    // Capacity x dense heads x N_P x D = 2^16 x 2^16 x 2^24 x 2^8 = 2^64 elements.
+    let g = ModelGeometry::new(1, 1 << 16, 1 << 16, 256).unwrap();
+    let config = SparsityConfig {
+        page_tokens: 1 << 24,
+        logical_page_tokens: 1 << 24,
+        token_budget: 1 << 24,
+        ..Default::default()
+    };
+    config.validate().unwrap();
+    let pattern = HeadPattern::all_dense(g);
+    assert!(matches!(
+        HostKvCache::<bf16>::new(&pattern, &config, 1 << 16, 1),
+        Err(LserveError::InvalidConfig { .. })
+    ));
+    // Streaming: slots x heads x (sink + local) x D = 2^8 x 2^16 x 2^31 x 2^8 = 2^63 elements
+    // (a count that fits usize) of 2 bytes each: past isize::MAX bytes.
+    let streaming = HeadPattern::from_kinds(g, vec![vec![HeadKind::Streaming; 1 << 16]]).unwrap();
+    let config = SparsityConfig {
+        sink_tokens: 1 << 30,
+        local_tokens: 1 << 30,
+        ..SparsityConfig::default()
+    };
+    assert!(matches!(
+        HostKvCache::<bf16>::new(&streaming, &config, 1, 1 << 8),
+        Err(LserveError::InvalidConfig { .. })
+    ));
 }

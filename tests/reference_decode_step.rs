@@ -16,8 +16,12 @@ use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager};
-use lserve::reference::decode_step::{decode_step, stored_key_stats, write_tokens, HeadVisit};
-use lserve::reference::ReuseState;
+use lserve::reference::decode::{decode_step, HeadVisit};
+use lserve::reference::kv_write::{
+    pool_key_stats, stored_key_stats, update_key_stats, write_tokens,
+};
+use lserve::reference::select::ReuseState;
+use lserve::LserveError;
 use proptest::prelude::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -491,4 +495,43 @@ fn a_failing_step_changes_nothing() {
         cache == cache_before && tables == tables_before,
         "a failed step wrote something"
     );
+}
+
+/// Pooling and updating the key statistics of a layer out of range is `InvalidArgument`, with
+/// nothing written, never an out-of-bounds index.
+#[test]
+fn key_stats_of_a_layer_out_of_range_are_errors() {
+    let g = ModelGeometry::new(2, 2, 2, D).unwrap();
+    let config = SparsityConfig {
+        page_tokens: 8,
+        logical_page_tokens: 4,
+        token_budget: 8,
+        ..Default::default()
+    };
+    let mut mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), config, 4, 1, 32).unwrap();
+    let mut cache = HostKvCache::<bf16>::for_manager(&mgr).unwrap();
+    let seq = mgr.add_sequence().unwrap();
+    mgr.reserve(seq, 6).unwrap();
+    let view = mgr.view(seq).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    let kv = random_row::<bf16>(&mut rng, 6 * 2 * D);
+    write_tokens(&mut cache, 1, &view, 0, &kv, &kv).unwrap();
+    let before = cache.clone();
+    for layer in [2, usize::MAX] {
+        assert!(matches!(
+            pool_key_stats(&mut cache, layer, &view, 0..6),
+            Err(LserveError::InvalidArgument { what: "layer", .. })
+        ));
+        assert!(matches!(
+            pool_key_stats(&mut cache, layer, &view, 0..0),
+            Err(LserveError::InvalidArgument { what: "layer", .. })
+        ));
+        assert!(matches!(
+            update_key_stats(&mut cache, layer, &view, 5),
+            Err(LserveError::InvalidArgument { what: "layer", .. })
+        ));
+    }
+    assert!(cache == before, "a failed call wrote something");
+    pool_key_stats(&mut cache, 1, &view, 0..6).unwrap();
+    update_key_stats(&mut cache, 1, &view, 5).unwrap();
 }

@@ -2,7 +2,9 @@
 //! explicit token mask matrix (causal, Λ, and a caller block mask expanded to tokens).
 
 use half::bf16;
-use lserve::reference::{prefill_attention, BlockCoord, PrefillInput, TokenPattern};
+use lserve::reference::prefill::{prefill_attention, BlockCoord, PrefillInput};
+use lserve::reference::TokenPattern;
+use lserve::LserveError;
 use proptest::prelude::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -335,7 +337,7 @@ proptest! {
         use lserve::config::SparsityConfig;
         use lserve::geometry::ModelGeometry;
         use lserve::head_pattern::{HeadKind, HeadPattern};
-        use lserve::reference::prefill_layer;
+        use lserve::reference::prefill::prefill_layer;
 
         const D: usize = 64;
         let (hkv, hq) = (kinds.len(), kinds.len() * group);
@@ -385,4 +387,85 @@ proptest! {
             }
         }
     }
+}
+
+/// A batch whose buffer sizes overflow (`T x heads x D`) is `InvalidArgument`, never an
+/// overflow panic.
+#[test]
+fn overflowing_batch_sizes_are_errors() {
+    let x = [1.0f32; 4];
+    let input = PrefillInput {
+        cu_seqlens: &[0, usize::MAX / 2],
+        q: &x,
+        k: &x,
+        v: &x,
+        q_heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+        patterns: &[TokenPattern::Causal],
+        block_mask: None,
+        scale: 1.0,
+    };
+    assert!(matches!(
+        prefill_attention(&input),
+        Err(LserveError::InvalidArgument {
+            what: "cu_seqlens",
+            ..
+        })
+    ));
+    let fits = PrefillInput {
+        cu_seqlens: &[0, 2],
+        q_heads: 1,
+        head_dim: 2,
+        ..input
+    };
+    assert!(prefill_attention(&fits).is_ok());
+}
+
+/// A softmax scale that is NaN, infinite, zero or negative is `InvalidArgument`, on plain
+/// slices and through a layer's config.
+#[test]
+fn bad_softmax_scales_are_errors() {
+    use half::f16;
+    use lserve::config::SparsityConfig;
+    use lserve::geometry::ModelGeometry;
+    use lserve::head_pattern::HeadPattern;
+    use lserve::reference::prefill::prefill_layer;
+
+    let x = [1.0f32; 4];
+    let input = PrefillInput {
+        cu_seqlens: &[0, 2],
+        q: &x,
+        k: &x,
+        v: &x,
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 2,
+        patterns: &[TokenPattern::Causal],
+        block_mask: None,
+        scale: 1.0,
+    };
+    assert!(prefill_attention(&input).is_ok());
+    let g = ModelGeometry::new(1, 1, 1, 64).unwrap();
+    let pattern = HeadPattern::all_dense(g);
+    let q = vec![f16::from_f32(0.5); 3 * 64];
+    for scale in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, -1.0] {
+        assert!(matches!(
+            prefill_attention(&PrefillInput { scale, ..input }),
+            Err(LserveError::InvalidArgument { what: "scale", .. })
+        ));
+        let config = SparsityConfig {
+            softmax_scale: Some(scale as f32),
+            ..Default::default()
+        };
+        assert!(matches!(
+            prefill_layer(&pattern, &config, 0, &[0, 3], &q, &q, &q, None),
+            Err(LserveError::InvalidArgument { what: "scale", .. })
+        ));
+    }
+    let config = SparsityConfig {
+        softmax_scale: Some(0.5),
+        ..Default::default()
+    };
+    assert!(prefill_layer(&pattern, &config, 0, &[0, 3], &q, &q, &q, None).is_ok());
 }

@@ -3,10 +3,10 @@
 
 use half::bf16;
 use lserve::config::GqaAggregation;
-use lserve::reference::{
-    attend_tokens, key_stats, logical_scores, select_pages, tokens_of_pages, top_k_pages,
-    SelectionParams,
-};
+use lserve::reference::decode::{attend_tokens, decode_attention, tokens_of_pages};
+use lserve::reference::kv_write::{key_stats, KeyStats};
+use lserve::reference::select::{logical_scores, select_pages, top_k_pages, SelectionParams};
+use lserve::LserveError;
 use proptest::prelude::*;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -281,4 +281,70 @@ fn selection_rejects_bad_inputs() {
     assert!(key_stats(&[1.0; 4], 2, 0).is_err());
     assert!(attend_tokens(&[1.0, 1.0], &[1.0; 4], &[1.0; 4], 2, &[2], 1.0).is_err());
     assert!(attend_tokens(&[1.0, 1.0], &[1.0; 4], &[1.0; 4], 2, &[], 1.0).is_err());
+}
+
+/// Key statistics of head dimension 0 or of partial rows cannot be built, so nothing divides by
+/// a zero head dimension; built statistics select as the ones `key_stats` computes.
+#[test]
+fn key_stats_reject_an_empty_head_dimension() {
+    assert!(matches!(
+        KeyStats::new(0, vec![], vec![]),
+        Err(LserveError::InvalidArgument {
+            what: "head_dim",
+            ..
+        })
+    ));
+    assert!(matches!(
+        key_stats(&[], 0, 1),
+        Err(LserveError::InvalidArgument {
+            what: "head_dim",
+            ..
+        })
+    ));
+    assert!(matches!(
+        KeyStats::new(2, vec![1.0; 3], vec![1.0; 3]),
+        Err(LserveError::ShapeMismatch { what: "kmin", .. })
+    ));
+    assert!(matches!(
+        KeyStats::new(2, vec![1.0; 4], vec![1.0; 2]),
+        Err(LserveError::ShapeMismatch { what: "kmax", .. })
+    ));
+    let keys = [1.0, 2.0, -3.0, 4.0, 0.5, -1.0];
+    let computed = key_stats(&keys, 2, 1).unwrap();
+    let built = KeyStats::new(2, keys.to_vec(), keys.to_vec()).unwrap();
+    assert_eq!(built, computed);
+    assert_eq!((built.head_dim(), built.pages()), (2, 3));
+}
+
+/// A logical page whose size (`N_L x D`) overflows is `InvalidArgument`, never an overflow
+/// panic.
+#[test]
+fn key_stats_of_an_overflowing_page_size_are_errors() {
+    assert!(matches!(
+        key_stats(&[1.0; 4], 2, usize::MAX),
+        Err(LserveError::InvalidArgument {
+            what: "logical_tokens",
+            ..
+        })
+    ));
+    assert_eq!(key_stats(&[1.0; 4], 2, usize::MAX / 2).unwrap().pages(), 1);
+}
+
+/// Decode attention with a softmax scale that is NaN, infinite, zero or negative is
+/// `InvalidArgument`.
+#[test]
+fn decode_attention_rejects_bad_softmax_scales() {
+    let (q, kv) = ([1.0f32, 0.5], [1.0f32, 2.0, 3.0, 4.0]);
+    assert!(decode_attention(&q, &kv, &kv, 2, 0.5).is_ok());
+    assert!(attend_tokens(&q, &kv, &kv, 2, &[0, 1], 0.5).is_ok());
+    for scale in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, -1.0] {
+        assert!(matches!(
+            decode_attention(&q, &kv, &kv, 2, scale),
+            Err(LserveError::InvalidArgument { what: "scale", .. })
+        ));
+        assert!(matches!(
+            attend_tokens(&q, &kv, &kv, 2, &[0, 1], scale),
+            Err(LserveError::InvalidArgument { what: "scale", .. })
+        ));
+    }
 }

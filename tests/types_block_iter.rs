@@ -301,3 +301,24 @@ fn dense_decode_pages_cover_exactly_the_tokens() {
         );
     }
 }
+
+/// Masks whose word count or byte size overflows are `InvalidArgument`, never an overflow or
+/// capacity panic.
+#[test]
+fn overflowing_block_mask_sizes_are_errors() {
+    for (q_heads, seq_len) in [(2, usize::MAX), (1, 1 << 40), (usize::MAX, 64)] {
+        assert!(matches!(
+            BlockMask::new(q_heads, seq_len, false),
+            Err(LserveError::InvalidArgument {
+                what: "block mask",
+                ..
+            })
+        ));
+        assert!(matches!(
+            BlockMask::from_words(q_heads, seq_len, Vec::new()),
+            Err(LserveError::InvalidArgument { .. })
+        ));
+    }
+    let m = BlockMask::new(3, 33 * BLOCK_KV, true).unwrap();
+    assert_eq!(m.words().len(), 3 * 33 * 2);
+}

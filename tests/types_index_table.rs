@@ -135,3 +135,21 @@ fn entry_capacity_covers_dense_and_selected_decode() {
     assert_eq!(t.layer(5).unwrap().entry_capacity(), 128);
     assert_eq!(t.layer(5).unwrap().slots(), 3);
 }
+
+/// Table sizes whose product overflows are `InvalidConfig` before anything is allocated, never
+/// an overflow panic.
+#[test]
+fn overflowing_table_sizes_are_errors() {
+    let g = ModelGeometry::new(2, 4, 4, 64).unwrap();
+    let pattern = HeadPattern::all_dense(g);
+    let max = u32::MAX as usize;
+    assert!(matches!(
+        IndexTables::new(&pattern, max, max, 1),
+        Err(LserveError::InvalidConfig {
+            field: "entry_capacity",
+            ..
+        })
+    ));
+    let t = IndexTables::new(&pattern, 3, 5, 7).unwrap();
+    assert_eq!(t.layer(1).unwrap().pages().len(), 3 * 4 * 5);
+}

@@ -10,9 +10,10 @@
 //! that also hold an invisible pair (the kernel masks elements there). A caller [`BlockMask`]
 //! is intersected with this, the diagonal block always kept.
 
+use std::num::NonZeroUsize;
 use std::ops::Range;
 
-use crate::error::{LserveError, Result};
+use crate::error::{checked_elements, LserveError, Result};
 use crate::head_pattern::HeadKind;
 use crate::paging::{BlockTable, PageId, StreamingStore};
 
@@ -270,6 +271,7 @@ impl BlockMaskRow<'_> {
 
 impl BlockMask {
     /// A mask for `q_heads` query heads and a sequence of `seq_len` tokens, every bit `fill`.
+    /// `Empty` for no heads or no tokens; `InvalidArgument` if the mask's size overflows.
     pub fn new(q_heads: usize, seq_len: usize, fill: bool) -> Result<Self> {
         Self::from_fn(q_heads, seq_len, |_, _, _| fill)
     }
@@ -330,11 +332,18 @@ impl BlockMask {
         }
         let blocks = num_blocks(seq_len);
         let words_per_row = blocks.div_ceil(32);
+        let words =
+            checked_elements::<u32>(&[q_heads, blocks, words_per_row]).ok_or_else(|| {
+                LserveError::InvalidArgument {
+                    what: "block mask",
+                    reason: format!("{q_heads} query heads x {seq_len} tokens overflow its size"),
+                }
+            })?;
         Ok(Self {
             q_heads,
             blocks,
             words_per_row,
-            words: vec![0; q_heads * blocks * words_per_row],
+            words: vec![0; words],
         })
     }
 
@@ -451,7 +460,7 @@ pub struct StreamingToken {
 pub struct StreamingDecodeTokens {
     positions: std::iter::Chain<Range<usize>, Range<usize>>,
     sink_tokens: usize,
-    local_tokens: usize,
+    local_tokens: NonZeroUsize,
 }
 
 /// The tokens a streaming head of a sequence of length `len` (after this step's token)
@@ -464,16 +473,14 @@ pub fn streaming_decode_tokens(
     if len == 0 {
         return Err(LserveError::Empty("decode sequence"));
     }
-    if local_tokens == 0 {
-        return Err(LserveError::InvalidConfig {
-            field: "local_tokens",
-            reason: "must be > 0".into(),
-        });
-    }
+    let ring = NonZeroUsize::new(local_tokens).ok_or_else(|| LserveError::InvalidConfig {
+        field: "local_tokens",
+        reason: "must be > 0".into(),
+    })?;
     Ok(StreamingDecodeTokens {
         positions: StreamingStore::resident_positions(len, sink_tokens, local_tokens),
         sink_tokens,
-        local_tokens,
+        local_tokens: ring,
     })
 }
 
@@ -482,7 +489,7 @@ impl Iterator for StreamingDecodeTokens {
 
     fn next(&mut self) -> Option<StreamingToken> {
         let pos = self.positions.next()?;
-        let row = StreamingStore::ring_row(pos, self.sink_tokens, self.local_tokens);
+        let row = StreamingStore::row_in(pos, self.sink_tokens, self.local_tokens);
         Some(StreamingToken { pos, row })
     }
 }

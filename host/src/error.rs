@@ -124,3 +124,12 @@ pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> LserveEr
         reason: reason.into(),
     }
 }
+
+/// The element count of a buffer of `T`s of shape `dims`, or `None` when the count or its size
+/// in bytes overflows (past `isize::MAX` bytes, which no allocation holds): sizes are checked
+/// before allocating, never wrapped and never an overflow panic.
+pub(crate) fn checked_elements<T>(dims: &[usize]) -> Option<usize> {
+    let n = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+    let bytes = n.checked_mul(core::mem::size_of::<T>())?;
+    (bytes <= isize::MAX as usize).then_some(n)
+}

@@ -6,7 +6,7 @@
 //! head coordinate is the compact dense index ([`HeadPattern::dense_index`]).
 
 use crate::config::SparsityConfig;
-use crate::error::{LserveError, Result};
+use crate::error::{checked_elements, LserveError, Result};
 use crate::head_pattern::HeadPattern;
 use crate::paging::{KvCacheManager, PageId, PAD_PAGE};
 
@@ -76,7 +76,9 @@ pub struct IndexTables {
 
 impl IndexTables {
     /// Empty tables for every layer of `pattern`: `slots` sequence slots, `entry_capacity` page
-    /// ids per entry, page ids checked against `pool_capacity`. All sizes must be > 0.
+    /// ids per entry, page ids checked against `pool_capacity`. All sizes must be in
+    /// `1..=u32::MAX`, and a layer's `slots x dense heads x entry_capacity` must not overflow
+    /// (`InvalidConfig`).
     pub fn new(
         pattern: &HeadPattern,
         slots: usize,
@@ -95,16 +97,28 @@ impl IndexTables {
                 });
             }
         }
-        let layers = (0..pattern.geometry().layers())
+        // Every layer's size is checked before anything is allocated.
+        let sizes = (0..pattern.geometry().layers())
             .map(|layer| {
                 let heads = pattern.dense_heads(layer);
-                LayerIndexTable {
-                    slots,
-                    heads,
-                    entry_capacity,
-                    pages: vec![PAD_PAGE; slots * heads * entry_capacity],
-                    lens: vec![0; slots * heads],
-                }
+                checked_elements::<u32>(&[slots, heads, entry_capacity])
+                    .map(|pages| (heads, pages))
+                    .ok_or_else(|| LserveError::InvalidConfig {
+                        field: "entry_capacity",
+                        reason: format!(
+                            "{slots} slots x {heads} dense heads x {entry_capacity} pages overflows"
+                        ),
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let layers = sizes
+            .into_iter()
+            .map(|(heads, pages)| LayerIndexTable {
+                slots,
+                heads,
+                entry_capacity,
+                pages: vec![PAD_PAGE; pages],
+                lens: vec![0; slots * heads],
             })
             .collect();
         Ok(Self {

@@ -7,7 +7,7 @@ use lserve::geometry::ModelGeometry;
 use lserve::gpu::GpuContext;
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::HostKvCache;
-use lserve::reference::Selection;
+use lserve::reference::select::Selection;
 use rand::rngs::StdRng;
 use rand::Rng;
 

@@ -107,7 +107,7 @@ fn blocks_for(chunks: usize) -> Result<u32> {
 ///
 /// Dense KV heads write row `(len - 1) % N_P` of page `block_table[(len - 1) / N_P]` and update
 /// their logical page's `kmin`/`kmax` (the key itself if the token starts the logical page, else
-/// the per-channel min/max with it: exactly `reference::decode_step::update_key_stats`);
+/// the per-channel min/max with it: exactly `reference::kv_write::update_key_stats`);
 /// streaming KV heads write their sink or ring row. The block tables on the device must map the
 /// token's page (reserve, then [`DeviceKvCache::sync_tables`]). For a sequence past
 /// `dynamic_min_len`, each dense head's index-table entry becomes its held selection followed
@@ -413,7 +413,7 @@ pub fn write_kv_rows<E: DeviceElement>(
 
 /// Recomputes `kmin`/`kmax` of every dense head of `layer` for each logical page that holds a
 /// position of a planned range, over the page's tokens below the sequence's length: exactly
-/// `reference::decode_step::pool_key_stats`. Run after the rows are in the cache (e.g. after
+/// `reference::kv_write::pool_key_stats`. Run after the rows are in the cache (e.g. after
 /// [`write_kv_rows`] with the same plan). Enqueued on the context's stream.
 ///
 /// Errors (nothing launched): `InvalidArgument` for a bad layer or a plan made for another cache

@@ -6,10 +6,10 @@
 //! and the optional caller block masks — once; [`PrefillPlan::run`] launches on any `q`, `k`,
 //! `v`, `out` of that shape without allocating. [`prefill_attention`] does both.
 //!
-//! Semantics are the CPU reference's ([`crate::reference::prefill_attention`]): dense heads are
-//! causal, streaming heads see key `j` from query `t` iff `j <= t && (j < sink || t - j <
-//! local)`, a caller block mask (blocks of 64 queries x 64 keys) is intersected with that, the
-//! diagonal block always kept.
+//! Semantics are the CPU reference's ([`crate::reference::prefill::prefill_attention`]): dense
+//! heads are causal, streaming heads see key `j` from query `t` iff `j <= t && (j < sink ||
+//! t - j < local)`, a caller block mask (blocks of 64 queries x 64 keys) is intersected with
+//! that, the diagonal block always kept.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lserve_abi::decode::HEAD_STREAMING;

@@ -6,7 +6,7 @@ use super::sequences::{KvCacheManager, SequenceView};
 use super::streaming_store::StreamingStore;
 use crate::config::SparsityConfig;
 use crate::dtype::Element;
-use crate::error::{LserveError, Result};
+use crate::error::{checked_elements, LserveError, Result};
 use crate::head_pattern::{HeadKind, HeadPattern};
 
 /// One layer's dense page pool: `k`, `v` `[capacity][Hd][N_P][D]`, `kmin`, `kmax`
@@ -260,6 +260,9 @@ pub struct HostKvCache<E> {
 
 impl<E: Element> HostKvCache<E> {
     /// A zeroed cache of `capacity_pages` pages and `max_sequences` streaming slots per layer.
+    ///
+    /// Errors (`InvalidConfig`): an invalid config, capacity or slot count, or buffers whose
+    /// sizes overflow.
     pub fn new(
         pattern: &HeadPattern,
         config: &SparsityConfig,
@@ -267,10 +270,25 @@ impl<E: Element> HostKvCache<E> {
         max_sequences: usize,
     ) -> Result<Self> {
         config.validate()?;
+        let g = pattern.geometry();
+        // The buffer sizes are checked before anything is allocated.
+        for layer in 0..g.layers() {
+            let (dense, streaming) = (pattern.dense_heads(layer), pattern.streaming_heads(layer));
+            let rows = config.sink_tokens + config.local_tokens; // validate: fits u32
+            let kv = [capacity_pages, dense, config.page_tokens, g.head_dim()];
+            let ring = [max_sequences, streaming, rows, g.head_dim()];
+            if checked_elements::<E>(&kv).is_none() || checked_elements::<E>(&ring).is_none() {
+                return Err(LserveError::InvalidConfig {
+                    field: "capacity_pages",
+                    reason: format!(
+                        "layer {layer}'s K/V buffers overflow: {kv:?} dense, {ring:?} streaming"
+                    ),
+                });
+            }
+        }
         let store = StreamingStore::new(max_sequences, config.sink_tokens, config.local_tokens)?;
         // Validates the capacity.
         super::page_pool::PagePool::new(capacity_pages)?;
-        let g = pattern.geometry();
         let dense = (0..g.layers())
             .map(|layer| {
                 DenseLayerCache::new(super::paged_layout(pattern, config, capacity_pages, layer))
@@ -344,9 +362,9 @@ impl<E: Element> HostKvCache<E> {
     /// ring would have overwritten it), so write order does not matter.
     ///
     /// Errors (nothing written): layer out of range, `ShapeMismatch` for `k`/`v`,
-    /// `TokenNotStored` if `pos >= view.len`, `InvalidArgument` if the block table lacks the
-    /// page, `PageOutOfRange` for a page id past the capacity, `InvalidArgument` for a slot
-    /// past the store.
+    /// `TokenNotStored` if `pos >= view.len`, `InvalidArgument` for a position past `u32` or if
+    /// the block table lacks the page, `PageOutOfRange` for a page id past the capacity,
+    /// `InvalidArgument` for a slot past the store.
     pub fn write_token(
         &mut self,
         layer: usize,
@@ -389,7 +407,8 @@ impl<E: Element> HostKvCache<E> {
     }
 
     /// The key row (`D` elements) of token `pos` of `kv_head` in `layer` for a sequence.
-    /// `TokenNotStored` if `pos >= view.len` or a streaming head no longer holds `pos`.
+    /// `TokenNotStored` if `pos >= view.len` or a streaming head no longer holds `pos`;
+    /// `InvalidArgument` for a position past `u32`.
     pub fn key(
         &self,
         layer: usize,
@@ -451,12 +470,7 @@ impl<E: Element> HostKvCache<E> {
         view: &SequenceView<'_>,
         pos: usize,
     ) -> Result<Option<u32>> {
-        if pos >= view.len {
-            return Err(LserveError::TokenNotStored {
-                position: pos,
-                len: view.len,
-            });
-        }
+        check_position(view, pos)?;
         if self.pattern.dense_heads(layer) == 0 {
             return Ok(None);
         }
@@ -476,12 +490,7 @@ impl<E: Element> HostKvCache<E> {
         view: &SequenceView<'_>,
         pos: usize,
     ) -> Result<Option<usize>> {
-        if pos >= view.len {
-            return Err(LserveError::TokenNotStored {
-                position: pos,
-                len: view.len,
-            });
-        }
+        let position = check_position(view, pos)?;
         let layout = self.streaming[layer].layout;
         if layout.heads == 0 {
             return Ok(None);
@@ -491,8 +500,23 @@ impl<E: Element> HostKvCache<E> {
         if !StreamingStore::is_resident(pos, view.len, sink, local) {
             return Ok(None);
         }
-        Ok(Some(layout.row_of_token(pos as u32) as usize))
+        Ok(Some(layout.row_of_token(position) as usize))
     }
+}
+
+/// `pos` as the device layouts' `u32` position: `TokenNotStored` unless `pos < view.len`,
+/// `InvalidArgument` for a position past `u32` (never truncated).
+fn check_position(view: &SequenceView<'_>, pos: usize) -> Result<u32> {
+    if pos >= view.len {
+        return Err(LserveError::TokenNotStored {
+            position: pos,
+            len: view.len,
+        });
+    }
+    u32::try_from(pos).map_err(|_| LserveError::InvalidArgument {
+        what: "pos",
+        reason: format!("token position {pos} does not fit u32"),
+    })
 }
 
 fn check_index(what: &'static str, index: usize, bound: usize) -> Result<()> {

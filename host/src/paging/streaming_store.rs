@@ -1,6 +1,7 @@
 //! The streaming heads' store: one slot per live sequence holding its sinks and local ring.
 
 use core::iter::Chain;
+use core::num::NonZeroUsize;
 use core::ops::Range;
 
 use lserve_abi::StreamingLayout;
@@ -29,13 +30,19 @@ use crate::error::{LserveError, Result};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamingStore {
     sink_tokens: usize,
-    local_tokens: usize,
+    local_tokens: NonZeroUsize,
     in_use: Vec<bool>,
 }
 
 impl StreamingStore {
     /// A store of `slots` free slots (> 0, fitting `u32`) with the given sink and ring sizes
-    /// (`local_tokens > 0`, `sink + local` fitting `u32`).
+    /// (`local_tokens > 0`, `sink + local` fitting `u32`); `InvalidConfig` otherwise.
+    ///
+    /// ```
+    /// use lserve::paging::StreamingStore;
+    /// assert!(StreamingStore::new(1, 4, 0).is_err()); // no ring
+    /// assert!(StreamingStore::new(1, usize::MAX, 1).is_err()); // rows overflow
+    /// ```
     pub fn new(slots: usize, sink_tokens: usize, local_tokens: usize) -> Result<Self> {
         if slots == 0 || u32::try_from(slots).is_err() {
             return Err(LserveError::InvalidConfig {
@@ -43,12 +50,14 @@ impl StreamingStore {
                 reason: format!("{slots} is not in 1..=u32::MAX"),
             });
         }
-        if local_tokens == 0 || u32::try_from(sink_tokens + local_tokens).is_err() {
-            return Err(LserveError::InvalidConfig {
-                field: "local_tokens",
-                reason: format!("sink {sink_tokens} + local {local_tokens}: local must be > 0 and the sum fit u32"),
-            });
-        }
+        let rows = sink_tokens.checked_add(local_tokens).map(u32::try_from);
+        let local = NonZeroUsize::new(local_tokens).filter(|_| matches!(rows, Some(Ok(_))));
+        let local_tokens = local.ok_or_else(|| LserveError::InvalidConfig {
+            field: "local_tokens",
+            reason: format!(
+                "sink {sink_tokens} + local {local_tokens}: local must be > 0 and the sum fit u32"
+            ),
+        })?;
         Ok(Self {
             sink_tokens,
             local_tokens,
@@ -103,12 +112,12 @@ impl StreamingStore {
 
     /// Ring size (most recent tokens kept).
     pub fn local_tokens(&self) -> usize {
-        self.local_tokens
+        self.local_tokens.get()
     }
 
     /// Rows per (slot, head): `sink_tokens + local_tokens`.
     pub fn rows(&self) -> usize {
-        self.sink_tokens + self.local_tokens
+        self.sink_tokens + self.local_tokens()
     }
 
     /// The layout of one layer's store with `heads` streaming heads of dimension `head_dim`.
@@ -117,20 +126,37 @@ impl StreamingStore {
             slots: self.slots() as u32,
             heads: heads as u32,
             sink_tokens: self.sink_tokens as u32,
-            local_tokens: self.local_tokens as u32,
+            local_tokens: self.local_tokens() as u32,
             head_dim: head_dim as u32,
         }
     }
 
     /// The row token position `t` is stored at.
     pub fn row_of_token(&self, t: usize) -> usize {
-        Self::ring_row(t, self.sink_tokens, self.local_tokens)
+        Self::row_in(t, self.sink_tokens, self.local_tokens)
     }
 
     /// The row of token position `t` in a store of `sink_tokens` sinks and a ring of
-    /// `local_tokens` (`> 0`) rows: `t` for a sink, else its ring slot after the sinks (the
-    /// kernels' `StreamingLayout::row_of_token`, in host sizes).
-    pub fn ring_row(t: usize, sink_tokens: usize, local_tokens: usize) -> usize {
+    /// `local_tokens` rows: `t` for a sink, else its ring slot after the sinks (the kernels'
+    /// `StreamingLayout::row_of_token`, in host sizes). `InvalidConfig` for an empty ring
+    /// (`local_tokens == 0`).
+    ///
+    /// ```
+    /// use lserve::paging::StreamingStore;
+    /// assert_eq!(StreamingStore::ring_row(13, 4, 8)?, 4 + (13 - 4) % 8);
+    /// assert!(StreamingStore::ring_row(13, 4, 0).is_err());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn ring_row(t: usize, sink_tokens: usize, local_tokens: usize) -> Result<usize> {
+        let ring = NonZeroUsize::new(local_tokens).ok_or_else(|| LserveError::InvalidConfig {
+            field: "local_tokens",
+            reason: "must be > 0".into(),
+        })?;
+        Ok(Self::row_in(t, sink_tokens, ring))
+    }
+
+    /// [`ring_row`](Self::ring_row) for a ring known to be non-empty.
+    pub(crate) fn row_in(t: usize, sink_tokens: usize, local_tokens: NonZeroUsize) -> usize {
         if t < sink_tokens {
             t
         } else {
@@ -140,7 +166,7 @@ impl StreamingStore {
 
     /// Whether position `t` is held by a sequence of length `len`.
     pub fn is_resident(t: usize, len: usize, sink_tokens: usize, local_tokens: usize) -> bool {
-        t < len && (t < sink_tokens || t + local_tokens >= len)
+        t < len && (t < sink_tokens || len - t <= local_tokens)
     }
 
     /// The positions held for a sequence of length `len`, ascending: the sinks, then the ring.

@@ -6,21 +6,25 @@
 //! "Equivalence rules"). Semantics follow `docs/ARCHITECTURE.md` ("Semantics pinned down here")
 //! exactly.
 //!
-//! Two layers:
-//! - pure functions over plain slices and explicit parameters:
-//!   [`prefill_attention`] (causal / Λ per KV head, optional caller block mask, LSE per row),
-//!   [`key_stats`] (per-logical-page `kmin`/`kmax`), [`logical_scores`], [`aggregate_scores`],
-//!   [`physical_scores`], [`top_k_pages`] and [`select_pages`] (query-aware page selection),
-//!   [`ReuseState`] (selection reuse across decode steps), [`decode_attention`] (one query head
-//!   over explicit key/value rows), [`decode_tokens`] / [`tokens_of_pages`] / [`attend_tokens`]
-//!   (a GQA group over the tokens a decode query sees);
-//! - on the crate's types: [`prefill_layer`] (a layer's prefill from the head pattern, config
-//!   and per-sequence [`BlockMask`](crate::block_iter::BlockMask)s), and in [`decode_step`] the
-//!   paged-KV-cache pieces (statistics pooling and update, decode attention over index tables,
-//!   a whole decode step of a layer for a batch).
+//! The modules mirror the kernel modules of `lserve-kernels` (`kernels-gpu/src/`), one
+//! reference module per kernel module, under the same name:
+//! - [`kv_write`]: the KV cache writes and the key statistics (`kmin`/`kmax` per logical page:
+//!   on plain slices, pooled over a token range of the cache, updated by a decode token);
+//! - [`select`]: query-aware page selection (logical-page scores, GQA aggregation,
+//!   physical-page scores, top-K with the always-include rules) and its reuse across steps;
+//! - [`decode`]: decode attention (one query row over explicit rows, a GQA group over a token
+//!   set, a layer's batch over index tables) and a whole decode step of a layer for a batch;
+//! - [`prefill`]: prefill attention of a ragged batch (causal / Λ per KV head, optional caller
+//!   block mask, LSE per row), on plain slices or a layer on the crate's types.
+//!
+//! Functions on plain slices take explicit parameters; those on the crate's types take what a
+//! GPU launch takes (the [`KvCacheManager`](crate::paging::KvCacheManager), the
+//! [`HostKvCache`](crate::paging::HostKvCache) with the device's layout, the
+//! [`IndexTables`](crate::index_table::IndexTables), activations in the element type).
 //!
 //! ```
-//! use lserve::reference::{prefill_attention, PrefillInput, TokenPattern};
+//! use lserve::reference::prefill::{prefill_attention, PrefillInput};
+//! use lserve::reference::TokenPattern;
 //! // One sequence of 3 tokens, one head, D = 2: causal attention.
 //! let q = [1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0];
 //! let k = q;
@@ -38,26 +42,13 @@
 //! assert_eq!(&out.out[0..2], &[1.0, 2.0]);
 //! ```
 
-mod attend;
-mod decode;
-mod key_stats;
-mod page_select;
-mod prefill;
-mod reuse;
+use crate::dtype::Element;
+use crate::error::{LserveError, Result};
 
-pub mod decode_step;
-
-pub use attend::{attend_rows, decode_attention, Attended};
-pub use decode::{attend_tokens, decode_tokens, tokens_of_pages};
-pub use key_stats::{key_stats, page_stats, KeyStats};
-pub use page_select::{
-    aggregate_scores, logical_scores, physical_scores, select_pages, top_k_pages, Selection,
-    SelectionParams,
-};
-pub use prefill::{
-    layer_token_patterns, prefill_attention, prefill_layer, BlockCoord, PrefillInput, PrefillOutput,
-};
-pub use reuse::{ReuseKey, ReuseState};
+pub mod decode;
+pub mod kv_write;
+pub mod prefill;
+pub mod select;
 
 /// Converts a slice of elements (bf16, f16, or anything with a lossless conversion to `f32`) to
 /// `f32`, the reference's input precision.
@@ -103,5 +94,37 @@ impl TokenPattern {
                 local_tokens,
             } => j <= t && (j < sink_tokens || t - j < local_tokens),
         }
+    }
+}
+
+/// Elements of the cache or the activations as `f32` (exact for bf16 and f16).
+pub(crate) fn to_f32<E: Element>(xs: &[E]) -> Vec<f32> {
+    xs.iter().map(|x| x.to_f32()).collect()
+}
+
+/// `Err(ShapeMismatch)` unless `actual == expected`.
+pub(crate) fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(LserveError::ShapeMismatch {
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+/// `Err(InvalidArgument)` unless the softmax scale is finite and positive (as
+/// [`SparsityConfig::validate`](crate::config::SparsityConfig::validate) requires of an explicit
+/// one).
+pub(crate) fn check_scale(scale: f64) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(LserveError::InvalidArgument {
+            what: "scale",
+            reason: format!("{scale} is not finite and > 0"),
+        })
     }
 }

@@ -1,15 +1,18 @@
-//! Prefill attention of a ragged batch: causal for dense heads, Λ for streaming heads, optionally
-//! intersected with a caller block mask (dynamic prefill sparsity).
+//! The reference of `lserve-kernels`' `prefill`: prefill attention of a ragged batch, causal for
+//! dense heads, Λ for streaming heads, optionally intersected with a caller block mask (dynamic
+//! prefill sparsity). Which keys a query sees ([`PrefillInput::visible`]) is what the kernels'
+//! `prefill::block_iter` and `prefill::mask` decide per block and element; every row is one
+//! softmax over exactly those keys ([`attend_rows`]).
 
 use lserve_abi::prefill::{BLOCK_KV, BLOCK_Q};
 
-use super::attend::{attend_rows, check_len};
-use super::TokenPattern;
 use crate::block_iter::BlockMask;
 use crate::config::SparsityConfig;
 use crate::dtype::Element;
 use crate::error::{LserveError, Result};
 use crate::head_pattern::{HeadKind, HeadPattern};
+use crate::reference::decode::attend_rows;
+use crate::reference::{check_len, check_scale, to_f32, TokenPattern};
 
 /// One bit of a caller block mask: may query block `q_block` of query head `q_head` in sequence
 /// `seq` visit KV block `kv_block`? Blocks are sequence-local, `BLOCK_Q` queries and `BLOCK_KV`
@@ -49,7 +52,7 @@ pub struct PrefillInput<'a> {
     /// Optional caller block mask, intersected with the pattern; the diagonal block
     /// (`kv_block == q_block`) is always kept whatever the mask says.
     pub block_mask: Option<&'a dyn Fn(BlockCoord) -> bool>,
-    /// Softmax scale (usually `1/sqrt(D)`).
+    /// Softmax scale (usually `1/sqrt(D)`), finite and `> 0`.
     pub scale: f64,
 }
 
@@ -101,6 +104,7 @@ impl PrefillInput<'_> {
         if self.head_dim == 0 {
             return Err(invalid("head_dim", "must be positive"));
         }
+        check_scale(self.scale)?;
         check_len("patterns", self.kv_heads, self.patterns.len())?;
         for p in self.patterns {
             if let TokenPattern::Lambda {
@@ -123,9 +127,15 @@ impl PrefillInput<'_> {
             return Err(LserveError::Empty("sequence"));
         }
         let tokens = *self.cu_seqlens.last().unwrap();
-        check_len("q", tokens * self.q_heads * self.head_dim, self.q.len())?;
-        check_len("k", tokens * self.kv_heads * self.head_dim, self.k.len())?;
-        check_len("v", tokens * self.kv_heads * self.head_dim, self.v.len())?;
+        let elements = |heads: usize| {
+            tokens
+                .checked_mul(heads)
+                .and_then(|n| n.checked_mul(self.head_dim))
+                .ok_or_else(|| invalid("cu_seqlens", "tokens x heads x head_dim overflows"))
+        };
+        check_len("q", elements(self.q_heads)?, self.q.len())?;
+        check_len("k", elements(self.kv_heads)?, self.k.len())?;
+        check_len("v", elements(self.kv_heads)?, self.v.len())?;
         Ok(tokens)
     }
 }
@@ -135,12 +145,14 @@ impl PrefillInput<'_> {
 /// Every query row attends, with softmax over exactly the keys [`PrefillInput::visible`] admits,
 /// to the keys of its own sequence; accumulation in `f64`.
 ///
-/// Errors: `InvalidArgument` for bad head counts, `head_dim == 0`, a streaming pattern with no
-/// local tokens, or `cu_seqlens` not starting at 0; `Empty` for an empty batch or a sequence of
-/// no tokens; `ShapeMismatch` for buffers of the wrong size.
+/// Errors: `InvalidArgument` for bad head counts, `head_dim == 0`, a scale that is not finite
+/// and positive, a streaming pattern with no local tokens, `cu_seqlens` not starting at 0, or
+/// buffer sizes that overflow; `Empty` for an empty batch or a sequence of no tokens;
+/// `ShapeMismatch` for buffers of the wrong size.
 ///
 /// ```
-/// use lserve::reference::{prefill_attention, PrefillInput, TokenPattern};
+/// use lserve::reference::prefill::{prefill_attention, PrefillInput};
+/// use lserve::reference::TokenPattern;
 /// // Two sequences (2 and 1 tokens), MHA with 2 heads of D = 1: head 0 causal, head 1 a Λ head
 /// // with no sink and one local token (every query sees only itself).
 /// let q = [1.0f32, 1.0, 1.0, 1.0, 1.0, 1.0];
@@ -216,7 +228,7 @@ pub fn layer_token_patterns(
 /// use lserve::config::SparsityConfig;
 /// use lserve::geometry::ModelGeometry;
 /// use lserve::head_pattern::HeadPattern;
-/// use lserve::reference::prefill_layer;
+/// use lserve::reference::prefill::prefill_layer;
 ///
 /// let g = ModelGeometry::new(1, 2, 1, 64)?;
 /// let x: Vec<f16> = (0..5 * 2 * 64).map(|i| f16::from_f32((i % 13) as f32 / 13.0)).collect();
@@ -279,8 +291,4 @@ pub fn prefill_layer<E: Element>(
         block_mask: block_masks.map(|_| &bit as &dyn Fn(BlockCoord) -> bool),
         scale: config.softmax_scale_for(g.head_dim()) as f64,
     })
-}
-
-fn to_f32<E: Element>(xs: &[E]) -> Vec<f32> {
-    xs.iter().map(|x| x.to_f32()).collect()
 }

@@ -1,4 +1,5 @@
-//! Reuse of a page selection across decode steps (`docs/ARCHITECTURE.md`, "Reuse").
+//! Reuse of a page selection across decode steps (`docs/ARCHITECTURE.md`, "Reuse"): the held
+//! selections of the kernels' `select::top_k` and the step counters of `select::steps`.
 
 use std::collections::BTreeMap;
 
@@ -26,7 +27,7 @@ pub struct ReuseKey {
 /// into it.
 ///
 /// ```
-/// use lserve::reference::{ReuseKey, ReuseState};
+/// use lserve::reference::select::{ReuseKey, ReuseState};
 /// let mut reuse = ReuseState::new(2).unwrap();
 /// let key = ReuseKey { seq: 7, layer: 0, kv_head: 1 };
 /// // Step 0: due, selection runs.
