@@ -12,7 +12,7 @@
 //!
 //! [`steps`] advances the per-sequence decode step counters once per model step; the counters
 //! and the held selections live on the device, so no step waits for the host.
-//! Costs and predictions: `NOTES.md` beside this file.
+//! How it works, its floor and the measurements behind it: `DESIGN.md` beside this file.
 
 pub mod scan;
 pub mod score;
