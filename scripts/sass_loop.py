@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SASS of a kernel's main loop, as counted in kernels-gpu/src/prefill/NOTES.md.
+"""SASS of a kernel's main loop, as counted in kernels-gpu/src/prefill/DESIGN.md.
 
 usage: sass_loop.py CUBIN KERNEL [--dump]    (CUBIN: target/ptx-check.cubin of `cargo xtask ptx`)
 

@@ -12,7 +12,8 @@
 //!   largest score magnitude); rows of pairs that are not due, and pages past the sequence,
 //!   stay poisoned;
 //! - due pairs: the selection equals the reference's, except on near-ties (pages whose
-//!   reference score is within `1e-4` of the K-th score, relative), DESIGN.md §2;
+//!   reference score is within `1e-4` of the K-th score, relative), `docs/ARCHITECTURE.md`
+//!   "Equivalence rules";
 //! - reused pairs: the held selection is unchanged and the selector leaves the index entry alone
 //!   (the decode append keeps it; `tests/gpu_decode.rs`);
 //! - pairs of sequences at most `dynamic_min_len` long: index tables untouched (poison).

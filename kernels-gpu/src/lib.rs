@@ -11,7 +11,8 @@
 //! - [`cp_async`]: asynchronous global -> shared copies, commit / wait groups;
 //! - [`bulk_copy`]: bulk copies on the tensor memory accelerator, `mbarrier`s.
 //!
-//! The kernels, each module with a `NOTES.md` of its measurements:
+//! The kernels, each module with a `DESIGN.md` (how it works, its floor, the measurements behind
+//! its constants):
 //! - [`kv_write`]: the cache writes (prefill rows, decode append) and key-statistics pooling;
 //! - [`prefill`]: block-sparse prefill attention;
 //! - [`select`]: the page scorer, the top-K selector and the decode step counters;

@@ -32,9 +32,9 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
 /// `x`, computed where this is called: the compiler can neither hoist it nor what is derived
 /// from it out of a loop, nor reassociate a sum through it. Used for addresses that are cheap to
 /// recompute per iteration of the prefill KV loop, so that LLVM does not keep their
-/// loop-invariant parts live across the loop beside the `S` and `O` accumulators. (Its effect on
-/// the K/V global addresses in prefill version 2 was none on ptxas's spills; kept because the
-/// kernels measured on the GPU have it.)
+/// loop-invariant parts live across the loop beside the `S` and `O` accumulators. (On the K/V
+/// global addresses of the 128-row prefill kernel it makes no difference to ptxas's spills; kept
+/// because the kernels measured on the GPU have it.)
 #[inline(always)]
 pub fn opaque(x: usize) -> usize {
     let y: u64;

@@ -12,8 +12,7 @@ use core::arch::asm;
 /// selector, after its block scan's `if warp == 0 { .. }`; compute-sanitizer's synccheck then
 /// reported "divergent thread(s) in block"). Without `.aligned` threads may arrive through
 /// different barrier instructions and diverged, so source that is correct stays correct whatever
-/// LLVM does to the branches around it. Measured no slower (decode/NOTES.md, "Session 4",
-/// item 5).
+/// LLVM does to the branches around it. Measured no slower (decode/DESIGN.md, "Invariants").
 ///
 /// # Safety
 /// Every thread of the block must arrive at a `barrier.sync 0` once per use (not skipped by

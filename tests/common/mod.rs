@@ -95,13 +95,15 @@ macro_rules! f16_or_bf16 {
 #[allow(unused_imports)] // as the macro: not every test file dispatches on the element type
 pub(crate) use f16_or_bf16;
 
-/// Relative tolerance of a near-tie in page selection (DESIGN.md §2).
+/// Relative tolerance of a near-tie in page selection (`docs/ARCHITECTURE.md`, "Equivalence
+/// rules").
 pub const SELECTION_TOL: f64 = 1e-4;
 
 /// Checks a GPU selection (logical pages) against the reference: same rules, same size, and
-/// differences only on near-ties of the K-th candidate score (DESIGN.md §2): pages whose reference
-/// score is within [`SELECTION_TOL`] of it, relative to the pair's largest score magnitude. The
-/// candidates are the pages below the newest, without page 0 when it is always included.
+/// differences only on near-ties of the K-th candidate score (`docs/ARCHITECTURE.md`, "Equivalence
+/// rules"): pages whose reference score is within [`SELECTION_TOL`] of it, relative to the pair's
+/// largest score magnitude. The candidates are the pages below the newest, without page 0 when
+/// it is always included.
 pub fn check_selection(
     got: &[u32],
     want: &Selection,

@@ -104,9 +104,9 @@ fn choose_splits(
 /// one wave, as a fraction `(numerator, denominator)`.
 ///
 /// Measured (H200, 2026-11-30, `benches/decode.rs` `step/lserve` b1, LServe pattern: 8 pairs,
-/// 4 of them dense, 34 splits = 272 blocks for 264 slots; decode NOTES, session 6): 33 splits
-/// 14.83 / 14.86 µs against 15.21 / 15.22 µs at 34 (256K), 11.50 / 11.52 against 11.95 / 11.94
-/// µs (16K); 24 and 17 splits measured like 34, 12 splits 7-9% slower.
+/// 4 of them dense, 34 splits = 272 blocks for 264 slots; kernels-gpu/src/decode/DESIGN.md):
+/// 33 splits 14.83 / 14.86 µs against 15.21 / 15.22 µs at 34 (256K), 11.50 / 11.52 against
+/// 11.95 / 11.94 µs (16K); 24 and 17 splits measured like 34, 12 splits 7-9% slower.
 const WAVE_TRIM: (u32, u32) = (1, 16);
 
 /// The shortest split worth its partial state: two tiles per warp.
@@ -116,14 +116,15 @@ const MIN_SPLIT_TILES: u32 = 8;
 /// tensor-map bulk copies; shorter ones use `cp.async`. Launches that do not append always use
 /// the tensor-map copies ([`uses_bulk_copies`]).
 ///
-/// Measured (H200, 2026-11-30, `benches/decode.rs`, one device call, the tensor-map kernels of
-/// session 8 with this line moved by a diagnostic knob; decode NOTES, session 8): tensor-map
+/// Measured (H200, 2026-11-30, `benches/decode.rs`, one device call, the tensor-map kernels
+/// with this line moved by a diagnostic knob; kernels-gpu/src/decode/DESIGN.md): tensor-map
 /// copies in every launch against this line, `attention/static` b1 4K 8.67 / 8.69 against 9.47 /
 /// 9.40 µs (not appending: −8%), `step/lserve` b16 256K 85.7 / 85.4 against 86.6 / 86.5 µs (its
 /// attention does not append: −1%); but the appending launches of `step/lserve` b1 256K 14.88 /
 /// 14.88 against 14.81 / 14.81 µs and `step/dynamic` b1 256K 19.52 / 19.52 against 19.42 / 19.43 µs
-/// (+0.4 to +0.5%). The line for appending launches stays where the row-copy bulk kernels put it
-/// (2026-11-29: their tiles arrived later than `cp.async`'s, which only a long stream hides).
+/// (+0.4 to +0.5%). For appending launches the line sits between measured sides (H200,
+/// 2026-11-29: 62 tiles per warp and more gained from bulk copies, 17 and fewer lost; a
+/// bulk-copied tile arrives later than a `cp.async` one, which only a long stream hides).
 const BULK_MIN_TILES_PER_WARP: u32 = 24;
 
 /// Whether a launch whose longest pair visits `max_rows` rows in `splits` splits, appending the
@@ -467,8 +468,8 @@ impl AppendAttend {
 /// attention that does not append.
 ///
 /// Measured (H200, 2026-11-30, `benches/decode.rs` `step/lserve` at 256K, LServe pattern, every
-/// launch fused against the append kernel first; decode NOTES, session 5), by tiles per warp of
-/// the longest split:
+/// launch fused against the append kernel first; kernels-gpu/src/decode/DESIGN.md), by tiles per
+/// warp of the longest split:
 ///
 /// | batch | splits | tiles per warp | fused | append first |
 /// | ---: | ---: | ---: | ---: | ---: |
@@ -478,8 +479,7 @@ impl AppendAttend {
 /// | 8 | 8 | 9 | 51.98 µs | 51.04 µs (after the selector) |
 /// | 16 | 4 | 17 | 88.8-89.4 µs | 86.1 µs (88.2 after the selector) |
 ///
-/// (Batch 1 has run 33 splits since session 6, `choose_splits`: at most 3 tiles per warp,
-/// still fused.)
+/// (Batch 1 runs 33 splits, `choose_splits`: at most 3 tiles per warp, fused.)
 ///
 /// The line sits between the measured sides.
 fn fuses_append(max_rows: u32, splits: u32) -> bool {

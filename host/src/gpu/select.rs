@@ -127,7 +127,7 @@ fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<Stri
 /// wave and a small tail) — past that the row groups
 /// loop (the kernel's grid-stride loop covers any grid, so this only sizes the work, never
 /// decides what is scored). More blocks would only queue: on a step where no pair is due every
-/// block launches just to exit (kernels-gpu/src/select/NOTES.md has the measurements).
+/// block launches just to exit (kernels-gpu/src/select/DESIGN.md has the measurements).
 fn score_blocks_per_pair(sm_count: u32, pairs: u32, pages: u32, row_groups: u32) -> u32 {
     let cover = pages.div_ceil(row_groups.max(1)).max(1);
     let fill = ((2 * sm_count.max(1)) / pairs.max(1)).max(1);

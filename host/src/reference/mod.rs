@@ -2,7 +2,7 @@
 //!
 //! Everything here is written for clarity, not speed. Inputs are `f32` (convert bf16/f16 with
 //! [`to_f32_vec`]); every dot product, softmax and sum accumulates in `f64`; outputs are `f64`
-//! (the GPU writes the element type and is compared by relative error, DESIGN.md §2
+//! (the GPU writes the element type and is compared by relative error, `docs/ARCHITECTURE.md`
 //! "Equivalence rules"). Semantics follow `docs/ARCHITECTURE.md` ("Semantics pinned down here")
 //! exactly.
 //!

@@ -131,8 +131,8 @@ unsafe fn attend_tiles<
         let k_tile = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
         let v_tile = k_tile + Tile::<D>::BYTES;
         // Skipped where the copies repeat the last row: nothing to fix there, and the empty call
-        // still changed ptxas's register allocation of the `cp.async` appending kernel and its
-        // time (decode NOTES, session 8).
+        // still changes ptxas's register allocation of the `cp.async` appending kernel and its
+        // time (decode/DESIGN.md).
         if !C::REPEATS_LAST_ROW {
             // SAFETY: the whole warp is here, after tile `j`'s wait and barrier.
             unsafe { C::landed::<D>(warp, j, src.tile_rows(tile(j)), lane) };

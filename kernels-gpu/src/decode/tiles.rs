@@ -285,7 +285,7 @@ pub type LongSplitCopy = AsyncCopy;
 /// one copy per 64 columns of K and of V (lanes `0 .. D / 32`), landing swizzled, counted in
 /// bytes on one `mbarrier` per stage (tile `j` is phase `j / DECODE_STAGES` of its stage's
 /// barrier). Each copy writes whole aligned 128-byte lines, which the L2 serves as whole-line
-/// requests (decode NOTES, session 8). Fewer instructions per byte than [`AsyncCopy`], more
+/// requests (decode/DESIGN.md). Fewer instructions per byte than [`AsyncCopy`], more
 /// latency per tile.
 #[cfg(target_feature = "sm_90")]
 pub struct TensorCopy;

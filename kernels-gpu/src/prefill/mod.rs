@@ -29,10 +29,10 @@
 //! The loop body is the same for every head and block: what differs is only which blocks the
 //! walk yields, which warps skip one, and whether the block needs element masks.
 //!
-//! The two kernels have separate bodies of the same steps: [`prefill_attention`] (version 5:
-//! the arithmetic walk, K and V copied in one call) for the unmasked kernel, and
-//! [`prefill_attention_v3`] (version 3, as at `5a4cdde` but for the barrier form) for the masked
-//! one, whose registers and schedule version 5's shared body made worse (NOTES.md, version 5).
+//! The two kernels have separate bodies of the same steps: [`prefill_attention`] (the
+//! arithmetic walk, K and V copied in one call) for the unmasked kernel, and
+//! [`prefill_attention_v3`] (the bitset walk, one tile per copy call) for the masked one, whose
+//! registers and schedule the shared body made worse (DESIGN.md, "Invariants").
 
 pub mod block_iter;
 pub mod mask;
@@ -83,7 +83,7 @@ type Output<const ROW_TILES: usize> = [[FragC; MAX_O_TILES]; ROW_TILES];
 // that use it: `ptxas` schedules the loop itself and ignores the PTX order of `ldmatrix` and
 // `mma` (a source-level software pipeline, fragments loaded one step ahead into a second set of
 // registers, gave byte-identical SASS). How far ahead of its products it issues a load depends on
-// the registers it has to spare (see NOTES.md, version 4).
+// the registers it has to spare (see DESIGN.md, "Variants that lost").
 
 /// `S = Q Kᵀ` for this warp's rows and the 64 keys of the K tile at `k_tile`; `q(m, kk)` is the
 /// `Q` fragment of row tile `m`, dims `16 kk .. + 16` (from registers or shared memory). Each K
@@ -153,7 +153,7 @@ struct Tensors {
     out: *mut u16,
 }
 
-/// The unmasked kernel's body (version 5), generic over the element type `E`, head dimension
+/// The unmasked kernel's body, generic over the element type `E`, head dimension
 /// `D` (64 or 128), the `mma` row tiles per warp (`ROW_TILES` = query blocks per tile, 1 or 2)
 /// and whether it reads caller block masks (`MASKED`; the unmasked kernel walks the heads'
 /// patterns only).
@@ -161,7 +161,7 @@ struct Tensors {
 /// Only instantiated unmasked (`ROW_TILES` 2, `MASKED` false): the masked kernels run
 /// [`prefill_attention_v3`]. The `MASKED` walk below is kept although no kernel instantiates
 /// it: without it (removed, or `unreachable!()`) rustc hands LLVM a different function and the
-/// D 128 unmasked kernel spills again (NOTES.md, version 5: its codegen is that fragile).
+/// D 128 unmasked kernel spills again (DESIGN.md, "Invariants": its codegen is that fragile).
 ///
 /// # Safety
 /// Launched with grid `(p.items, p.q_heads)`, [`PREFILL_THREADS`] threads and
@@ -419,14 +419,12 @@ unsafe fn prefill_attention<
     });
 }
 
-/// The masked kernel's body: version 3's kernel (`main` at `5a4cdde`), unchanged but for this
-/// comment, with the same generics and safety contract as [`prefill_attention`]; instantiated
-/// masked only (`ROW_TILES` 1, `MASKED` true). Version 5's shared body gave this kernel 184
-/// instead of 225 registers at D 128 and a schedule that consumes its `K`/`V` fragment loads at
-/// once: -20% on the GPU (NOTES.md, version 5). Kept verbatim (its generics and unmasked paths
-/// included) so its PTX stays version 3's (byte-identical when restored; since then only
-/// `sync_threads`'s instruction differs, `barrier.sync` for `bar.sync`): `ptxas`'s schedule
-/// moves with any change of the LLVM input.
+/// The masked kernel's body, with the same generics and safety contract as
+/// [`prefill_attention`]; instantiated masked only (`ROW_TILES` 1, `MASKED` true). The shared
+/// body gives this kernel 184 instead of 225 registers at D 128 and a schedule that consumes its
+/// `K`/`V` fragment loads at once: -20% on the GPU (DESIGN.md). Its generics and unmasked paths
+/// stay as they are so that its PTX stays the measured one: `ptxas`'s schedule moves with any
+/// change of the LLVM input.
 ///
 /// # Safety
 /// As [`prefill_attention`]'s.

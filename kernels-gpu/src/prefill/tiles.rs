@@ -87,8 +87,8 @@ const _: () = {
 /// comes from `src + r * row_stride`, rows past the end are zero-filled (finite; the kernel masks
 /// them out).
 ///
-/// Version 3's copy, used by the masked kernel (`prefill_attention_v3`, kept as it was); the
-/// unmasked kernel uses [`load_tiles_async`].
+/// The masked kernel's copy (`prefill_attention_v3`); the unmasked kernel uses
+/// [`load_tiles_async`].
 ///
 /// Thread `t` copies chunk `t % CHUNKS_PER_ROW` of rows `t / CHUNKS_PER_ROW + i * ROW_STEP`: its
 /// addresses are one base plus multiples of a constant step, and whether a row exists is one
@@ -180,7 +180,7 @@ pub unsafe fn load_tiles_async<const D: usize, const ROWS: u32, const N: usize>(
     // zero-filled copies, which read nothing), as an element offset from every source. The
     // chunk's part is opaque to LLVM: otherwise it adds it to the K and V base pointers outside
     // the kernel's KV loop and keeps the two 64-bit sums live across the loop (the 128-row D 128
-    // kernel then spilled; NOTES.md, version 4).
+    // kernel spills; DESIGN.md, "Variants that lost").
     let first = opaque_u32(chunk * 8) as usize + row.min(valid_rows - 1) as usize * row_stride;
     // A running pointer rather than `first + i * step`: the products `i * step` would be loop
     // invariants of the kernel's KV loop, hoisted out of it into eight live registers.

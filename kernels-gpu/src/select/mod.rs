@@ -1,5 +1,5 @@
-//! Query-aware page selection on the device (DESIGN.md §2, `docs/ARCHITECTURE.md` "Page
-//! selection" and "Reuse"), in two launches per layer and step:
+//! Query-aware page selection on the device (`docs/ARCHITECTURE.md` "Page selection" and
+//! "Reuse"), in two launches per layer and step:
 //!
 //! - [`score`]: for each (sequence, dense KV head) pair whose selection is due, the score of
 //!   every physical page: logical-page bounds `Σ_i max(q_h[i]·kmax[i], q_h[i]·kmin[i])` for each
@@ -12,7 +12,7 @@
 //!
 //! [`steps`] advances the per-sequence decode step counters once per model step; the counters
 //! and the held selections live on the device, so no step waits for the host.
-//! Costs and predictions: `NOTES.md` beside this file.
+//! How it works, its floor and the measurements behind it: `DESIGN.md` beside this file.
 
 pub mod scan;
 pub mod score;

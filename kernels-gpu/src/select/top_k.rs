@@ -26,7 +26,7 @@
 //! With more candidates ([`select_streamed`]) the radix passes keep the first 4096 (strided) in
 //! registers and re-read the others from the score workspace (L2-resident after the scorer) on
 //! each pass, and the two passes over each thread's run load [`KEY_BATCH`] keys at a time: no
-//! hard maximum. `NOTES.md` counts the round trips and barriers of both.
+//! hard maximum. `DESIGN.md` counts the round trips and barriers.
 
 use lserve_abi::select::{
     held_newest_at, score_key, score_offset, selection_due, SelectParams, SELECT_SMEM_BYTES,

@@ -44,9 +44,9 @@ impl DecodeStepOutput {
     }
 }
 
-/// One decode step of `layer` for a batch of sequences, exactly as DESIGN.md §2 and
-/// `docs/ARCHITECTURE.md`: for each sequence `seqs[b]` (whose step token the caller has already
-/// reserved, so `L = len` and the token is position `L - 1`):
+/// One decode step of `layer` for a batch of sequences, exactly as `docs/ARCHITECTURE.md`
+/// ("Semantics pinned down here", "The GPU decode step"): for each sequence `seqs[b]` (whose
+/// step token the caller has already reserved, so `L = len` and the token is position `L - 1`):
 /// 1. writes the token's `k`, `v` (`[B][Hkv][D]`) into the cache and updates the dense heads'
 ///    key statistics;
 /// 2. for each dense KV head fills its index-table entry: every page if `L <= dynamic_min_len`,
