@@ -12,6 +12,7 @@ pub mod primitives_testing;
 mod profile;
 mod select;
 mod step;
+mod table_sync;
 mod tensor_map;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
@@ -30,4 +31,4 @@ pub use select::{
     advance_decode_steps, download_selection, poison_index_tables, reset_selection_state,
     score_pages, select_pages, select_top_k, upload_key_stats, SelectWorkspace, SelectionState,
 };
-pub use step::DecodeStep;
+pub use step::{DecodeStep, PlannedStep};
