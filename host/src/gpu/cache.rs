@@ -443,6 +443,16 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         Ok(())
     }
 
+    /// The block tables as the device holds them, `[slots][max_pages]` (tests and debugging;
+    /// synchronizes). After a [`DecodeBatch::set`] they are the manager's
+    /// (`KvCacheManager::device_block_tables`).
+    #[doc(hidden)]
+    pub fn download_block_tables(&self, gpu: &GpuContext) -> Result<Vec<u32>> {
+        let tables = gpu.stream().clone_dtoh(&self.block_tables)?;
+        gpu.stream().synchronize()?;
+        Ok(tables)
+    }
+
     /// Fills every layer's K and V (pool and streaming store) with deterministic pseudo-random
     /// values ([`fill_random`](super::fill_random), seeded per buffer from `seed`). For
     /// benchmarks and tests that need a long context without uploading one; the key statistics

@@ -315,6 +315,52 @@ impl KvWritePlan {
             .unwrap_or(0)
     }
 
+    /// Checks that the plan describes `manager`'s block tables as they are now: made from this
+    /// manager, and no planned slot's row changed since (a reservation that opened a page, a
+    /// slot that changed hands). `StaleTables` otherwise. [`upload`](Self::upload) checks this
+    /// first.
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::KvWritePlan;
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    /// use lserve::LserveError;
+    ///
+    /// let g = ModelGeometry::new(1, 2, 2, 64)?;
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 8, 2, 4096)?;
+    /// let seq = mgr.add_sequence()?;
+    /// let prompt = mgr.reserve(seq, 100)?; // pages 0 and 1
+    /// let plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?;
+    /// mgr.reserve(seq, 20)?; // still page 1
+    /// plan.check_current(&mgr)?;
+    /// mgr.reserve(seq, 20)?; // opens page 2
+    /// assert!(matches!(plan.check_current(&mgr), Err(LserveError::StaleTables { .. })));
+    /// assert!(matches!(plan.check_current(&mgr.clone()), Err(LserveError::StaleTables { .. })));
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn check_current(&self, manager: &KvCacheManager) -> Result<()> {
+        if manager.id() != self.manager {
+            return Err(LserveError::StaleTables {
+                what: "plan",
+                reason: "made from another manager".into(),
+            });
+        }
+        for (r, &generation) in self.ranges.iter().zip(&self.row_generations) {
+            if manager.row_generation(r.slot) != generation {
+                return Err(LserveError::StaleTables {
+                    what: "plan",
+                    reason: format!(
+                        "slot {}'s block table changed since the plan was made: plan again",
+                        r.slot
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The ranges in device memory, for [`write_kv_rows`] and [`pool_key_stats`] on `cache`:
     /// brings the cache's block tables to `manager`'s (only the rows that changed; a slot that
     /// changed hands gets its selection state reset) and records them.
@@ -349,23 +395,7 @@ impl KvWritePlan {
         manager: &KvCacheManager,
         cache: &mut DeviceKvCache<E>,
     ) -> Result<DeviceKvWritePlan> {
-        if manager.id() != self.manager {
-            return Err(LserveError::StaleTables {
-                what: "plan",
-                reason: "made from another manager".into(),
-            });
-        }
-        for (r, &generation) in self.ranges.iter().zip(&self.row_generations) {
-            if manager.row_generation(r.slot) != generation {
-                return Err(LserveError::StaleTables {
-                    what: "plan",
-                    reason: format!(
-                        "slot {}'s block table changed since the plan was made: plan again",
-                        r.slot
-                    ),
-                });
-            }
-        }
+        self.check_current(manager)?;
         if self.slots != cache.slots
             || self.max_pages != cache.max_pages
             || self.page_tokens as usize != cache.config.page_tokens
