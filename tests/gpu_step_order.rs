@@ -199,13 +199,19 @@ fn free_and_add_never_hands_over_pages_or_selections() {
     mgr.reserve(b, 60).unwrap();
     // Step 1 of `b` by its counter: not due; but the slot holds no selection of `b`'s.
     mgr.advance_decode_step(b).unwrap();
-    let plan = ds.plan(&gpu, &mut mgr, &mut cache, &[b]).unwrap();
-    assert!(plan.selects(), "a slot that changed hands selects");
-    let tables = plan.manager().device_block_tables().pages;
-    drop(plan);
+    // The plan ends unfinished here (its token stays reserved).
+    let tables = {
+        let plan = ds.plan(&gpu, &mut mgr, &mut cache, &[b]).unwrap();
+        assert!(plan.selects(), "a slot that changed hands selects");
+        plan.manager().device_block_tables().pages
+    };
     assert_eq!(cache.download_block_tables(&gpu).unwrap(), tables);
     assert_eq!(held_len(&gpu, &cache, slot), 0, "a's selection is gone");
-    assert_eq!(device_step(&gpu, &mgr, &cache, b), 1, "the manager's counter");
+    assert_eq!(
+        device_step(&gpu, &mgr, &cache, b),
+        1,
+        "the manager's counter"
+    );
 
     // The old owner's batch is refused, changing nothing.
     let shapes = mgr.clone();
@@ -259,9 +265,8 @@ fn the_device_step_counter_follows_the_manager() {
     batch.set(&gpu, &mgr, &mut cache, &[a]).unwrap();
     advance_decode_steps(&gpu, &mut cache, &batch).unwrap();
     assert_eq!(device_step(&gpu, &mgr, &cache, a), 5);
-    let plan = ds.plan(&gpu, &mut mgr, &mut cache, &[a]).unwrap();
-    assert!(plan.selects(), "step 4 of reuse 4 selects");
-    drop(plan);
+    let selects = ds.plan(&gpu, &mut mgr, &mut cache, &[a]).unwrap().selects();
+    assert!(selects, "step 4 of reuse 4 selects");
     assert_eq!(device_step(&gpu, &mgr, &cache, a), 4);
     gpu.stream().synchronize().unwrap();
 }
@@ -298,7 +303,11 @@ fn a_step_runs_only_against_the_cache_it_was_planned_for() {
     ));
     assert!(snapshot(&gpu, &shapes, &cache) == ours);
     assert!(snapshot(&gpu, &shapes, &other) == theirs);
-    assert_eq!(mgr.decode_step(a).unwrap(), 0, "the refused finish advanced nothing");
+    assert_eq!(
+        mgr.decode_step(a).unwrap(),
+        0,
+        "the refused finish advanced nothing"
+    );
 
     // Planned against the other cache, it runs there.
     step(&mut ds, &gpu, &mut mgr, &mut other, &[a], &mut t);
@@ -381,6 +390,5 @@ fn a_refused_plan_changes_nothing() {
     // `b` alone fits.
     let plan = ds.plan(&gpu, &mut mgr, &mut cache, &[b]).unwrap();
     assert_eq!(plan.manager().len(b).unwrap(), 11);
-    drop(plan);
     gpu.stream().synchronize().unwrap();
 }
