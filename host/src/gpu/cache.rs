@@ -686,6 +686,17 @@ impl DecodeBatch {
     ) -> Result<()> {
         self.check(manager, seqs)?;
         cache.check_manager(manager)?;
+        self.write(gpu, manager, cache, seqs)
+    }
+
+    /// [`set`](Self::set) after its checks passed.
+    pub(crate) fn write<E: DeviceElement>(
+        &mut self,
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        cache: &mut DeviceKvCache<E>,
+        seqs: &[SeqId],
+    ) -> Result<()> {
         cache.sync(gpu, manager)?;
         let stream = gpu.stream();
         self.host_slots.clear();

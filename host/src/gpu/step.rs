@@ -202,7 +202,8 @@ impl DecodeStep {
         self.batch.check_ids(manager, seqs)?;
         cache.check_manager(manager)?;
         manager.reserve_each(seqs, 1)?;
-        self.batch.set(gpu, manager, cache, seqs)?;
+        // Checked above; every sequence now holds the step's token.
+        self.batch.write(gpu, manager, cache, seqs)?;
         let selects = self.batch.selection_due() || cache.selection_pending(&self.batch);
         Ok(PlannedStep {
             step: self,
@@ -220,6 +221,43 @@ impl DecodeStep {
 ///
 /// Dropped without [`finish`](Self::finish) or [`replayed`](Self::replayed), the step's tokens
 /// stay reserved and the step counters stay where they were.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+/// use lserve::LserveError;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 1000)?;
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let mut elsewhere = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+/// let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let mut step = DecodeStep::new(&gpu, &cache, 1)?;
+/// let mut plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
+/// assert_eq!(plan.batch().len(), 1);
+/// assert_eq!(plan.manager().len(seq)?, 1001);
+/// // Planned for `cache`: refused on another, before anything is enqueued.
+/// assert!(matches!(
+///     plan.layer(&gpu, &mut elsewhere, 0, &q, &k, &v, &mut out),
+///     Err(LserveError::StaleTables { .. })
+/// ));
+/// for layer in 0..g.layers() {
+///     plan.layer(&gpu, &mut cache, layer, &q, &k, &v, &mut out)?;
+/// }
+/// plan.finish(&gpu, &mut cache)?;
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
 pub struct PlannedStep<'a> {
     step: &'a mut DecodeStep,
     manager: &'a mut KvCacheManager,
