@@ -9,8 +9,9 @@
 //! When a sequence is added to a slot (or the slot is reused), the batch or step that first
 //! describes it ([`DecodeBatch::set`]) zeroes its step counter and held selections (as
 //! [`reset_selection_state`] does). The manager's step counters are the truth: the device's
-//! follow them ([`DecodeBatch::set`] writes the manager's where the device's differ). Selection runs for a (sequence, dense KV head) when
-//! the sequence is longer than `dynamic_min_len` and its step counter is a multiple of the
+//! follow them ([`DecodeBatch::set`] writes the manager's where the device's differ).
+//!
+//! Selection runs for a (sequence, dense KV head) when the sequence is longer than `dynamic_min_len` and its step counter is a multiple of the
 //! reuse interval, or the head holds no selection yet; in between the held selection is reused
 //! plus the newest page, which the decode append adds to the entry (`docs/ARCHITECTURE.md`,
 //! "Reuse"). Everything — counters, held selections, index tables — stays on the device: the

@@ -414,7 +414,9 @@ impl KvCacheManager {
     }
 
     /// Advances the decode step counter of `seq` by one (at the end of a decode step) and
-    /// returns the new value.
+    /// returns the new value. This counter is the truth: a device cache's copy follows it
+    /// (`PlannedStep::finish` advances both; a batch set after an advance made here alone writes
+    /// this value into the device's).
     pub fn advance_decode_step(&mut self, seq: SeqId) -> Result<u64> {
         let s = self
             .sequences
