@@ -258,6 +258,7 @@ impl DecodeStep {
 /// plan.finish(&gpu, &mut cache)?;
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
+#[must_use = "a planned step ends with `finish` (or `replayed` after a graph replay)"]
 pub struct PlannedStep<'a> {
     step: &'a mut DecodeStep,
     manager: &'a mut KvCacheManager,
