@@ -152,12 +152,14 @@ fn a_page_opened_outside_the_step_is_copied_by_the_plan() {
     old.set(&gpu, &mgr, &mut cache, &[a]).unwrap();
 
     mgr.reserve(a, 2).unwrap(); // 17 tokens: page 1 opens, on the host only
+    assert_ne!(cache.generation(), mgr.generation());
     assert_ne!(
         cache.download_block_tables(&gpu).unwrap(),
         mgr.device_block_tables().pages
     );
     step(&mut ds, &gpu, &mut mgr, &mut cache, &[a], &mut t);
     assert_eq!(mgr.len(a).unwrap(), 18);
+    assert_eq!(cache.generation(), mgr.generation());
     assert_eq!(
         cache.download_block_tables(&gpu).unwrap(),
         mgr.device_block_tables().pages

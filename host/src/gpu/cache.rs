@@ -26,7 +26,7 @@ use super::GpuContext;
 use crate::dtype::Element;
 use crate::head_pattern::{HeadKind, HeadPattern};
 use crate::index_table::IndexTables;
-use crate::paging::{HostKvCache, KvCacheManager, SeqId, PAD_PAGE};
+use crate::paging::{HostKvCache, KvCacheManager, SeqId, TableGeneration, PAD_PAGE};
 use crate::{LserveError, Result};
 
 /// An [`Element`] the device buffers can hold (bf16 and f16).
@@ -394,6 +394,34 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             &mut self.decode_steps,
             slot as usize,
         )
+    }
+
+    /// The manager's tables this cache holds, as of its last sync (a plan, a batch set, a write
+    /// plan uploaded, or the cache built): equal to `KvCacheManager::generation` when nothing
+    /// changed since.
+    ///
+    /// ```no_run
+    /// use half::bf16;
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{DecodeBatch, DeviceKvCache, GpuContext};
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    ///
+    /// let gpu = GpuContext::new(0)?;
+    /// let g = ModelGeometry::llama3_8b();
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 2, 65536)?;
+    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// assert_eq!(cache.generation(), mgr.generation());
+    /// let seq = mgr.add_sequence()?;
+    /// mgr.reserve(seq, 100)?;
+    /// assert_ne!(cache.generation(), mgr.generation()); // not copied yet
+    /// DecodeBatch::new(&gpu, 2)?.set(&gpu, &mgr, &mut cache, &[seq])?;
+    /// assert_eq!(cache.generation(), mgr.generation());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn generation(&self) -> TableGeneration {
+        self.mirror.generation()
     }
 
     /// This cache's identity.

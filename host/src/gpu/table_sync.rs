@@ -4,7 +4,7 @@
 //! the device to the manager's tables: only the rows that changed, and of a row that only grew,
 //! only the new entries. Pure host logic (the device cache applies the copies).
 
-use crate::paging::{KvCacheManager, SeqId};
+use crate::paging::{KvCacheManager, SeqId, TableGeneration};
 use crate::{LserveError, Result};
 
 /// One copy that brings a device row to the manager's.
@@ -167,6 +167,11 @@ impl TableMirror {
         }
     }
 
+    /// The manager's tables as last synced.
+    pub(crate) fn generation(&self) -> TableGeneration {
+        TableGeneration::new(self.manager, self.generation)
+    }
+
     /// The identity of the manager mirrored.
     #[cfg(test)]
     pub(crate) fn manager(&self) -> u64 {
@@ -296,6 +301,7 @@ mod tests {
         );
         assert_eq!(dev.tables, mgr.device_block_tables().pages);
         assert!(dev.resets.is_empty());
+        assert_eq!(dev.mirror.generation(), mgr.generation());
     }
 
     #[test]

@@ -88,6 +88,16 @@ pub struct TableGeneration {
     generation: u64,
 }
 
+impl TableGeneration {
+    /// The generation `generation` of the manager with identity `manager`.
+    pub(crate) fn new(manager: u64, generation: u64) -> Self {
+        Self {
+            manager,
+            generation,
+        }
+    }
+}
+
 /// The block tables of all slots in the device's shape (row = slot).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceBlockTables {
@@ -483,10 +493,7 @@ impl KvCacheManager {
 
     /// Which block tables the manager holds now ([`TableGeneration`]).
     pub fn generation(&self) -> TableGeneration {
-        TableGeneration {
-            manager: self.id,
-            generation: self.generation,
-        }
+        TableGeneration::new(self.id, self.generation)
     }
 
     /// The generation number of [`generation`](Self::generation).
