@@ -4,7 +4,7 @@
 //! - `attention/dense`: our paged decode with every head dense (the dense baseline);
 //! - `attention/static`: 50% streaming heads, the rest dense;
 //! - `step/dynamic`: every head dense with page selection (budget 4096, reuse 4): a decode step's
-//!   layer (`DecodeStep::layer_with_selector`: the append, selection when due, the attention),
+//!   layer (`PlannedStep::layer_with_selector`: the append, selection when due, the attention),
 //!   per layer, averaged over steps (so selection counts 1 in 4). The graph
 //!   holds a whole step of [`step_layers`] layers (8 at batch 1, 4 at batch 16), each with its
 //!   own cache, and the step advance once at the end, as an engine runs it; the time reported is
@@ -30,7 +30,7 @@
 //! Each is captured in a CUDA graph (as an engine runs a decode step) and timed with CUDA
 //! events around `iters` back-to-back replays (criterion's `iter_custom`). A case with page
 //! selection is captured twice, with the selector and without (as `DecodeStep` launches it only
-//! on steps `DecodeStep::selects` names), and each replay takes the graph its step needs:
+//! on steps `PlannedStep::selects` names), and each replay takes the graph its step needs:
 //! with reuse 4, one replay in four selects. Throughput is the
 //! bytes that must move (K and V of the rows visited, the key statistics the selector reads,
 //! amortized over the reuse interval; for `kv/append` the K/V activations read, the cache rows
@@ -61,7 +61,7 @@ use lserve::gpu::{
     KvWritePlan, SelectWorkspace,
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
-use lserve::paging::KvCacheManager;
+use lserve::paging::{KvCacheManager, SeqId};
 
 const CONTEXTS: [usize; 5] = [4096, 16384, 65536, 131072, 262144];
 const BATCHES: [usize; 2] = [1, 16];
@@ -90,6 +90,9 @@ struct Bench {
     selection: SelectWorkspace,
     /// The decode step (`step/*`: a layer as an engine runs it).
     step: DecodeStep,
+    /// The sequences' manager.
+    mgr: KvCacheManager,
+    seqs: Vec<SeqId>,
     q: CudaSlice<bf16>,
     out: CudaSlice<bf16>,
     /// The step token's K and V, `[B][Hkv][D]` (what `append_kv` writes).
@@ -113,7 +116,8 @@ fn step_layers(batch: usize) -> usize {
 }
 
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
-/// the statistics pooled from it.
+/// the statistics pooled from it. With `planned`, the last token is left for the step's plan to
+/// reserve (`DecodeStep::plan`, as an engine's step does).
 #[allow(clippy::too_many_arguments)]
 fn bench_case(
     gpu: &GpuContext,
@@ -121,6 +125,7 @@ fn bench_case(
     layers: usize,
     batch: usize,
     len: usize,
+    planned: bool,
     streaming: bool,
     selection: bool,
     reuse: usize,
@@ -145,19 +150,19 @@ fn bench_case(
     let seqs: Vec<_> = (0..batch)
         .map(|_| mgr.add_sequence())
         .collect::<lserve::Result<_>>()?;
+    let cached = len - usize::from(planned);
     for &s in &seqs {
-        mgr.reserve(s, len)?;
+        mgr.reserve(s, cached)?;
     }
     let mut cache = DeviceKvCache::<bf16>::new(gpu, &mgr)?;
-    cache.sync_tables(gpu, &mgr)?;
     cache.fill_random(gpu, 17)?;
-    let ranges: Vec<_> = seqs.iter().map(|&s| (s, 0..len)).collect();
-    let plan = KvWritePlan::new(&mgr, &ranges)?.upload(gpu)?;
+    let ranges: Vec<_> = seqs.iter().map(|&s| (s, 0..cached)).collect();
+    let plan = KvWritePlan::new(&mgr, &ranges)?.upload(gpu, &mgr, &mut cache)?;
     for layer in 0..layers {
         pool_key_stats(gpu, &mut cache, layer, &plan)?;
     }
     let mut b = DecodeBatch::new(gpu, batch)?;
-    b.set(gpu, &mgr, &seqs)?;
+    b.set(gpu, &mgr, &mut cache, &seqs)?;
     let stream = gpu.stream();
     let mut q = stream.alloc_zeros::<bf16>(batch * model.hq * D)?;
     fill_random(gpu, &mut q, 99)?;
@@ -177,6 +182,8 @@ fn bench_case(
         attention,
         selection,
         step,
+        mgr,
+        seqs,
         q,
         out,
         k,
@@ -371,13 +378,15 @@ fn decode(c: &mut Criterion) {
                 } else {
                     step_layers(batch)
                 };
-                // The step's token is in the cache: `context + 1` tokens.
+                // The step's token is in the cache: `context + 1` tokens (a step's plan reserves
+                // it).
                 let made = bench_case(
                     &gpu,
                     model,
                     layers,
                     batch,
                     context + 1,
+                    group_name == "step",
                     streaming,
                     selection,
                     reuse,
@@ -398,27 +407,31 @@ fn decode(c: &mut Criterion) {
                 // `SparsityConfig::selects_at` asks for (the device's step counters advance one
                 // per replay from 0, as the replays count them).
                 let (config, len) = (l.config, l.len);
+                let Bench {
+                    cache,
+                    batch,
+                    attention,
+                    selection,
+                    step,
+                    mgr,
+                    seqs,
+                    q,
+                    out,
+                    k,
+                    v,
+                    ..
+                } = &mut l;
+                // `step/*`: one planned step (its token reserved, tables and batch written),
+                // captured twice; the replays rewrite the same token's position.
+                let mut plan = (group_name == "step")
+                    .then(|| step.plan(&gpu, mgr, cache, seqs).expect("plan"));
                 let mut run_step = |select: bool| {
-                    let Bench {
-                        cache,
-                        batch,
-                        attention,
-                        selection,
-                        step,
-                        q,
-                        out,
-                        k,
-                        v,
-                        ..
-                    } = &mut l;
                     for layer in 0..layers {
-                        if group_name == "step" {
+                        if let Some(plan) = plan.as_mut() {
                             // A decode step's layer: the append (inside the attention launch
                             // or before the selector), the selector if `select`, the attention.
-                            step.layer_with_selector(
-                                select, &gpu, cache, layer, batch, q, k, v, out,
-                            )
-                            .expect("step layer");
+                            plan.layer_with_selector(select, &gpu, cache, layer, q, k, v, out)
+                                .expect("step layer");
                             continue;
                         }
                         if select {
@@ -430,6 +443,7 @@ fn decode(c: &mut Criterion) {
                         }
                     }
                     if run_select {
+                        let batch = plan.as_ref().map_or(&*batch, |p| p.batch());
                         advance_decode_steps(&gpu, cache, batch).expect("advance");
                     }
                 };
@@ -453,7 +467,7 @@ fn decode(c: &mut Criterion) {
             // of a logical page, so the update reads and writes the statistics, as 15 of 16
             // steps do with logical pages of 16).
             if selected(&case("kv", "append")) {
-                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, true, 4) {
+                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.append_bytes();
                         bench_captured(c, &gpu, "kv", id("append"), bytes, 1, || {
@@ -470,7 +484,7 @@ fn decode(c: &mut Criterion) {
             // Statistics pooling over the whole context (prefill's pooling of a prompt, or a
             // rebuild): it recomputes `kmin`/`kmax` from the K rows, so replays are state-free.
             if batch == 1 && selected(&case("kv", "pool")) {
-                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, true, 4) {
+                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4) {
                     Ok(mut l) => {
                         let bytes = l.pool_bytes();
                         bench_captured(c, &gpu, "kv", id("pool"), bytes, 1, || {

@@ -138,8 +138,7 @@ fn cache_case(gpu: &GpuContext, len: usize) -> lserve::Result<CacheCase> {
     let seq = mgr.add_sequence()?;
     let prompt = mgr.reserve(seq, len)?;
     let mut cache = DeviceKvCache::<bf16>::new(gpu, &mgr)?;
-    cache.sync_tables(gpu, &mgr)?;
-    let kv_plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?.upload(gpu)?;
+    let kv_plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?.upload(gpu, &mgr, &mut cache)?;
     let cu = [0, len];
     let plan = PrefillPlan::new(
         gpu,

@@ -4,7 +4,7 @@
 use half::bf16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
-use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
@@ -97,7 +97,6 @@ pub fn decode_step(
     let mut p = prompt(pattern, config, layer, context)?;
     let g = *p.manager.geometry();
     let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
-    p.manager.reserve(p.seq, 1)?;
     let q = p.rng.vec(hq * d);
     let k = p.rng.vec(hkv * d);
     let v = p.rng.vec(hkv * d);
@@ -105,11 +104,13 @@ pub fn decode_step(
         true => Err("--cpu was given".to_string()),
         false => GpuContext::new(0).map_err(|e| format!("no usable GPU: {e}")),
     };
-    // The GPU starts from the cache as it stood before the step (the reference appends to it).
+    // The GPU starts from the cache as it stood before the step (the reference appends to it);
+    // its step reserves the token itself.
     let before = gpu
         .as_ref()
         .ok()
-        .map(|_| (p.host.clone(), p.tables.clone()));
+        .map(|_| (p.manager.clone(), p.host.clone(), p.tables.clone()));
+    p.manager.reserve(p.seq, 1)?;
     let mut reuse = ReuseState::new(config.reuse_interval)?;
     let want = reference_step(
         &p.manager,
@@ -124,7 +125,7 @@ pub fn decode_step(
     )?;
     let finite = want.out.iter().all(|x| x.is_finite());
     let summary = summarize(&want.visits[0], config, context + 1, finite, &want.out, d);
-    let (gpu, (host, tables)) = match (gpu, before) {
+    let (gpu, (mut manager, host, tables)) = match (gpu, before) {
         (Ok(gpu), Some(before)) => (gpu, before),
         (Err(why), _) => {
             return Ok(StepReport {
@@ -135,11 +136,10 @@ pub fn decode_step(
         (Ok(_), None) => unreachable!("the state is cloned whenever a GPU is present"),
     };
 
-    // The same step on the GPU: append, select, attend, advance.
-    let mut cache = DeviceKvCache::upload(&gpu, &p.manager, &host, &tables)?;
+    // The same step on the GPU: reserve, append, select, attend, advance.
+    let mut cache = DeviceKvCache::upload(&gpu, &manager, &host, &tables)?;
     let mut step = DecodeStep::new(&gpu, &cache, 1)?;
-    let mut batch = DecodeBatch::new(&gpu, 1)?;
-    batch.set(&gpu, &p.manager, &[p.seq])?;
+    let mut plan = step.plan(&gpu, &mut manager, &mut cache, &[p.seq])?;
     let stream = gpu.stream();
     let (q_dev, k_dev, v_dev) = (
         stream.clone_htod(&q)?,
@@ -147,10 +147,8 @@ pub fn decode_step(
         stream.clone_htod(&v)?,
     );
     let mut out = stream.clone_htod(&vec![bf16::NAN; hq * d])?;
-    step.layer(
-        &gpu, &mut cache, 0, &batch, &q_dev, &k_dev, &v_dev, &mut out,
-    )?;
-    step.finish(&gpu, &mut cache, &batch)?;
+    plan.layer(&gpu, &mut cache, 0, &q_dev, &k_dev, &v_dev, &mut out)?;
+    plan.finish(&gpu, &mut cache)?;
     let got: Vec<bf16> = stream.clone_dtoh(&out)?;
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
     for (g, w) in got.iter().zip(&want.out) {

@@ -221,25 +221,34 @@ impl<E: DeviceElement> Prompted<E> {
         for &s in &self.seqs {
             self.mgr.reserve(s, 1).unwrap();
         }
-        let g = *self.mgr.geometry();
-        let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), self.seqs.len());
-        let q = random_vec::<E>(&mut self.rng, batch * hq * d);
-        let k = random_vec::<E>(&mut self.rng, batch * hkv * d);
-        let v = random_vec::<E>(&mut self.rng, batch * hkv * d);
-        let want = decode_step(
+        reference_inputs(
+            &mut self.rng,
             &self.mgr,
             &mut self.host,
             &mut self.tables,
             &mut self.reuse,
-            0,
             &self.seqs,
-            &q,
-            &k,
-            &v,
         )
-        .unwrap();
-        Step { q, k, v, want }
     }
+}
+
+/// Draws a step's queries, keys and values and runs the reference decode step on them (layer
+/// 0), the step's tokens already reserved in `mgr`, without advancing the sequences.
+fn reference_inputs<E: DeviceElement>(
+    rng: &mut StdRng,
+    mgr: &KvCacheManager,
+    host: &mut HostKvCache<E>,
+    tables: &mut IndexTables,
+    reuse: &mut ReuseState,
+    seqs: &[SeqId],
+) -> Step<E> {
+    let g = *mgr.geometry();
+    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), seqs.len());
+    let q = random_vec::<E>(rng, batch * hq * d);
+    let k = random_vec::<E>(rng, batch * hkv * d);
+    let v = random_vec::<E>(rng, batch * hkv * d);
+    let want = decode_step(mgr, host, tables, reuse, 0, seqs, &q, &k, &v).unwrap();
+    Step { q, k, v, want }
 }
 
 fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
@@ -268,8 +277,8 @@ fn run_case_with_splits<E: DeviceElement>(
             p.mgr.advance_decode_step(s).unwrap();
         }
 
-        let cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
-        batch_dev.set(gpu, &p.mgr, &p.seqs).unwrap();
+        let mut cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
+        batch_dev.set(gpu, &p.mgr, &mut cache, &p.seqs).unwrap();
         let q_dev = gpu.stream().clone_htod(&q).unwrap();
         let mut out = gpu
             .stream()
@@ -390,7 +399,6 @@ fn run_steps<E: DeviceElement>(
         .with_append_launch(append)
         .with_max_splits(max_splits)
         .unwrap();
-    let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
     let stream = gpu.stream().clone();
     let mut q_dev = stream.alloc_zeros::<E>(batch * hq * d).unwrap();
     let mut k_dev = stream.alloc_zeros::<E>(batch * hkv * d).unwrap();
@@ -398,18 +406,25 @@ fn run_steps<E: DeviceElement>(
     let mut out = stream.alloc_zeros::<E>(batch * hq * d).unwrap();
 
     for step in 0..case.steps {
-        let Step { q, k, v, want } = p.reference_step();
-
-        cache.sync_tables(gpu, &p.mgr).unwrap();
-        batch_dev.set(gpu, &p.mgr, &p.seqs).unwrap();
+        // The plan reserves the step's tokens; the reference then runs on the same manager.
+        let mut plan = step_ws.plan(gpu, &mut p.mgr, &mut cache, &p.seqs).unwrap();
+        let Step { q, k, v, want } = reference_inputs(
+            &mut p.rng,
+            plan.manager(),
+            &mut p.host,
+            &mut p.tables,
+            &mut p.reuse,
+            &p.seqs,
+        );
         // The selector runs on the first step (the uploaded cache holds no selection) and then
         // only where a sequence selects by its counter: the other steps are append + attention.
         let counters_say = p.seqs.iter().any(|&s| {
-            let view = p.mgr.view(s).unwrap();
-            p.config.selects_at(view.len, p.mgr.decode_step(s).unwrap())
+            let m = plan.manager();
+            p.config
+                .selects_at(m.len(s).unwrap(), m.decode_step(s).unwrap())
         });
         prop_assert_eq!(
-            DecodeStep::selects(&cache, &batch_dev),
+            plan.selects(),
             step == 0 || counters_say,
             "step {}: whether the selector runs",
             step
@@ -427,27 +442,18 @@ fn run_steps<E: DeviceElement>(
                     lserve::cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
                 )
                 .unwrap();
-            step_ws
-                .layer(
-                    gpu, &mut cache, 0, &batch_dev, &q_dev, &k_dev, &v_dev, &mut out,
-                )
+            plan.layer(gpu, &mut cache, 0, &q_dev, &k_dev, &v_dev, &mut out)
                 .unwrap();
-            step_ws.finish(gpu, &mut cache, &batch_dev).unwrap();
+            plan.finish(gpu, &mut cache).unwrap();
             let g = stream
                 .end_capture(lserve::cudarc::driver::sys::CUgraphInstantiate_flags(0))
                 .unwrap()
                 .expect("a graph");
             g.launch().unwrap();
         } else {
-            step_ws
-                .layer(
-                    gpu, &mut cache, 0, &batch_dev, &q_dev, &k_dev, &v_dev, &mut out,
-                )
+            plan.layer(gpu, &mut cache, 0, &q_dev, &k_dev, &v_dev, &mut out)
                 .unwrap();
-            step_ws.finish(gpu, &mut cache, &batch_dev).unwrap();
-        }
-        for &s in &p.seqs {
-            p.mgr.advance_decode_step(s).unwrap();
+            plan.finish(gpu, &mut cache).unwrap();
         }
         let got: Vec<E> = stream.clone_dtoh(&out).unwrap();
 
@@ -581,7 +587,7 @@ fn reused_selections_follow_new_pages_without_the_selector() {
         }
     }
     // Uploaded mid-decode (step 1 of reuse 4): the cache holds no selection, so the first step
-    // selects although its counter is not a multiple of 4 (`DecodeStep::selects`).
+    // selects although its counter is not a multiple of 4 (`PlannedStep::selects`).
     run_steps::<bf16>(&gpu, &case, false, 1, AppendLaunch::Fused, MAX_SPLITS).unwrap();
 }
 

@@ -389,10 +389,10 @@ fn append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseErr
         }
         let k = random_vec::<E>(&mut s.rng, subset.len() * row);
         let v = random_vec::<E>(&mut s.rng, subset.len() * row);
-        batch.set(gpu, &s.mgr, &subset).unwrap();
         let k_dev = gpu.stream().clone_htod(&k).unwrap();
         let v_dev = gpu.stream().clone_htod(&v).unwrap();
         let got = on_device(gpu, &s.mgr, &uploaded, |dev| {
+            batch.set(gpu, &s.mgr, dev, &subset).unwrap();
             append_kv(gpu, dev, case.layer, &batch, &k_dev, &v_dev).unwrap()
         });
         for (b, &seq) in subset.iter().enumerate() {
@@ -454,8 +454,7 @@ fn persistent_run<E: Bits>(gpu: &GpuContext, case: &Case) {
         for &seq in &s.seqs {
             s.mgr.reserve(seq, 1).unwrap();
         }
-        device.sync_tables(gpu, &s.mgr).unwrap();
-        batch.set(gpu, &s.mgr, &s.seqs).unwrap();
+        batch.set(gpu, &s.mgr, &mut device, &s.seqs).unwrap();
         let k = random_vec::<E>(&mut s.rng, k_dev_len);
         let v = random_vec::<E>(&mut s.rng, k_dev_len);
         let (k_dev, v_dev) = (
@@ -527,8 +526,8 @@ fn write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCas
         gpu.stream().clone_htod(&k).unwrap(),
         gpu.stream().clone_htod(&v).unwrap(),
     );
-    let device_plan = plan.upload(gpu).unwrap();
     let got = on_device(gpu, &s.mgr, &uploaded, |dev| {
+        let device_plan = plan.upload(gpu, &s.mgr, dev).unwrap();
         write_kv_rows(gpu, dev, case.layer, &device_plan, &k_dev, &v_dev).unwrap();
         pool_key_stats(gpu, dev, case.layer, &device_plan).unwrap();
     });
@@ -586,8 +585,8 @@ fn pool_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError
             }
         }
     }
-    let device_plan = plan.upload(gpu).unwrap();
     let got = on_device(gpu, &s.mgr, &uploaded, |dev| {
+        let device_plan = plan.upload(gpu, &s.mgr, dev).unwrap();
         pool_key_stats(gpu, dev, case.layer, &device_plan).unwrap()
     });
     for (seq, range) in &ranges {
@@ -676,7 +675,7 @@ fn bad_arguments_are_typed_errors() {
         append_kv(&gpu, &mut cache, 0, &batch, &full, &full),
         Err(LserveError::Empty(_))
     ));
-    batch.set(&gpu, &mgr, &[seq]).unwrap();
+    batch.set(&gpu, &mgr, &mut cache, &[seq]).unwrap();
     assert!(matches!(
         append_kv(&gpu, &mut cache, 0, &batch, &short, &full),
         Err(LserveError::ShapeMismatch { what: "k", .. })
@@ -687,7 +686,7 @@ fn bad_arguments_are_typed_errors() {
     ));
     let plan = KvWritePlan::new(&mgr, &[(seq, range)])
         .unwrap()
-        .upload(&gpu)
+        .upload(&gpu, &mgr, &mut cache)
         .unwrap();
     assert!(matches!(
         write_kv_rows(&gpu, &mut cache, 0, &plan, &short, &full),
@@ -702,13 +701,16 @@ fn bad_arguments_are_typed_errors() {
         KvCacheManager::new(g, HeadPattern::all_dense(g), other_config, 8, 2, 64).unwrap();
     let s2 = other.add_sequence().unwrap();
     let r2 = other.reserve(s2, 3).unwrap();
-    let other_plan = KvWritePlan::new(&other, &[(s2, r2)])
-        .unwrap()
-        .upload(&gpu)
-        .unwrap();
+    let other_plan = KvWritePlan::new(&other, &[(s2, r2)]).unwrap();
     assert!(matches!(
-        pool_key_stats(&gpu, &mut cache, 0, &other_plan),
+        other_plan.upload(&gpu, &other, &mut cache),
         Err(LserveError::InvalidArgument { what: "plan", .. })
+    ));
+    // A plan made from one manager does not upload with another's tables.
+    let from_mgr = KvWritePlan::new(&mgr, &[(seq, 0..5)]).unwrap();
+    assert!(matches!(
+        from_mgr.upload(&gpu, &other, &mut cache),
+        Err(LserveError::StaleTables { what: "plan", .. })
     ));
     // Valid calls still work after the refusals.
     write_kv_rows(&gpu, &mut cache, 0, &plan, &full, &full).unwrap();

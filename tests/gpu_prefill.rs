@@ -639,7 +639,7 @@ fn prefill_into_cache_writes_the_cache_and_attends() {
         s.clone_htod(&v).unwrap(),
     );
     let mut out_dev = s.clone_htod(&vec![bf16::NAN; t * 4 * d]).unwrap();
-    let device_plan = plan.upload(&gpu).unwrap();
+    let device_plan = plan.upload(&gpu, &mgr, &mut device).unwrap();
     prefill_into_cache(
         &gpu,
         &mut device,

@@ -207,7 +207,9 @@ fn run_step<E: DeviceElement>(
     let pattern = mgr.pattern();
     let q: Vec<E> = random_vec(rng, seqs.len() * hq * d);
     let q_dev = gpu.stream().clone_htod(&q).map_err(|e| e.to_string())?;
-    batch.set(gpu, mgr, seqs).map_err(|e| e.to_string())?;
+    batch
+        .set(gpu, mgr, cache, seqs)
+        .map_err(|e| e.to_string())?;
     for layer in 0..g.layers() {
         ws.poison(gpu, f32::from_bits(SCORE_POISON_BITS))
             .map_err(|e| e.to_string())?;
@@ -414,7 +416,6 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), Strin
                 poison_missing_stats(&mut host, layer, &view);
             }
         }
-        cache.sync_tables(gpu, &mgr).unwrap();
         upload_key_stats(gpu, &mut cache, &host).unwrap();
         seqs.shuffle(&mut rng); // batch order is not slot order
         run_step(
@@ -429,6 +430,11 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), Strin
             &mut held,
             &mut rng,
         )?;
+        // The manager's counters advance with the device's (the batch of the next step writes
+        // the manager's into the device where they differ).
+        for &seq in &seqs {
+            mgr.advance_decode_step(seq).unwrap();
+        }
         steps.values_mut().for_each(|s| *s += 1);
     }
     Ok(())
@@ -539,7 +545,7 @@ fn many_candidates_with_exact_ties() {
         let mut cache = DeviceKvCache::upload(&gpu, &mgr, &host, &index).unwrap();
         let mut ws = SelectWorkspace::new(&gpu, &cache, 1).unwrap();
         let mut batch = DecodeBatch::new(&gpu, 1).unwrap();
-        batch.set(&gpu, &mgr, &[seq]).unwrap();
+        batch.set(&gpu, &mgr, &mut cache, &[seq]).unwrap();
         let q: Vec<bf16> = random_vec(&mut rng, 64);
         let q_dev = gpu.stream().clone_htod(&q).unwrap();
         ws.poison(&gpu, f32::from_bits(SCORE_POISON_BITS)).unwrap();

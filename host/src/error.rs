@@ -114,6 +114,16 @@ pub enum LserveError {
         /// The sequence's length.
         len: usize,
     },
+    /// A batch or plan was made against block tables the device cache no longer holds (or
+    /// never held): another cache, another manager, or rows the manager changed since. Checked
+    /// before anything is enqueued.
+    #[error("stale {what}: {reason}")]
+    StaleTables {
+        /// Which argument (`"batch"`, `"plan"`).
+        what: &'static str,
+        /// What it was made against, and what the cache holds.
+        reason: String,
+    },
     // New variants go above this line (helpers: append, do not reorder).
 }
 

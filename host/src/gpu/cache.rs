@@ -4,20 +4,29 @@
 //! `lserve-abi`), plus the tables the kernels read: block tables (shared by all layers), per
 //! layer the index tables and the head map. Everything is allocated when the cache is built;
 //! nothing in a decode step allocates. The host's [`KvCacheManager`] stays the owner of the
-//! page pool: after it changes (a sequence added, grown across a page boundary, freed),
-//! [`DeviceKvCache::sync_tables`] copies the block tables over.
+//! page pool and of the decode step counters; the cache remembers which of the manager's
+//! tables it holds (a [`TableGeneration`](crate::paging::TableGeneration) and each row's
+//! generation). Whatever launches read the tables is described by a value that brings the cache
+//! to the manager's tables when it is made and records what it was made against:
+//! [`DecodeBatch::set`] (and [`DecodeStep::plan`](super::DecodeStep::plan), which sets one),
+//! [`KvWritePlan::upload`](super::KvWritePlan::upload). Only the rows that changed are copied
+//! (of a row that grew, its new entries), a slot that changed hands has its selection state
+//! reset, and a launch given a batch or plan made against other tables is refused
+//! (`StaleTables`) before anything is enqueued.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::{PagedLayout, StreamingLayout};
 
+use super::table_sync::{RowCopy, TableMirror};
 use super::GpuContext;
 use crate::dtype::Element;
 use crate::head_pattern::{HeadKind, HeadPattern};
 use crate::index_table::IndexTables;
-use crate::paging::{HostKvCache, KvCacheManager, SeqId};
+use crate::paging::{HostKvCache, KvCacheManager, SeqId, TableGeneration, PAD_PAGE};
 use crate::{LserveError, Result};
 
 /// An [`Element`] the device buffers can hold (bf16 and f16).
@@ -71,6 +80,8 @@ pub struct DeviceLayer<E> {
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
 pub struct DeviceKvCache<E> {
+    /// This cache's identity (batches and plans record it).
+    id: u64,
     pattern: HeadPattern,
     layers: Vec<DeviceLayer<E>>,
     /// `[slots][max_pages]` physical page ids.
@@ -84,13 +95,10 @@ pub struct DeviceKvCache<E> {
     /// `0, C, 2C, ...`), kept on the device so that a step never waits for the host.
     pub(crate) decode_steps: CudaSlice<u32>,
     pub(crate) slots: u32,
-    /// The sequence each slot held at the last [`sync_tables`](Self::sync_tables) (host side):
-    /// a slot that changed hands gets its selection state reset.
-    slot_owners: Vec<Option<SeqId>>,
-    /// Per slot (host side): no selection held since the cache was made or the slot's selection
-    /// state was reset, so the device selects at the slot's next step whatever its counter says
-    /// (`DecodeStep` then launches the selector; cleared once a step selected).
-    selection_pending: Vec<bool>,
+    /// What the block tables, step counters and held selections hold (host side).
+    pub(crate) mirror: TableMirror,
+    /// `[max_pages]` of `PAD_PAGE`: the source of the copies that clear a row's entries.
+    pad_row: Vec<u32>,
     /// Sequences up to this length decode densely (`SparsityConfig::dynamic_min_len`).
     pub(crate) dynamic_min_len: u32,
     /// Softmax scale of the attention (`SparsityConfig::softmax_scale_for`).
@@ -143,16 +151,8 @@ struct LayerBuffers<E> {
     index_lens: CudaSlice<u32>,
 }
 
-/// The sequence in each slot of `manager`.
-fn slot_owners(manager: &KvCacheManager) -> Vec<Option<SeqId>> {
-    let mut owners = vec![None; manager.max_sequences()];
-    for seq in manager.sequences() {
-        if let Ok(slot) = manager.slot(seq) {
-            owners[slot as usize] = Some(seq);
-        }
-    }
-    owners
-}
+/// Hands out device cache identities.
+static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
 
 /// The decode step counter of the sequence in each slot of `manager` (0 for free slots).
 fn step_counters(manager: &KvCacheManager) -> Vec<u32> {
@@ -298,6 +298,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             Contents::Host { index, .. } => index.layer(0)?.entry_capacity(),
         } as u32;
         Ok(Self {
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             pattern,
             layers,
             block_tables: upload(stream, &tables.pages)?,
@@ -306,36 +307,126 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             held_capacity: held_capacity as u32,
             decode_steps: upload(stream, &step_counters(manager))?,
             slots: tables.slots as u32,
-            slot_owners: slot_owners(manager),
-            selection_pending: vec![true; tables.slots],
+            mirror: TableMirror::of(manager),
+            pad_row: vec![PAD_PAGE; tables.max_pages_per_seq],
             dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
             softmax_scale: cfg.softmax_scale_for(pattern_head_dim),
             config: *cfg,
         })
     }
 
-    /// Copies the manager's block tables to the device (after sequences were added, grown or
-    /// freed), and resets the selection state (step counter, held selections) of every slot
-    /// that now holds another sequence than at the last call. Asynchronous on the context's
-    /// stream; allocates nothing on the device.
-    pub fn sync_tables(&mut self, gpu: &GpuContext, manager: &KvCacheManager) -> Result<()> {
-        let tables = manager.device_block_tables();
-        if tables.slots as u32 != self.slots || tables.max_pages_per_seq as u32 != self.max_pages {
+    /// Checks that `manager`'s block tables fit this cache: the same slots, block-table width,
+    /// pool capacity and page sizes (its page ids then address this cache's pools).
+    pub(crate) fn check_manager(&self, manager: &KvCacheManager) -> Result<()> {
+        let (cfg, ours) = (manager.config(), &self.config);
+        let capacity = self.layers.first().map(|l| l.paged.capacity as usize);
+        if manager.max_sequences() as u32 != self.slots
+            || manager.max_pages_per_seq() as u32 != self.max_pages
+            || capacity.is_some_and(|c| c != manager.pool().capacity())
+            || cfg.page_tokens != ours.page_tokens
+            || cfg.logical_page_tokens != ours.logical_page_tokens
+        {
             return Err(LserveError::InvalidArgument {
                 what: "manager",
-                reason: "block tables shaped differently from this cache's".into(),
+                reason: "block tables shaped differently from this cache's (slots, width, pool \
+                         capacity or page sizes)"
+                    .into(),
             });
         }
-        gpu.stream()
-            .memcpy_htod(&tables.pages, &mut self.block_tables)?;
-        let owners = slot_owners(manager);
-        for (slot, owner) in owners.iter().enumerate() {
-            if owner.is_some() && *owner != self.slot_owners[slot] {
-                super::reset_selection_state(gpu, self, slot as u32)?;
-            }
-        }
-        self.slot_owners = owners;
         Ok(())
+    }
+
+    /// Brings the device's block tables to the manager's: copies the entries of the rows that
+    /// changed since the last sync (a row that grew: its new entries; a slot that changed hands
+    /// or was freed: the new owner's pages and padding over the old owner's), and resets the
+    /// selection state (step counter, held selections) of every slot that now holds another
+    /// sequence. Nothing when the manager's generation is the one last synced. Asynchronous on
+    /// the context's stream; allocates nothing on the device.
+    pub(crate) fn sync(&mut self, gpu: &GpuContext, manager: &KvCacheManager) -> Result<()> {
+        self.check_manager(manager)?;
+        let stream = gpu.stream();
+        let width = self.max_pages as usize;
+        let Self {
+            mirror,
+            block_tables,
+            pad_row,
+            layers,
+            decode_steps,
+            ..
+        } = self;
+        mirror.sync(manager, |copy| {
+            match copy {
+                RowCopy::Pages { slot, from, to } => {
+                    let (_, table) =
+                        manager
+                            .slot_owner(slot)
+                            .ok_or_else(|| LserveError::InvalidArgument {
+                                what: "manager",
+                                reason: format!("slot {slot} has no owner"),
+                            })?;
+                    let row = slot as usize * width;
+                    stream.memcpy_htod(
+                        &table.pages()[from..to],
+                        &mut block_tables.slice_mut(row + from..row + to),
+                    )?;
+                }
+                RowCopy::Pad { slot, from, to } => {
+                    let row = slot as usize * width;
+                    stream.memcpy_htod(
+                        &pad_row[..to - from],
+                        &mut block_tables.slice_mut(row + from..row + to),
+                    )?;
+                }
+                RowCopy::ResetSelection { slot } => {
+                    zero_selection_state(stream, layers, decode_steps, slot as usize)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Zeroes `slot`'s step counter and held selections (the slot is below the slot count).
+    pub(crate) fn reset_selection_state(&mut self, gpu: &GpuContext, slot: u32) -> Result<()> {
+        self.mirror.reset(slot);
+        zero_selection_state(
+            gpu.stream(),
+            &mut self.layers,
+            &mut self.decode_steps,
+            slot as usize,
+        )
+    }
+
+    /// The manager's tables this cache holds, as of its last sync (a plan, a batch set, a write
+    /// plan uploaded, or the cache built): equal to `KvCacheManager::generation` when nothing
+    /// changed since.
+    ///
+    /// ```no_run
+    /// use half::bf16;
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{DecodeBatch, DeviceKvCache, GpuContext};
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    ///
+    /// let gpu = GpuContext::new(0)?;
+    /// let g = ModelGeometry::llama3_8b();
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 2, 65536)?;
+    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// assert_eq!(cache.generation(), mgr.generation());
+    /// let seq = mgr.add_sequence()?;
+    /// mgr.reserve(seq, 100)?;
+    /// assert_ne!(cache.generation(), mgr.generation()); // not copied yet
+    /// DecodeBatch::new(&gpu, 2)?.set(&gpu, &mgr, &mut cache, &[seq])?;
+    /// assert_eq!(cache.generation(), mgr.generation());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn generation(&self) -> TableGeneration {
+        self.mirror.generation()
+    }
+
+    /// This cache's identity.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Copies K/V, statistics and index tables back into host structures (for tests and
@@ -380,6 +471,16 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         Ok(())
     }
 
+    /// The block tables as the device holds them, `[slots][max_pages]` (tests and debugging;
+    /// synchronizes). After a [`DecodeBatch::set`] they are the manager's
+    /// (`KvCacheManager::device_block_tables`).
+    #[doc(hidden)]
+    pub fn download_block_tables(&self, gpu: &GpuContext) -> Result<Vec<u32>> {
+        let tables = gpu.stream().clone_dtoh(&self.block_tables)?;
+        gpu.stream().synchronize()?;
+        Ok(tables)
+    }
+
     /// Fills every layer's K and V (pool and streaming store) with deterministic pseudo-random
     /// values ([`fill_random`](super::fill_random), seeded per buffer from `seed`). For
     /// benchmarks and tests that need a long context without uploading one; the key statistics
@@ -395,13 +496,28 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         Ok(())
     }
 
-    /// Checks that `batch` fits this cache: not empty, every slot below the cache's slot count,
-    /// every length within what the block tables reach (a batch set from another manager would
-    /// otherwise make the kernels read out of bounds).
+    /// Checks that `batch` fits this cache: not empty, set against this cache and the block
+    /// tables it holds now (`StaleTables` otherwise), every slot below the cache's slot count,
+    /// every length within what the block tables reach.
     pub(crate) fn check_batch(&self, batch: &DecodeBatch) -> Result<()> {
         if batch.is_empty() {
             return Err(LserveError::Empty("batch"));
         }
+        if batch.cache != self.id {
+            return Err(LserveError::StaleTables {
+                what: "batch",
+                reason: "set against another device cache".into(),
+            });
+        }
+        self.mirror.check_rows(
+            "batch",
+            batch.manager,
+            batch
+                .host_slots
+                .iter()
+                .copied()
+                .zip(batch.row_generations.iter().copied()),
+        )?;
         let reach = self.max_pages as usize * self.config.page_tokens;
         for (&slot, &len) in batch.host_slots.iter().zip(&batch.host_lens) {
             if slot >= self.slots || len == 0 || len as usize > reach {
@@ -441,30 +557,15 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         self.layer_parts_mut(layer).map(|(l, _, _)| l)
     }
 
-    /// Whether a slot of `batch` holds no selection yet (see `selection_pending`).
+    /// Whether a slot of `batch` holds no selection yet (the cache was made, or the slot's
+    /// selection state reset, since its last selecting step).
     pub(crate) fn selection_pending(&self, batch: &DecodeBatch) -> bool {
-        batch.host_slots.iter().any(|&s| {
-            self.selection_pending
-                .get(s as usize)
-                .copied()
-                .unwrap_or(true)
-        })
-    }
-
-    /// Marks `slot`'s selection state as reset (the next step selects).
-    pub(crate) fn mark_selection_pending(&mut self, slot: u32) {
-        if let Some(p) = self.selection_pending.get_mut(slot as usize) {
-            *p = true;
-        }
+        self.mirror.selection_pending(&batch.host_slots)
     }
 
     /// Marks the slots of `batch` as holding a selection (a step with the selector ran for them).
     pub(crate) fn clear_selection_pending(&mut self, batch: &DecodeBatch) {
-        for &s in &batch.host_slots {
-            if let Some(p) = self.selection_pending.get_mut(s as usize) {
-                *p = false;
-            }
-        }
+        self.mirror.selected(&batch.host_slots);
     }
 
     /// Layer `layer`'s buffers, mutable, with what every layer shares to read: the block tables
@@ -483,6 +584,24 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     }
 }
 
+/// Zeroes `slot`'s decode step counter and, in every layer, the held selections of its dense
+/// heads (enqueued on `stream`).
+pub(crate) fn zero_selection_state<E>(
+    stream: &Arc<CudaStream>,
+    layers: &mut [DeviceLayer<E>],
+    decode_steps: &mut CudaSlice<u32>,
+    slot: usize,
+) -> Result<()> {
+    stream.memset_zeros(&mut decode_steps.slice_mut(slot..slot + 1))?;
+    for l in layers {
+        let heads = l.paged.heads as usize;
+        if heads > 0 {
+            stream.memset_zeros(&mut l.held_lens.slice_mut(slot * heads..(slot + 1) * heads))?;
+        }
+    }
+    Ok(())
+}
+
 /// The error for a layer index past the cache's `n` layers.
 fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
     LserveError::InvalidArgument {
@@ -493,7 +612,13 @@ fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
 
 /// The sequences of one decode step, on the device: for batch row `b`, its slot and its length
 /// (after the step's token). Sized for `max_batch` rows when made; [`set`](Self::set) rewrites it
-/// in place, so a captured step can be replayed with a new batch.
+/// in place, so a captured step can be replayed with a new batch. It records the cache and the
+/// block tables it was set against: a launch with it on another cache, or after the cache took
+/// newer tables for one of its slots, is `StaleTables`.
+///
+/// [`DecodeStep::plan`](super::DecodeStep::plan) sets the batch of a whole decode step; a
+/// `DecodeBatch` of one's own is for the separate launches ([`decode_attention`](super::decode_attention),
+/// [`append_kv`](super::append_kv), [`select_pages`](super::select_pages)).
 pub struct DecodeBatch {
     pub(crate) seq_slot: CudaSlice<u32>,
     pub(crate) seq_len: CudaSlice<u32>,
@@ -502,6 +627,14 @@ pub struct DecodeBatch {
     pub(crate) host_lens: Vec<u32>,
     /// The slots, as last set (checked against a cache before each launch).
     pub(crate) host_slots: Vec<u32>,
+    /// The sequences, as last set.
+    pub(crate) host_seqs: Vec<SeqId>,
+    /// The row generation of each row's slot, as the cache held it when set.
+    row_generations: Vec<u64>,
+    /// The cache it was set against.
+    cache: u64,
+    /// The manager it was set from.
+    manager: u64,
     /// Whether some sequence selects pages on this step (as last set).
     selection_due: bool,
 }
@@ -518,18 +651,128 @@ impl DecodeBatch {
             len: 0,
             host_lens: Vec::with_capacity(max_batch),
             host_slots: Vec::with_capacity(max_batch),
+            host_seqs: Vec::with_capacity(max_batch),
+            row_generations: Vec::with_capacity(max_batch),
+            cache: u64::MAX,
+            manager: u64::MAX,
             selection_due: false,
         })
     }
 
-    /// Describes `seqs` (in this order) as they stand in `manager` now. Validates every id
-    /// before changing anything.
-    pub fn set(
+    /// The largest batch it holds.
+    pub fn max_batch(&self) -> usize {
+        self.seq_slot.len()
+    }
+
+    /// Describes `seqs` (in this order) as they stand in `manager` now, for launches on
+    /// `cache`: brings the cache's block tables to the manager's (only what changed; a slot that
+    /// changed hands gets its selection state reset), writes the manager's decode step counter
+    /// of each sequence into the device's where they differ (the manager's is the truth), and
+    /// records the tables it was set against. Validates everything before changing anything:
+    /// `Empty` for no sequence or an empty one, `InvalidArgument` for too many, a sequence listed
+    /// twice or a manager shaped differently from the cache, `UnknownSequence`.
+    ///
+    /// ```no_run
+    /// use half::bf16;
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{decode_attention, DecodeBatch, DecodeWorkspace, DeviceKvCache, GpuContext};
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    /// use lserve::LserveError;
+    ///
+    /// let gpu = GpuContext::new(0)?;
+    /// let g = ModelGeometry::llama3_8b();
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 2, 65536)?;
+    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// let a = mgr.add_sequence()?;
+    /// mgr.reserve(a, 1000)?;
+    /// let mut batch = DecodeBatch::new(&gpu, 2)?;
+    /// batch.set(&gpu, &mgr, &mut cache, &[a])?; // copies `a`'s new row
+    /// let mut ws = DecodeWorkspace::new(&gpu, 2, g.kv_heads(), g.group(), g.head_dim())?;
+    /// let q = gpu.stream().alloc_zeros::<bf16>(2 * g.q_heads() * g.head_dim())?;
+    /// let mut out = gpu.stream().alloc_zeros::<bf16>(2 * g.q_heads() * g.head_dim())?;
+    /// decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws)?;
+    /// // Another batch takes the slot `a` held: the first batch no longer describes the cache.
+    /// mgr.free_sequence(a)?;
+    /// let b = mgr.add_sequence()?;
+    /// mgr.reserve(b, 10)?;
+    /// let mut other = DecodeBatch::new(&gpu, 2)?;
+    /// other.set(&gpu, &mgr, &mut cache, &[b])?;
+    /// assert!(matches!(
+    ///     decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws),
+    ///     Err(LserveError::StaleTables { .. })
+    /// ));
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn set<E: DeviceElement>(
         &mut self,
         gpu: &GpuContext,
         manager: &KvCacheManager,
+        cache: &mut DeviceKvCache<E>,
         seqs: &[SeqId],
     ) -> Result<()> {
+        self.check(manager, seqs)?;
+        cache.check_manager(manager)?;
+        self.write(gpu, manager, cache, seqs)
+    }
+
+    /// [`set`](Self::set) after its checks passed.
+    pub(crate) fn write<E: DeviceElement>(
+        &mut self,
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        cache: &mut DeviceKvCache<E>,
+        seqs: &[SeqId],
+    ) -> Result<()> {
+        cache.sync(gpu, manager)?;
+        let stream = gpu.stream();
+        self.host_slots.clear();
+        self.host_lens.clear();
+        self.host_seqs.clear();
+        self.row_generations.clear();
+        let mut selection_due = false;
+        for &s in seqs {
+            // Checked above: live, not empty.
+            let (len, step, slot) = (manager.len(s)?, manager.decode_step(s)?, manager.slot(s)?);
+            selection_due |= manager.config().selects_at(len, step);
+            if let Some(value) = cache.mirror.follow_step(slot, step) {
+                stream.memcpy_htod(
+                    &[value],
+                    &mut cache
+                        .decode_steps
+                        .slice_mut(slot as usize..slot as usize + 1),
+                )?;
+            }
+            self.host_slots.push(slot);
+            self.host_lens.push(len as u32);
+            self.host_seqs.push(s);
+            self.row_generations.push(cache.mirror.row_generation(slot));
+        }
+        let n = seqs.len();
+        stream.memcpy_htod(&self.host_slots, &mut self.seq_slot.slice_mut(..n))?;
+        stream.memcpy_htod(&self.host_lens, &mut self.seq_len.slice_mut(..n))?;
+        self.len = n;
+        self.cache = cache.id();
+        self.manager = manager.id();
+        self.selection_due = selection_due;
+        Ok(())
+    }
+
+    /// Checks that `seqs` can be set from `manager`: not empty, room for them, distinct, live,
+    /// none empty.
+    pub(crate) fn check(&self, manager: &KvCacheManager, seqs: &[SeqId]) -> Result<()> {
+        self.check_ids(manager, seqs)?;
+        for &s in seqs {
+            if manager.len(s)? == 0 {
+                return Err(LserveError::Empty("sequence"));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`check`](Self::check) less the lengths: not empty, room for them, distinct, live.
+    pub(crate) fn check_ids(&self, manager: &KvCacheManager, seqs: &[SeqId]) -> Result<()> {
         if seqs.is_empty() {
             return Err(LserveError::Empty("batch"));
         }
@@ -539,9 +782,6 @@ impl DecodeBatch {
                 reason: format!("{} sequences, room for {}", seqs.len(), self.seq_slot.len()),
             });
         }
-        let mut slots = Vec::with_capacity(seqs.len());
-        let mut lens = Vec::with_capacity(seqs.len());
-        let mut selection_due = false;
         for (i, &s) in seqs.iter().enumerate() {
             if seqs[..i].contains(&s) {
                 return Err(LserveError::InvalidArgument {
@@ -549,27 +789,14 @@ impl DecodeBatch {
                     reason: format!("sequence {} twice", s.get()),
                 });
             }
-            let len = manager.len(s)?;
-            if len == 0 {
-                return Err(LserveError::Empty("sequence"));
-            }
-            selection_due |= manager.config().selects_at(len, manager.decode_step(s)?);
-            slots.push(manager.slot(s)?);
-            lens.push(len as u32);
+            manager.len(s)?;
         }
-        let stream = gpu.stream();
-        stream.memcpy_htod(&slots, &mut self.seq_slot.slice_mut(..seqs.len()))?;
-        stream.memcpy_htod(&lens, &mut self.seq_len.slice_mut(..seqs.len()))?;
-        self.len = seqs.len();
-        self.host_lens = lens;
-        self.host_slots = slots;
-        self.selection_due = selection_due;
         Ok(())
     }
 
     /// Whether some sequence of the batch selects pages on this step by the step counters
     /// ([`SparsityConfig::selects_at`](crate::config::SparsityConfig::selects_at) with the
-    /// manager's, as last [`set`](Self::set)). [`DecodeStep::selects`](super::DecodeStep::selects)
+    /// manager's, as last [`set`](Self::set)). [`PlannedStep::selects`](super::PlannedStep::selects)
     /// adds the slots that hold no selection yet.
     ///
     /// ```no_run
@@ -587,14 +814,12 @@ impl DecodeBatch {
     /// let seq = mgr.add_sequence()?;
     /// mgr.reserve(seq, 20_000)?;
     /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-    /// cache.sync_tables(&gpu, &mgr)?;
     /// let mut batch = DecodeBatch::new(&gpu, 4)?;
-    /// batch.set(&gpu, &mgr, &[seq])?;
+    /// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
     /// assert!(batch.selection_due()); // decode step 0, 20,000 tokens > dynamic_min_len
     /// mgr.advance_decode_step(seq)?;
     /// mgr.reserve(seq, 1)?;
-    /// cache.sync_tables(&gpu, &mgr)?;
-    /// batch.set(&gpu, &mgr, &[seq])?;
+    /// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
     /// assert!(!batch.selection_due()); // step 1 of reuse interval 4
     /// # Ok::<(), lserve::LserveError>(())
     /// ```

@@ -195,9 +195,10 @@ fn kernel_name(
 /// with it, as the selector and the append keep it). Enqueued on the context's stream; allocates
 /// nothing and does not synchronize.
 ///
-/// Errors (nothing launched): `Empty` for an empty batch, `ShapeMismatch` for short `q`/`out`,
-/// `InvalidArgument` for a bad layer, a batch the cache cannot hold or a workspace sized for
-/// another geometry or a smaller batch.
+/// Errors (nothing launched): `Empty` for an empty batch, `StaleTables` for a batch set against
+/// another cache or tables the cache no longer holds ([`DecodeBatch::set`]), `ShapeMismatch` for
+/// short `q`/`out`, `InvalidArgument` for a bad layer, a batch the cache cannot hold or a
+/// workspace sized for another geometry or a smaller batch.
 ///
 /// ```no_run
 /// use half::bf16;
@@ -214,10 +215,9 @@ fn kernel_name(
 /// let seq = mgr.add_sequence()?;
 /// mgr.reserve(seq, 1000)?;
 /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-/// cache.sync_tables(&gpu, &mgr)?;
 /// // ... write the 1000 tokens' K/V ...
 /// let mut batch = DecodeBatch::new(&gpu, 1)?;
-/// batch.set(&gpu, &mgr, &[seq])?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
 /// let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
 /// let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
 /// let mut out = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
@@ -269,9 +269,8 @@ pub fn decode_attention<E: DeviceElement>(
 /// let seq = mgr.add_sequence()?;
 /// mgr.reserve(seq, 1001)?; // 1000 cached tokens and the new one
 /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-/// cache.sync_tables(&gpu, &mgr)?;
 /// let mut batch = DecodeBatch::new(&gpu, 1)?;
-/// batch.set(&gpu, &mgr, &[seq])?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
 /// let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
 /// let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
 /// let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
@@ -341,9 +340,8 @@ pub enum AppendLaunch {
 /// # let seq = mgr.add_sequence()?;
 /// # mgr.reserve(seq, 1001)?;
 /// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-/// # cache.sync_tables(&gpu, &mgr)?;
 /// # let mut batch = DecodeBatch::new(&gpu, 1)?;
-/// # batch.set(&gpu, &mgr, &[seq])?;
+/// # batch.set(&gpu, &mgr, &mut cache, &[seq])?;
 /// # let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
 /// # let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
 /// # let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;

@@ -9,8 +9,10 @@
 //!   recomputes the statistics of the logical pages the ranges touch.
 //! - [`fill_random`]: deterministic values in `[-1, 1]` without an upload.
 //!
-//! The device block tables must be current ([`DeviceKvCache::sync_tables`] after the manager
-//! reserved the tokens) before any of these run.
+//! The device block tables must map the tokens written: [`KvWritePlan::upload`] brings the
+//! cache's tables to the manager's and records them, and the writes refuse a plan whose slots'
+//! rows the cache no longer holds (`StaleTables`). [`append_kv`] takes a [`DecodeBatch`], which
+//! does the same ([`DecodeBatch::set`]).
 //!
 //! ```no_run
 //! use half::bf16;
@@ -32,7 +34,7 @@
 //! let mut v = gpu.stream().alloc_zeros::<bf16>(1000 * 8 * 128)?;
 //! fill_random(&gpu, &mut k, 1)?;
 //! fill_random(&gpu, &mut v, 2)?;
-//! let plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?.upload(&gpu)?;
+//! let plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?.upload(&gpu, &mgr, &mut cache)?;
 //! for layer in 0..g.layers() {
 //!     write_kv_rows(&gpu, &mut cache, layer, &plan, &k, &v)?;
 //!     pool_key_stats(&gpu, &mut cache, layer, &plan)?;
@@ -108,8 +110,9 @@ fn blocks_for(chunks: usize) -> Result<u32> {
 /// Dense KV heads write row `(len - 1) % N_P` of page `block_table[(len - 1) / N_P]` and update
 /// their logical page's `kmin`/`kmax` (the key itself if the token starts the logical page, else
 /// the per-channel min/max with it: exactly `reference::kv_write::update_key_stats`);
-/// streaming KV heads write their sink or ring row. The block tables on the device must map the
-/// token's page (reserve, then [`DeviceKvCache::sync_tables`]). For a sequence past
+/// streaming KV heads write their sink or ring row. The block tables on the device map the
+/// token's page: reserve it, then set the batch ([`DecodeBatch::set`] copies the tables). For a
+/// sequence past
 /// `dynamic_min_len`, each dense head's index-table entry becomes its held selection followed
 /// by the token's page (unless the selection ends with it): between the steps that select, the
 /// entries stay current without a selector launch (see [`select_pages`](super::select_pages)).
@@ -117,8 +120,9 @@ fn blocks_for(chunks: usize) -> Result<u32> {
 /// Enqueued on the context's stream; allocates nothing and does not synchronize (it runs inside
 /// a captured decode step).
 ///
-/// Errors (nothing launched): `Empty` for an empty batch, `ShapeMismatch` for short `k`/`v`,
-/// `InvalidArgument` for a bad layer or a batch length the block tables cannot hold.
+/// Errors (nothing launched): `Empty` for an empty batch, `StaleTables` for a batch set
+/// against other tables, `ShapeMismatch` for short `k`/`v`, `InvalidArgument` for a bad layer or
+/// a batch length the block tables cannot hold.
 pub fn append_kv<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -184,10 +188,14 @@ pub fn append_kv<E: DeviceElement>(
 /// `cu_seqlens`).
 ///
 /// Build it after reserving the tokens; [`upload`](Self::upload) it once and use it for every
-/// layer.
+/// layer. It records the manager's block-table rows it was made against.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvWritePlan {
     ranges: Vec<SeqRange>,
+    /// Per range, the manager's row generation of its slot when planned.
+    row_generations: Vec<u64>,
+    /// The manager it was made from.
+    manager: u64,
     rows: usize,
     max_tokens: u32,
     slots: u32,
@@ -264,6 +272,11 @@ impl KvWritePlan {
         let config = manager.config();
         Ok(Self {
             max_tokens: planned.iter().map(|r| r.end - r.start).max().unwrap_or(0),
+            row_generations: planned
+                .iter()
+                .map(|r| manager.row_generation(r.slot))
+                .collect(),
+            manager: manager.id(),
             ranges: planned,
             rows,
             slots: manager.max_sequences() as u32,
@@ -303,8 +316,98 @@ impl KvWritePlan {
             .unwrap_or(0)
     }
 
-    /// The ranges in device memory, for [`write_kv_rows`] and [`pool_key_stats`].
-    pub fn upload(&self, gpu: &GpuContext) -> Result<DeviceKvWritePlan> {
+    /// Checks that the plan describes `manager`'s block tables as they are now: made from this
+    /// manager, and no planned slot's row changed since (a reservation that opened a page, a
+    /// slot that changed hands). `StaleTables` otherwise. [`upload`](Self::upload) checks this
+    /// first.
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::KvWritePlan;
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    /// use lserve::LserveError;
+    ///
+    /// let g = ModelGeometry::new(1, 2, 2, 64)?;
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 8, 2, 4096)?;
+    /// let seq = mgr.add_sequence()?;
+    /// let prompt = mgr.reserve(seq, 100)?; // pages 0 and 1
+    /// let plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?;
+    /// mgr.reserve(seq, 20)?; // still page 1
+    /// plan.check_current(&mgr)?;
+    /// mgr.reserve(seq, 20)?; // opens page 2
+    /// assert!(matches!(plan.check_current(&mgr), Err(LserveError::StaleTables { .. })));
+    /// assert!(matches!(plan.check_current(&mgr.clone()), Err(LserveError::StaleTables { .. })));
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn check_current(&self, manager: &KvCacheManager) -> Result<()> {
+        if manager.id() != self.manager {
+            return Err(LserveError::StaleTables {
+                what: "plan",
+                reason: "made from another manager".into(),
+            });
+        }
+        for (r, &generation) in self.ranges.iter().zip(&self.row_generations) {
+            if manager.row_generation(r.slot) != generation {
+                return Err(LserveError::StaleTables {
+                    what: "plan",
+                    reason: format!(
+                        "slot {}'s block table changed since the plan was made: plan again",
+                        r.slot
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The ranges in device memory, for [`write_kv_rows`] and [`pool_key_stats`] on `cache`:
+    /// brings the cache's block tables to `manager`'s (only the rows that changed; a slot that
+    /// changed hands gets its selection state reset) and records them.
+    ///
+    /// Errors (nothing changed): `StaleTables` if `manager` is not the one the plan was made
+    /// from or changed a planned slot's block table since; `InvalidArgument` for a plan or
+    /// manager shaped differently from the cache.
+    ///
+    /// ```no_run
+    /// use half::bf16;
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{DeviceKvCache, GpuContext, KvWritePlan};
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    /// use lserve::LserveError;
+    ///
+    /// let gpu = GpuContext::new(0)?;
+    /// let g = ModelGeometry::llama3_8b();
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 2, 65536)?;
+    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// let seq = mgr.add_sequence()?;
+    /// let prompt = mgr.reserve(seq, 100)?;
+    /// let plan = KvWritePlan::new(&mgr, &[(seq, prompt)])?;
+    /// mgr.reserve(seq, 100)?; // opens a page: the plan no longer describes the tables
+    /// assert!(matches!(plan.upload(&gpu, &mgr, &mut cache), Err(LserveError::StaleTables { .. })));
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn upload<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        cache: &mut DeviceKvCache<E>,
+    ) -> Result<DeviceKvWritePlan> {
+        self.check_current(manager)?;
+        if self.slots != cache.slots
+            || self.max_pages != cache.max_pages
+            || self.page_tokens as usize != cache.config.page_tokens
+            || self.logical_tokens as usize != cache.config.logical_page_tokens
+        {
+            return Err(invalid(
+                "plan",
+                "made for a manager shaped differently from this cache",
+            ));
+        }
+        cache.sync(gpu, manager)?;
         let words: Vec<u32> = self
             .ranges
             .iter()
@@ -313,6 +416,7 @@ impl KvWritePlan {
         Ok(DeviceKvWritePlan {
             ranges: gpu.stream().clone_htod(&words)?,
             plan: self.clone(),
+            cache: cache.id(),
         })
     }
 
@@ -337,16 +441,38 @@ impl KvWritePlan {
     }
 }
 
-/// A [`KvWritePlan`] in device memory.
+/// A [`KvWritePlan`] in device memory, for the cache it was uploaded for.
 pub struct DeviceKvWritePlan {
     ranges: CudaSlice<u32>,
     plan: KvWritePlan,
+    /// The cache it was uploaded for.
+    cache: u64,
 }
 
 impl DeviceKvWritePlan {
     /// The host plan it was uploaded from.
     pub fn plan(&self) -> &KvWritePlan {
         &self.plan
+    }
+
+    /// Checks that `cache` is the one the plan was uploaded for and still holds the planned
+    /// slots' block-table rows (`StaleTables` otherwise).
+    pub(crate) fn check_current<E: DeviceElement>(&self, cache: &DeviceKvCache<E>) -> Result<()> {
+        if cache.id() != self.cache {
+            return Err(LserveError::StaleTables {
+                what: "plan",
+                reason: "uploaded for another device cache".into(),
+            });
+        }
+        cache.mirror.check_rows(
+            "plan",
+            self.plan.manager,
+            self.plan
+                .ranges
+                .iter()
+                .map(|r| r.slot)
+                .zip(self.plan.row_generations.iter().copied()),
+        )
     }
 }
 
@@ -358,8 +484,9 @@ impl DeviceKvWritePlan {
 /// `HostKvCache::write_token`. Key statistics are left alone: run [`pool_key_stats`] with the
 /// same plan after. Enqueued on the context's stream.
 ///
-/// Errors (nothing launched): `ShapeMismatch` for short `k`/`v`; `InvalidArgument` for a bad
-/// layer or a plan made for another cache shape.
+/// Errors (nothing launched): `StaleTables` for a plan uploaded for another cache or made
+/// against rows the cache no longer holds; `ShapeMismatch` for short `k`/`v`; `InvalidArgument`
+/// for a bad layer or a plan made for another cache shape.
 pub fn write_kv_rows<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -368,6 +495,7 @@ pub fn write_kv_rows<E: DeviceElement>(
     k: &CudaSlice<E>,
     v: &CudaSlice<E>,
 ) -> Result<()> {
+    plan.check_current(cache)?;
     let g = *cache.pattern().geometry();
     let (hkv, d) = (g.kv_heads(), g.head_dim());
     let host = &plan.plan;
@@ -416,14 +544,15 @@ pub fn write_kv_rows<E: DeviceElement>(
 /// `reference::kv_write::pool_key_stats`. Run after the rows are in the cache (e.g. after
 /// [`write_kv_rows`] with the same plan). Enqueued on the context's stream.
 ///
-/// Errors (nothing launched): `InvalidArgument` for a bad layer or a plan made for another cache
-/// shape.
+/// Errors (nothing launched): `StaleTables` as [`write_kv_rows`]; `InvalidArgument` for a bad
+/// layer or a plan made for another cache shape.
 pub fn pool_key_stats<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     plan: &DeviceKvWritePlan,
 ) -> Result<()> {
+    plan.check_current(cache)?;
     let hkv = cache.pattern().geometry().kv_heads();
     let host = &plan.plan;
     let (slots, max_pages) = (cache.slots, cache.max_pages);

@@ -14,6 +14,7 @@ mod profile;
 mod ptx;
 mod select;
 mod step;
+mod table_sync;
 mod tensor_map;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
@@ -33,4 +34,4 @@ pub use select::{
     advance_decode_steps, download_selection, poison_index_tables, reset_selection_state,
     score_pages, select_pages, select_top_k, upload_key_stats, SelectWorkspace, SelectionState,
 };
-pub use step::DecodeStep;
+pub use step::{DecodeStep, PlannedStep};

@@ -416,8 +416,9 @@ pub fn prefill_attention<E: DeviceElement>(
 /// tokens); `q [T][Hq][D]`, `k`, `v [T][Hkv][D]`, `out [T][Hq][D]` with `T = kv_plan.rows()`, the
 /// tokens of each range in order. `block_masks` as [`PrefillArgs::block_masks`].
 ///
-/// Errors (nothing launched): `InvalidArgument` for a range that does not start at 0 or does not
-/// end at the sequence's length; the errors of [`PrefillPlan::new`], [`PrefillPlan::run`] and
+/// Errors (nothing launched): `StaleTables` for a plan uploaded for another cache or made
+/// against block-table rows the cache no longer holds; `InvalidArgument` for a range that does
+/// not start at 0 or does not end at the sequence's length; the errors of [`PrefillPlan::new`], [`PrefillPlan::run`] and
 /// [`write_kv_rows`]. Enqueued on the context's stream; the plan of the attention is allocated
 /// here (use [`PrefillPlan`] and the two write calls directly to reuse one across layers).
 #[allow(clippy::too_many_arguments)]
@@ -432,6 +433,7 @@ pub fn prefill_into_cache<E: DeviceElement>(
     v: &CudaSlice<E>,
     out: &mut CudaSlice<E>,
 ) -> Result<()> {
+    kv_plan.check_current(cache)?;
     let pattern = cache.pattern();
     if layer >= pattern.geometry().layers() {
         return Err(invalid(

@@ -164,14 +164,10 @@ impl<E: DeviceElement> Variant<E> {
         let mut cache = DeviceKvCache::<E>::new(gpu, &mgr)?;
         cache.fill_random(gpu, 0x5eed)?;
         let ranges: Vec<_> = seqs.iter().map(|&s| (s, 0..context)).collect();
-        pool_key_stats(
-            gpu,
-            &mut cache,
-            0,
-            &KvWritePlan::new(&mgr, &ranges)?.upload(gpu)?,
-        )?;
+        let plan = KvWritePlan::new(&mgr, &ranges)?.upload(gpu, &mgr, &mut cache)?;
+        pool_key_stats(gpu, &mut cache, 0, &plan)?;
         let mut b = DecodeBatch::new(gpu, batch)?;
-        b.set(gpu, &mgr, &seqs)?;
+        b.set(gpu, &mgr, &mut cache, &seqs)?;
         let (hq, d) = (geometry.q_heads(), geometry.head_dim());
         let mut q = gpu.stream().alloc_zeros::<E>(batch * hq * d)?;
         fill_random(gpu, &mut q, 1)?;

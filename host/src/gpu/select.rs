@@ -6,9 +6,12 @@
 //!    [`select_pages`] (or its two halves, [`score_pages`] then [`select_top_k`]);
 //! 2. once, after every layer: [`advance_decode_steps`].
 //!
-//! When a sequence is added to a slot (or the slot is reused), [`reset_selection_state`] zeroes
-//! its step counter and held selections. Selection runs for a (sequence, dense KV head) when
-//! the sequence is longer than `dynamic_min_len` and its step counter is a multiple of the
+//! When a sequence is added to a slot (or the slot is reused), the batch or step that first
+//! describes it ([`DecodeBatch::set`]) zeroes its step counter and held selections (as
+//! [`reset_selection_state`] does). The manager's step counters are the truth: the device's
+//! follow them ([`DecodeBatch::set`] writes the manager's where the device's differ).
+//!
+//! Selection runs for a (sequence, dense KV head) when the sequence is longer than `dynamic_min_len` and its step counter is a multiple of the
 //! reuse interval, or the head holds no selection yet; in between the held selection is reused
 //! plus the newest page, which the decode append adds to the entry (`docs/ARCHITECTURE.md`,
 //! "Reuse"). Everything — counters, held selections, index tables — stays on the device: the
@@ -20,8 +23,8 @@
 //! use half::bf16;
 //! use lserve::config::SparsityConfig;
 //! use lserve::geometry::ModelGeometry;
-//! use lserve::gpu::{advance_decode_steps, reset_selection_state, select_pages, DecodeBatch,
-//!                   DeviceKvCache, GpuContext, SelectWorkspace};
+//! use lserve::gpu::{advance_decode_steps, select_pages, DecodeBatch, DeviceKvCache, GpuContext,
+//!                   SelectWorkspace};
 //! use lserve::head_pattern::HeadPattern;
 //! use lserve::paging::KvCacheManager;
 //!
@@ -32,15 +35,15 @@
 //! let seq = mgr.add_sequence()?;
 //! mgr.reserve(seq, 100_000)?;
 //! let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-//! reset_selection_state(&gpu, &mut cache, mgr.slot(seq)?)?;
 //! let mut ws = SelectWorkspace::new(&gpu, &cache, 4)?;
 //! let mut batch = DecodeBatch::new(&gpu, 4)?;
-//! batch.set(&gpu, &mgr, &[seq])?;
+//! batch.set(&gpu, &mgr, &mut cache, &[seq])?;
 //! let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
 //! for layer in 0..g.layers() {
 //!     select_pages(&gpu, &mut cache, layer, &batch, &q, &mut ws)?;
 //! }
 //! advance_decode_steps(&gpu, &mut cache, &batch)?;
+//! mgr.advance_decode_step(seq)?; // the manager's counter: the device's follows it
 //! # Ok::<(), lserve::LserveError>(())
 //! ```
 
@@ -443,8 +446,11 @@ pub fn select_pages<E: DeviceElement>(
     SelectLaunch::check(gpu, cache, layer, batch, q, ws)?.launch(gpu, cache, layer, batch, q, ws)
 }
 
-/// Advances the decode step counter of every sequence of `batch` by one: call once per model
-/// step, after every layer's selection. Allocates nothing, does not synchronize.
+/// Advances the device's decode step counter of every sequence of `batch` by one: call once per
+/// model step, after every layer's selection, with the manager's
+/// (`KvCacheManager::advance_decode_step`; [`PlannedStep::finish`](super::PlannedStep::finish)
+/// does both). Where the two differ at the next [`DecodeBatch::set`], the device takes the
+/// manager's. Allocates nothing, does not synchronize.
 pub fn advance_decode_steps<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -470,15 +476,14 @@ pub fn advance_decode_steps<E: DeviceElement>(
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;
+    cache.mirror.advanced(&batch.host_slots);
     Ok(())
 }
 
 /// Zeroes the selection state of `slot`: its decode step counter and, in every layer, the held
-/// selections of its dense heads; its next step selects. Call when a sequence is added in that
-/// slot (before its first decode step), i.e. for a sequence whose
-/// `KvCacheManager::decode_step` is 0: [`DecodeStep::selects`](super::DecodeStep::selects)
-/// decides launches from the manager's counter, which this does not touch. Asynchronous on the
-/// context's stream.
+/// selections of its dense heads; its next step selects. [`DecodeBatch::set`] does this for
+/// every slot that changed hands; for a live sequence the next `set` writes the manager's counter
+/// back (the manager's is the truth). Asynchronous on the context's stream.
 ///
 /// Errors: `InvalidArgument` if `slot` is not below the cache's slot count.
 pub fn reset_selection_state<E: DeviceElement>(
@@ -492,18 +497,7 @@ pub fn reset_selection_state<E: DeviceElement>(
             reason: format!("{slot} is not below {}", cache.slots),
         });
     }
-    let stream = gpu.stream().clone();
-    let s = slot as usize;
-    cache.mark_selection_pending(slot);
-    stream.memset_zeros(&mut cache.decode_steps.slice_mut(s..s + 1))?;
-    for layer in 0..cache.layers() {
-        let l = cache.layer_mut(layer)?;
-        let heads = l.paged.heads as usize;
-        if heads > 0 {
-            stream.memset_zeros(&mut l.held_lens.slice_mut(s * heads..(s + 1) * heads))?;
-        }
-    }
-    Ok(())
+    cache.reset_selection_state(gpu, slot)
 }
 
 /// A layer's selection state as downloaded by [`download_selection`] (device layouts).

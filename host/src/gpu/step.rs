@@ -2,10 +2,20 @@
 //! attention (the append inside the attention launch where that is latency-bound, else the
 //! append kernel first); then advance the step counters. No allocation, no host
 //! synchronization: a step can be captured in a CUDA graph and replayed (the batch description
-//! is rewritten in place before each replay).
+//! and the changed block-table rows are rewritten in place before each replay).
+//!
+//! A step is a value: [`DecodeStep::plan`] reserves the step's token of every sequence, brings
+//! the device's block tables to the manager's (only the rows that changed; a slot that changed
+//! hands has its selection state reset), writes the batch description, decides whether the step
+//! selects, and returns a [`PlannedStep`] that records the tables it was planned against and
+//! holds the manager until the step ends ([`PlannedStep::finish`], or
+//! [`PlannedStep::replayed`] after a graph replay, advances the manager's step counters and the
+//! device's together). A layer run with a plan on another cache, or on a cache that has taken
+//! other tables since (another manager synced it), is `StaleTables`, checked before anything
+//! is enqueued.
 //!
 //! A captured step keeps the launch shapes of its capture: whether it selects
-//! ([`DecodeStep::selects`], decided before capturing; a step captured with the selector is
+//! ([`PlannedStep::selects`], decided before capturing; a step captured with the selector is
 //! correct on every step, one without only where `selects` is false), the batch size, and the
 //! number of splits per (sequence, KV head), which was sized for the lengths at capture time.
 //! Lengths may grow between replays (the kernels read them, and every split takes a share of the
@@ -17,15 +27,17 @@ use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 use super::decode::{AppendAttend, AppendLaunch, DecodeWorkspace};
 use super::select::{advance_decode_steps, SelectLaunch, SelectWorkspace};
 use super::GpuContext;
+use crate::paging::{KvCacheManager, SeqId};
 use crate::Result;
 
-/// The scratch a decode step needs, allocated once for batches of up to `max_batch` sequences.
+/// The scratch a decode step needs and its batch description, allocated once for batches of up
+/// to `max_batch` sequences. [`plan`](Self::plan) starts a step.
 ///
 /// ```no_run
 /// use half::bf16;
 /// use lserve::config::SparsityConfig;
 /// use lserve::geometry::ModelGeometry;
-/// use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+/// use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
 /// use lserve::head_pattern::HeadPattern;
 /// use lserve::paging::KvCacheManager;
 ///
@@ -36,33 +48,55 @@ use crate::Result;
 /// let seq = mgr.add_sequence()?;
 /// // ... prefill the sequence into `cache` ...
 /// let mut step = DecodeStep::new(&gpu, &cache, 4)?;
-/// let mut batch = DecodeBatch::new(&gpu, 4)?;
-/// mgr.reserve(seq, 1)?; // room for the new token
-/// cache.sync_tables(&gpu, &mgr)?;
-/// batch.set(&gpu, &mgr, &[seq])?;
 /// let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
 /// let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
 /// let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
 /// let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
 /// let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// // Reserves the new token, copies the changed table rows, describes the batch.
+/// let mut plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
 /// for layer in 0..g.layers() {
-///     step.layer(&gpu, &mut cache, layer, &batch, &q, &k, &v, &mut out)?;
+///     plan.layer(&gpu, &mut cache, layer, &q, &k, &v, &mut out)?;
 /// }
-/// step.finish(&gpu, &mut cache, &batch)?;
-/// mgr.advance_decode_step(seq)?;
+/// plan.finish(&gpu, &mut cache)?; // advances the manager's and the device's step counters
+/// assert_eq!(mgr.decode_step(seq)?, 1);
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+///
+/// The manager stays borrowed by the plan until the step ends: it cannot change the tables under
+/// a planned step.
+///
+/// ```compile_fail,E0499
+/// # use half::bf16;
+/// # use lserve::config::SparsityConfig;
+/// # use lserve::geometry::ModelGeometry;
+/// # use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
+/// # use lserve::head_pattern::HeadPattern;
+/// # use lserve::paging::KvCacheManager;
+/// # let gpu = GpuContext::new(0)?;
+/// # let g = ModelGeometry::llama3_8b();
+/// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 4, 65536)?;
+/// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// # let seq = mgr.add_sequence()?;
+/// # mgr.reserve(seq, 100)?;
+/// # let mut step = DecodeStep::new(&gpu, &cache, 4)?;
+/// let plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
+/// mgr.free_sequence(seq)?; // error: `mgr` is borrowed by the plan
+/// plan.finish(&gpu, &mut cache)?;
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
 pub struct DecodeStep {
     attention: DecodeWorkspace,
     selection: SelectWorkspace,
-    /// Whether a layer of the current step launched the selector.
-    selected: bool,
+    /// The batch description the kernels read, rewritten in place by each plan.
+    batch: DecodeBatch,
     /// Where the append runs ([`AppendLaunch::Auto`] unless set).
     append: AppendLaunch,
 }
 
 impl DecodeStep {
-    /// Workspaces for `cache`'s geometry and batches of up to `max_batch` sequences.
+    /// Workspaces and a batch description for `cache`'s geometry and batches of up to
+    /// `max_batch` sequences.
     pub fn new<E: DeviceElement>(
         gpu: &GpuContext,
         cache: &DeviceKvCache<E>,
@@ -72,7 +106,7 @@ impl DecodeStep {
         Ok(Self {
             attention: DecodeWorkspace::new(gpu, max_batch, g.kv_heads(), g.group(), g.head_dim())?,
             selection: SelectWorkspace::new(gpu, cache, max_batch)?,
-            selected: false,
+            batch: DecodeBatch::new(gpu, max_batch)?,
             append: AppendLaunch::Auto,
         })
     }
@@ -123,37 +157,136 @@ impl DecodeStep {
         Ok(self)
     }
 
-    /// Whether a step of `batch` launches the selector: when some sequence's selection is due
-    /// by the step counters ([`DecodeBatch::selection_due`]), or a slot of the batch holds no
-    /// selection yet (the cache was uploaded, or the slot's selection state reset, since its
-    /// last selecting step). An engine that replays captured steps captures one with the
-    /// selector and one without and replays the one this names.
+    /// Plans one decode step of `seqs` (in this order): reserves one token per sequence (all
+    /// or none, [`KvCacheManager::reserve_each`]), brings `cache`'s block tables to the manager's
+    /// (only the rows that changed, into the buffers allocated with the cache; a slot that
+    /// changed hands has its step counter and held selections reset), writes the manager's step
+    /// counters into the device's where they differ, rewrites the batch description in place,
+    /// and decides whether the step launches the selector ([`PlannedStep::selects`]). The plan
+    /// holds the manager until [`finish`](PlannedStep::finish) or
+    /// [`replayed`](PlannedStep::replayed).
+    ///
+    /// Errors (nothing changed): `Empty` for no sequence, `InvalidArgument` for more than
+    /// `max_batch`, a sequence listed twice or a manager shaped differently from the cache,
+    /// `UnknownSequence`, and the errors of the reservation (`PoolExhausted`, `SequenceTooLong`).
+    /// A driver error after the reservation leaves the tokens reserved.
     ///
     /// ```no_run
     /// use half::bf16;
     /// use lserve::config::SparsityConfig;
     /// use lserve::geometry::ModelGeometry;
-    /// use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+    /// use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
     /// use lserve::head_pattern::HeadPattern;
     /// use lserve::paging::KvCacheManager;
     ///
     /// let gpu = GpuContext::new(0)?;
     /// let g = ModelGeometry::llama3_8b();
-    /// let pattern = HeadPattern::interleaved(g, 0.5)?;
-    /// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 4, 65536)?;
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 4, 65536)?;
+    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
     /// let seq = mgr.add_sequence()?;
     /// mgr.reserve(seq, 20_000)?;
-    /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-    /// cache.sync_tables(&gpu, &mgr)?;
-    /// let mut batch = DecodeBatch::new(&gpu, 4)?;
-    /// batch.set(&gpu, &mgr, &[seq])?;
-    /// // Decode step 0 of a sequence past `dynamic_min_len`: due by the counters, and the new
-    /// // cache holds no selection either.
-    /// assert!(batch.selection_due() && DecodeStep::selects(&cache, &batch));
+    /// let mut step = DecodeStep::new(&gpu, &cache, 4)?;
+    /// let plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
+    /// assert_eq!(plan.manager().len(seq)?, 20_001);
+    /// // Decode step 0 of a sequence past `dynamic_min_len`: it selects.
+    /// assert!(plan.selects());
     /// # Ok::<(), lserve::LserveError>(())
     /// ```
-    pub fn selects<E: DeviceElement>(cache: &DeviceKvCache<E>, batch: &DecodeBatch) -> bool {
-        batch.selection_due() || cache.selection_pending(batch)
+    pub fn plan<'a, E: DeviceElement>(
+        &'a mut self,
+        gpu: &GpuContext,
+        manager: &'a mut KvCacheManager,
+        cache: &mut DeviceKvCache<E>,
+        seqs: &[SeqId],
+    ) -> Result<PlannedStep<'a>> {
+        self.batch.check_ids(manager, seqs)?;
+        cache.check_manager(manager)?;
+        manager.reserve_each(seqs, 1)?;
+        // Checked above; every sequence now holds the step's token.
+        self.batch.write(gpu, manager, cache, seqs)?;
+        let selects = self.batch.selection_due() || cache.selection_pending(&self.batch);
+        Ok(PlannedStep {
+            step: self,
+            manager,
+            selects,
+            selected: false,
+        })
+    }
+}
+
+/// One planned decode step ([`DecodeStep::plan`]): its layers, then its end. It holds the
+/// manager (read it with [`manager`](Self::manager)) and records the block tables it was planned
+/// against; every layer checks them against the cache it is given (`StaleTables` for another
+/// cache, or one that took other tables since) before anything is enqueued.
+///
+/// Dropped without [`finish`](Self::finish) or [`replayed`](Self::replayed), the step's tokens
+/// stay reserved and the step counters stay where they were.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+/// use lserve::LserveError;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 1000)?;
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let mut elsewhere = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+/// let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let mut step = DecodeStep::new(&gpu, &cache, 1)?;
+/// let mut plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
+/// assert_eq!(plan.batch().len(), 1);
+/// assert_eq!(plan.manager().len(seq)?, 1001);
+/// // Planned for `cache`: refused on another, before anything is enqueued.
+/// assert!(matches!(
+///     plan.layer(&gpu, &mut elsewhere, 0, &q, &k, &v, &mut out),
+///     Err(LserveError::StaleTables { .. })
+/// ));
+/// for layer in 0..g.layers() {
+///     plan.layer(&gpu, &mut cache, layer, &q, &k, &v, &mut out)?;
+/// }
+/// plan.finish(&gpu, &mut cache)?;
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[must_use = "a planned step ends with `finish` (or `replayed` after a graph replay)"]
+pub struct PlannedStep<'a> {
+    step: &'a mut DecodeStep,
+    manager: &'a mut KvCacheManager,
+    /// Whether the step launches the selector (decided when planned).
+    selects: bool,
+    /// Whether a layer of the step launched the selector.
+    selected: bool,
+}
+
+impl PlannedStep<'_> {
+    /// Whether the step launches the selector: when some sequence's selection is due by the
+    /// manager's step counters ([`DecodeBatch::selection_due`]), or a slot of the batch holds
+    /// no selection yet (the cache was made, or the slot changed hands, since its last selecting
+    /// step). An engine that replays captured steps captures one with the selector and one
+    /// without and replays the one this names.
+    pub fn selects(&self) -> bool {
+        self.selects
+    }
+
+    /// The batch description the step's launches read (for launches of one's own beside the
+    /// step's, e.g. [`decode_attention`](super::decode_attention)).
+    pub fn batch(&self) -> &DecodeBatch {
+        &self.step.batch
+    }
+
+    /// The manager, as the step planned it (the step's tokens reserved).
+    pub fn manager(&self) -> &KvCacheManager {
+        self.manager
     }
 
     /// One layer of the step: writes the new token's `k`, `v` `[B][Hkv][D]` into the cache
@@ -165,22 +298,22 @@ impl DecodeStep {
     /// attention launch and the selector runs first, so a small batch's step that reuses every
     /// selection is that launch and the split combine; elsewhere the launches are the append
     /// kernel, the selector and the attention, in that order (as measured fastest; see
-    /// [`with_append_launch`](Self::with_append_launch)). Every launch is checked before the
-    /// first is enqueued: an error leaves the cache unchanged.
+    /// [`DecodeStep::with_append_launch`]). Every launch is checked before the first is
+    /// enqueued: an error (`StaleTables` for a cache this step was not planned against, or that
+    /// took other tables since) leaves the cache unchanged.
     #[allow(clippy::too_many_arguments)]
     pub fn layer<E: DeviceElement>(
         &mut self,
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
         layer: usize,
-        batch: &DecodeBatch,
         q: &CudaSlice<E>,
         k: &CudaSlice<E>,
         v: &CudaSlice<E>,
         out: &mut CudaSlice<E>,
     ) -> Result<()> {
-        let selects = Self::selects(cache, batch);
-        self.layer_with_selector(selects, gpu, cache, layer, batch, q, k, v, out)
+        let selects = self.selects;
+        self.layer_with_selector(selects, gpu, cache, layer, q, k, v, out)
     }
 
     /// [`layer`](Self::layer) with the selector launched exactly when `selects`: for capturing a
@@ -193,29 +326,37 @@ impl DecodeStep {
     /// # use half::bf16;
     /// # use lserve::config::SparsityConfig;
     /// # use lserve::geometry::ModelGeometry;
-    /// # use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
+    /// # use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
     /// # use lserve::head_pattern::HeadPattern;
     /// # use lserve::paging::KvCacheManager;
     /// # let gpu = GpuContext::new(0)?;
     /// # let g = ModelGeometry::llama3_8b();
     /// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
     /// # let seq = mgr.add_sequence()?;
-    /// # mgr.reserve(seq, 20_001)?;
+    /// # mgr.reserve(seq, 20_000)?;
     /// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-    /// # cache.sync_tables(&gpu, &mgr)?;
-    /// # let mut batch = DecodeBatch::new(&gpu, 1)?;
-    /// # batch.set(&gpu, &mgr, &[seq])?;
     /// # let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
     /// # let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
     /// # let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
     /// # let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
     /// # let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+    /// use lserve::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     /// let mut step = DecodeStep::new(&gpu, &cache, 1)?;
-    /// let select = DecodeStep::selects(&cache, &batch);
+    /// // Step 0, captured with the selector (it selects) and launched.
+    /// let mut plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
+    /// let select = plan.selects();
+    /// gpu.stream().begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
     /// for layer in 0..g.layers() {
-    ///     step.layer_with_selector(select, &gpu, &mut cache, layer, &batch, &q, &k, &v, &mut out)?;
+    ///     plan.layer_with_selector(select, &gpu, &mut cache, layer, &q, &k, &v, &mut out)?;
     /// }
-    /// step.finish(&gpu, &mut cache, &batch)?;
+    /// plan.finish(&gpu, &mut cache)?;
+    /// let graph = gpu.stream().end_capture(CUgraphInstantiate_flags(0))?.expect("a graph");
+    /// graph.launch()?;
+    /// // Step 1: planned (tables and batch rewritten in place), replayed, reported.
+    /// let plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
+    /// graph.launch()?; // the selecting graph is correct on every step
+    /// plan.replayed(&mut cache, true)?;
+    /// assert_eq!(mgr.decode_step(seq)?, 2);
     /// # Ok::<(), lserve::LserveError>(())
     /// ```
     #[allow(clippy::too_many_arguments)]
@@ -225,16 +366,18 @@ impl DecodeStep {
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
         layer: usize,
-        batch: &DecodeBatch,
         q: &CudaSlice<E>,
         k: &CudaSlice<E>,
         v: &CudaSlice<E>,
         out: &mut CudaSlice<E>,
     ) -> Result<()> {
-        // Every launch is checked before the first is enqueued: an error leaves the cache as it
-        // was.
+        let step = &mut *self.step;
+        let batch = &step.batch;
+        // Every launch is checked before the first is enqueued (the batch against the cache's
+        // tables first): an error leaves the cache as it was.
+        cache.check_batch(batch)?;
         let attend = AppendAttend::check(
-            self.append,
+            step.append,
             gpu,
             cache,
             layer,
@@ -242,17 +385,17 @@ impl DecodeStep {
             q,
             (k, v),
             out,
-            &self.attention,
+            &step.attention,
         )?;
         let select = selects
-            .then(|| SelectLaunch::check(gpu, cache, layer, batch, q, &self.selection))
+            .then(|| SelectLaunch::check(gpu, cache, layer, batch, q, &step.selection))
             .transpose()?;
         // The append kernel (where the append is not inside the attention launch), then the
         // selector: it may also run before the append, since it never ranks the newest page (always
         // attended), the one page whose statistics the append changes.
         attend.append_first(gpu, cache, layer, batch, (k, v))?;
         if let Some(select) = select {
-            select.launch(gpu, cache, layer, batch, q, &mut self.selection)?;
+            select.launch(gpu, cache, layer, batch, q, &mut step.selection)?;
             self.selected = true;
         }
         attend.attend(
@@ -263,59 +406,50 @@ impl DecodeStep {
             q,
             (k, v),
             out,
-            &mut self.attention,
+            &mut step.attention,
         )
     }
 
-    /// After replaying a captured step of `batch` (captured with
-    /// [`layer_with_selector`](Self::layer_with_selector) and [`finish`](Self::finish)): marks
-    /// the slots of `batch` as holding a selection if the replayed graph launched the selector,
-    /// as `finish` does when it runs. Without it [`selects`](Self::selects) keeps naming the
-    /// selecting graph after a cache upload or a selection reset (correct, but slower).
+    /// Ends the step: advances the device's step counters of the batch's slots (a launch, part
+    /// of a captured step) and the manager's of its sequences, together; if a layer launched the
+    /// selector, marks the slots as holding a selection. Call once, after the last layer.
     ///
-    /// ```no_run
-    /// # use half::bf16;
-    /// # use lserve::config::SparsityConfig;
-    /// # use lserve::geometry::ModelGeometry;
-    /// # use lserve::gpu::{DecodeBatch, DecodeStep, DeviceKvCache, GpuContext};
-    /// # use lserve::head_pattern::HeadPattern;
-    /// # use lserve::paging::KvCacheManager;
-    /// # let gpu = GpuContext::new(0)?;
-    /// # let g = ModelGeometry::llama3_8b();
-    /// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
-    /// # let seq = mgr.add_sequence()?;
-    /// # mgr.reserve(seq, 20_001)?;
-    /// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-    /// # cache.sync_tables(&gpu, &mgr)?;
-    /// # let mut batch = DecodeBatch::new(&gpu, 1)?;
-    /// # batch.set(&gpu, &mgr, &[seq])?;
-    /// let select = DecodeStep::selects(&cache, &batch);
-    /// // ... replay the graph captured with `select` ...
-    /// DecodeStep::replayed(&mut cache, &batch, select);
-    /// # Ok::<(), lserve::LserveError>(())
-    /// ```
-    pub fn replayed<E: DeviceElement>(
-        cache: &mut DeviceKvCache<E>,
-        batch: &DecodeBatch,
-        selected: bool,
-    ) {
-        if selected {
-            cache.clear_selection_pending(batch);
-        }
-    }
-
-    /// Ends the step for every sequence of `batch`: advances their decode step counters on the
-    /// device and, if a layer launched the selector, marks their slots as holding a selection.
-    /// Call once, after the last layer; then advance the manager's counters of exactly the
-    /// batch's sequences (`KvCacheManager::advance_decode_step`).
+    /// Errors (nothing changed): `StaleTables` as [`layer`](Self::layer).
     pub fn finish<E: DeviceElement>(
-        &mut self,
+        self,
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
-        batch: &DecodeBatch,
     ) -> Result<()> {
-        advance_decode_steps(gpu, cache, batch)?;
-        Self::replayed(cache, batch, std::mem::take(&mut self.selected));
+        advance_decode_steps(gpu, cache, &self.step.batch)?;
+        let selected = self.selected;
+        self.end(cache, selected)
+    }
+
+    /// Ends a step whose captured graph (layers and [`finish`](Self::finish), captured on an
+    /// earlier step of the same batch size) was replayed in its place: records the replay's
+    /// advance of the device's step counters, advances the manager's, and, if the replayed graph
+    /// launched the selector (`selected`), marks the slots as holding a selection (without it
+    /// [`selects`](Self::selects) keeps naming the selecting graph: correct, but slower).
+    ///
+    /// Errors (nothing changed): `StaleTables` as [`layer`](Self::layer).
+    pub fn replayed<E: DeviceElement>(
+        self,
+        cache: &mut DeviceKvCache<E>,
+        selected: bool,
+    ) -> Result<()> {
+        cache.check_batch(&self.step.batch)?;
+        cache.mirror.advanced(&self.step.batch.host_slots);
+        self.end(cache, selected)
+    }
+
+    /// The host's half of the step's end: the manager's counters, the selection marks.
+    fn end<E: DeviceElement>(self, cache: &mut DeviceKvCache<E>, selected: bool) -> Result<()> {
+        for &seq in &self.step.batch.host_seqs {
+            self.manager.advance_decode_step(seq)?;
+        }
+        if selected {
+            cache.clear_selection_pending(&self.step.batch);
+        }
         Ok(())
     }
 }

@@ -45,7 +45,7 @@ mod streaming_store;
 pub use block_table::BlockTable;
 pub use host_cache::{DenseLayerCache, HostKvCache, StreamingLayerCache};
 pub use page_pool::{PageId, PagePool, PAD_PAGE};
-pub use sequences::{DeviceBlockTables, KvCacheManager, SeqId, SequenceView};
+pub use sequences::{DeviceBlockTables, KvCacheManager, SeqId, SequenceView, TableGeneration};
 pub use streaming_store::StreamingStore;
 
 use lserve_abi::PagedLayout;

@@ -1,6 +1,7 @@
 //! Sequence lifecycle over the page pool and the streaming slots.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use lserve_abi::{PagedLayout, StreamingLayout};
 use std::ops::Range;
@@ -47,6 +48,56 @@ struct SequenceState {
     decode_step: u64,
 }
 
+/// Hands out manager identities ([`TableGeneration`]): every manager, clones included, has its
+/// own.
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(0);
+
+fn fresh_manager_id() -> u64 {
+    NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Which block tables a [`KvCacheManager`] holds: the manager (each has its own identity, a clone
+/// too) and a generation that changes with every change of a block-table row or of a slot's
+/// owner (a sequence added or freed, a reservation that opens a page). A device cache that
+/// mirrors the tables remembers the generation it last copied, so a step planned against older
+/// tables is detected.
+///
+/// ```
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let g = ModelGeometry::new(1, 2, 2, 64)?;
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 8, 2, 1024)?;
+/// let start = mgr.generation();
+/// let seq = mgr.add_sequence()?; // a slot changed hands
+/// let added = mgr.generation();
+/// assert_ne!(added, start);
+/// mgr.reserve(seq, 10)?; // opens page 0
+/// let opened = mgr.generation();
+/// assert_ne!(opened, added);
+/// mgr.reserve(seq, 10)?; // still page 0: the tables are unchanged
+/// assert_eq!(mgr.generation(), opened);
+/// assert_ne!(mgr.clone().generation(), opened); // another manager
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TableGeneration {
+    manager: u64,
+    generation: u64,
+}
+
+impl TableGeneration {
+    /// The generation `generation` of the manager with identity `manager`.
+    pub(crate) fn new(manager: u64, generation: u64) -> Self {
+        Self {
+            manager,
+            generation,
+        }
+    }
+}
+
 /// The block tables of all slots in the device's shape (row = slot).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceBlockTables {
@@ -65,7 +116,9 @@ pub struct DeviceBlockTables {
 /// Owns the page pool, the streaming slots and every live sequence's length, block table and
 /// decode step counter.
 ///
-/// Every method that fails returns a typed error and leaves the manager unchanged.
+/// Every method that fails returns a typed error and leaves the manager unchanged. Clones are
+/// separate managers: equal (`==`) in content, with their own [`generation`](Self::generation)
+/// identity.
 ///
 /// ```
 /// use lserve::config::SparsityConfig;
@@ -89,8 +142,16 @@ pub struct DeviceBlockTables {
 /// assert_eq!(mgr.len(b)?, 192);
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug)]
 pub struct KvCacheManager {
+    /// This manager's identity ([`TableGeneration`]); fresh for a clone.
+    id: u64,
+    /// Bumped on every change of a block-table row or a slot's owner.
+    generation: u64,
+    /// `[slots]`: the generation at which the slot's row or owner last changed.
+    row_generations: Vec<u64>,
+    /// `[slots]`: the sequence in each slot.
+    owners: Vec<Option<SeqId>>,
     geometry: ModelGeometry,
     pattern: HeadPattern,
     config: SparsityConfig,
@@ -99,6 +160,42 @@ pub struct KvCacheManager {
     sequences: BTreeMap<SeqId, SequenceState>,
     next_id: u32,
     max_seq_len: usize,
+}
+
+impl Clone for KvCacheManager {
+    fn clone(&self) -> Self {
+        Self {
+            id: fresh_manager_id(),
+            generation: self.generation,
+            row_generations: self.row_generations.clone(),
+            owners: self.owners.clone(),
+            geometry: self.geometry,
+            pattern: self.pattern.clone(),
+            config: self.config,
+            pool: self.pool.clone(),
+            store: self.store.clone(),
+            sequences: self.sequences.clone(),
+            next_id: self.next_id,
+            max_seq_len: self.max_seq_len,
+        }
+    }
+}
+
+/// Equal content (the identity in [`TableGeneration`] aside: a clone equals its original).
+impl PartialEq for KvCacheManager {
+    fn eq(&self, other: &Self) -> bool {
+        self.generation == other.generation
+            && self.row_generations == other.row_generations
+            && self.owners == other.owners
+            && self.geometry == other.geometry
+            && self.pattern == other.pattern
+            && self.config == other.config
+            && self.pool == other.pool
+            && self.store == other.store
+            && self.sequences == other.sequences
+            && self.next_id == other.next_id
+            && self.max_seq_len == other.max_seq_len
+    }
 }
 
 impl KvCacheManager {
@@ -130,6 +227,10 @@ impl KvCacheManager {
         let pool = PagePool::new(capacity_pages)?;
         let store = StreamingStore::new(max_sequences, config.sink_tokens, config.local_tokens)?;
         Ok(Self {
+            id: fresh_manager_id(),
+            generation: 0,
+            row_generations: vec![0; max_sequences],
+            owners: vec![None; max_sequences],
             geometry,
             pattern,
             config,
@@ -161,7 +262,15 @@ impl KvCacheManager {
                 decode_step: 0,
             },
         );
+        self.owners[slot as usize] = Some(id);
+        self.changed_row(slot);
         Ok(id)
+    }
+
+    /// Records a change of `slot`'s block-table row or owner.
+    fn changed_row(&mut self, slot: u32) {
+        self.generation += 1;
+        self.row_generations[slot as usize] = self.generation;
     }
 
     /// Grows `seq` by `n_tokens`, allocating the pages it needs, and returns the new positions.
@@ -190,7 +299,68 @@ impl KvCacheManager {
         let state = self.sequences.get_mut(&seq).expect("checked above");
         state.block_table.extend(&pages);
         state.len = new_len;
+        let slot = state.slot;
+        if !pages.is_empty() {
+            self.changed_row(slot);
+        }
         Ok(old_len..new_len)
+    }
+
+    /// Grows every sequence of `seqs` by `n_tokens` (a decode step's tokens), all or none: the
+    /// errors of [`reserve`](Self::reserve) for any of them, `PoolExhausted` if the pool lacks
+    /// the pages all of them need together, `InvalidArgument` for a sequence listed twice; on
+    /// error nothing changes.
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    ///
+    /// let g = ModelGeometry::new(1, 2, 2, 64)?;
+    /// let mut mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 3, 2, 1024)?;
+    /// let (a, b) = (mgr.add_sequence()?, mgr.add_sequence()?);
+    /// mgr.reserve(a, 64)?; // one full page
+    /// mgr.reserve(b, 64)?;
+    /// assert!(mgr.reserve_each(&[a, b], 1).is_err()); // two new pages needed, one free
+    /// assert_eq!((mgr.len(a)?, mgr.len(b)?), (64, 64)); // neither grew
+    /// mgr.reserve_each(&[a], 1)?;
+    /// assert_eq!(mgr.len(a)?, 65);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn reserve_each(&mut self, seqs: &[SeqId], n_tokens: usize) -> Result<()> {
+        if n_tokens == 0 {
+            return Err(LserveError::Empty("reservation (0 tokens)"));
+        }
+        let mut needed = 0usize;
+        for (i, &seq) in seqs.iter().enumerate() {
+            if seqs[..i].contains(&seq) {
+                return Err(LserveError::InvalidArgument {
+                    what: "sequences",
+                    reason: format!("sequence {} listed twice", seq.0),
+                });
+            }
+            let state = self.state(seq)?;
+            let new_len = state.len.saturating_add(n_tokens);
+            if new_len > self.max_seq_len {
+                return Err(LserveError::SequenceTooLong {
+                    len: new_len,
+                    max: self.max_seq_len,
+                });
+            }
+            needed += self.config.pages_for_len(new_len) - state.block_table.len();
+        }
+        if needed > self.pool.free_pages() {
+            return Err(LserveError::PoolExhausted {
+                needed,
+                free: self.pool.free_pages(),
+            });
+        }
+        for &seq in seqs {
+            self.reserve(seq, n_tokens)
+                .expect("checked above: known, short enough, pages free");
+        }
+        Ok(())
     }
 
     /// Ends `seq`: its pages go back to the pool and its slot is free again.
@@ -212,6 +382,8 @@ impl KvCacheManager {
             .free(state.block_table.pages())
             .expect("checked above");
         self.store.release(state.slot).expect("checked above");
+        self.owners[state.slot as usize] = None;
+        self.changed_row(state.slot);
         Ok(())
     }
 
@@ -252,7 +424,9 @@ impl KvCacheManager {
     }
 
     /// Advances the decode step counter of `seq` by one (at the end of a decode step) and
-    /// returns the new value.
+    /// returns the new value. This counter is the truth: a device cache's copy follows it
+    /// (`PlannedStep::finish` advances both; a batch set after an advance made here alone writes
+    /// this value into the device's).
     pub fn advance_decode_step(&mut self, seq: SeqId) -> Result<u64> {
         let s = self
             .sequences
@@ -315,6 +489,36 @@ impl KvCacheManager {
     /// Block-table entries a sequence can need (`ceil(max_seq_len / page_tokens)`).
     pub fn max_pages_per_seq(&self) -> usize {
         self.config.pages_for_len(self.max_seq_len)
+    }
+
+    /// Which block tables the manager holds now ([`TableGeneration`]).
+    pub fn generation(&self) -> TableGeneration {
+        TableGeneration::new(self.id, self.generation)
+    }
+
+    /// The generation number of [`generation`](Self::generation).
+    pub(crate) fn generation_number(&self) -> u64 {
+        self.generation
+    }
+
+    /// This manager's identity (the `manager` of its [`TableGeneration`]).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The generation at which `slot`'s block-table row or owner last changed (0 for a slot
+    /// out of range, or never used).
+    pub(crate) fn row_generation(&self, slot: u32) -> u64 {
+        self.row_generations
+            .get(slot as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The sequence in `slot` and its block table, if the slot is in use.
+    pub(crate) fn slot_owner(&self, slot: u32) -> Option<(SeqId, &BlockTable)> {
+        let seq = (*self.owners.get(slot as usize)?)?;
+        Some((seq, &self.sequences.get(&seq)?.block_table))
     }
 
     /// Layer `layer`'s dense page pool layout (the pool's capacity, the layer's dense heads).
