@@ -17,6 +17,9 @@
 //! - [`select`]: the page scorer, the top-K selector and the decode step counters;
 //! - [`decode`]: paged sparse decode attention and its split combine.
 //!
+//! [`shapes`] lists the (element type, head dim, GQA group) shapes the decode attention and the
+//! page scorer are built for.
+//!
 //! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`);
 //! the selector's warp scan, ballot and vector shared-memory loads are covered by
 //! `tests/gpu_select.rs` instead.
@@ -45,6 +48,7 @@ pub mod mma;
 pub mod prefill;
 pub mod primitive_tests;
 pub mod select;
+pub mod shapes;
 pub mod smem;
 pub mod sync;
 pub mod thread;

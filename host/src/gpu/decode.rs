@@ -689,7 +689,9 @@ fn launch_attention<E: DeviceElement>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::launch::ptx_has_kernel;
     use super::*;
+    use crate::geometry::ModelGeometry;
 
     #[test]
     fn splits_fill_the_gpu_from_the_dense_pairs_but_keep_splits_long() {
@@ -797,9 +799,38 @@ mod tests {
                 ..
             })
         ));
-        assert!(matches!(
-            kernel_name(DType::F16, 64, 3, true, false),
-            Err(LserveError::InvalidArgument { what: "group", .. })
-        ));
+        for group in [0, ModelGeometry::MAX_GROUP + 1] {
+            assert!(matches!(
+                kernel_name(DType::F16, 64, group, true, false),
+                Err(LserveError::InvalidArgument { what: "group", .. })
+            ));
+        }
+    }
+
+    /// The geometry's rule and the decode kernels agree: every shape `ModelGeometry::new`
+    /// accepts names an attention kernel of each kind that the PTX defines, and the shapes next
+    /// to them are rejected at construction.
+    #[test]
+    fn every_accepted_geometry_has_its_decode_kernels() {
+        for d in [32, 64, 96, 128, 256] {
+            for group in 1..=ModelGeometry::MAX_GROUP + 1 {
+                let accepted = ModelGeometry::new(1, 2 * group, 2, d).is_ok();
+                let served = ModelGeometry::SUPPORTED_HEAD_DIMS.contains(&d)
+                    && group <= ModelGeometry::MAX_GROUP;
+                assert_eq!(accepted, served, "d {d} group {group}");
+                for dtype in [DType::BF16, DType::F16] {
+                    for (bulk, append) in [(false, false), (false, true), (true, true)] {
+                        let name = kernel_name(dtype, d, group, bulk, append);
+                        assert_eq!(name.is_ok(), served, "d {d} group {group}");
+                        if let Ok(name) = name {
+                            assert!(ptx_has_kernel(&name), "{name} is not in the PTX");
+                        }
+                    }
+                }
+            }
+        }
+        for name in ["decode_combine_bf16", "decode_combine_f16"] {
+            assert!(ptx_has_kernel(name), "{name} is not in the PTX");
+        }
     }
 }

@@ -10,6 +10,7 @@ use cudarc::driver::{
 
 use super::cache::DeviceElement;
 use crate::dtype::DType;
+use crate::geometry::ModelGeometry;
 use crate::{LserveError, Result};
 
 /// The kernel of element type `E` among a (bf16, f16) pair of entry points.
@@ -20,9 +21,11 @@ pub(crate) fn kernel_of<E: DeviceElement>(bf16: &'static str, f16: &'static str)
     }
 }
 
-/// The instance `{family}_{dtype}_d{head_dim}_g{group}` of a kernel family built for head
-/// dimensions 64 and 128 and GQA groups 1, 2, 4 and 8 (the decode attention and the page
-/// scorer); `what` names the family in the error for any other shape.
+/// The instance `{family}_{dtype}_d{head_dim}_g{group}` of a kernel family built for every
+/// shape a [`ModelGeometry`] accepts (the decode attention and the page scorer: head dimensions
+/// [`ModelGeometry::SUPPORTED_HEAD_DIMS`], groups 1 to [`ModelGeometry::MAX_GROUP`]); `what`
+/// names the family in the error for any other shape (only arguments that did not come from a
+/// geometry can be one).
 pub(crate) fn grouped_kernel_name(
     family: &str,
     what: &str,
@@ -30,19 +33,32 @@ pub(crate) fn grouped_kernel_name(
     head_dim: usize,
     group: usize,
 ) -> Result<String> {
-    if !matches!(head_dim, 64 | 128) {
+    if !ModelGeometry::SUPPORTED_HEAD_DIMS.contains(&head_dim) {
         return Err(LserveError::InvalidArgument {
             what: "head_dim",
-            reason: format!("{head_dim}: the GPU {what} supports 64 and 128"),
+            reason: format!(
+                "{head_dim}: the GPU {what} supports {:?}",
+                ModelGeometry::SUPPORTED_HEAD_DIMS
+            ),
         });
     }
-    if !matches!(group, 1 | 2 | 4 | 8) {
+    if !(1..=ModelGeometry::MAX_GROUP).contains(&group) {
         return Err(LserveError::InvalidArgument {
             what: "group",
-            reason: format!("{group}: the GPU {what} supports GQA groups of 1, 2, 4, 8"),
+            reason: format!(
+                "{group}: the GPU {what} supports GQA groups 1 to {}",
+                ModelGeometry::MAX_GROUP
+            ),
         });
     }
     Ok(format!("{family}_{}_d{head_dim}_g{group}", dtype.name()))
+}
+
+/// Whether the embedded PTX defines the kernel entry point `name` (the tests check every name
+/// the launchers can ask for).
+#[cfg(test)]
+pub(crate) fn ptx_has_kernel(name: &str) -> bool {
+    super::context::PTX.contains(&format!(".visible .entry {name}("))
 }
 
 /// A launch-parameter struct from `lserve-abi`, passed to a kernel by value.

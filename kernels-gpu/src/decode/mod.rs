@@ -22,9 +22,6 @@ pub mod tiles;
 
 use lserve_abi::decode::{DecodeParams, DECODE_STAGES, DECODE_TILE_ROWS};
 
-use crate::convert::{Bf16, F16};
-use crate::kv_write::append::IndexEntries;
-use crate::kv_write::target::CacheBuffers as WriteBuffers;
 use crate::math::fma;
 use crate::mma::{mma_m16n8k16, FragC, MmaElement};
 use crate::smem::dynamic_smem;
@@ -35,8 +32,8 @@ use newest::{NewToken, NewestRow, StatsUpdate};
 use online_softmax::{merge_weight, HeadSoftmax};
 use rows::{CacheBuffers, PairInputs, RowSource, NO_ROW};
 use tiles::{
-    load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, patch_rows, AsyncCopy,
-    TensorCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
+    load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, patch_rows, Tile, TileCopy,
+    MAX_O_TILES, WARPS,
 };
 
 /// One warp's pass over its tiles: the softmax state of its lane's query head and the
@@ -356,18 +353,19 @@ unsafe fn decode_attention<
     }
 }
 
-/// Declares one `extern "gpu-kernel"` entry point `$name` for element type, head dim and group
-/// size, with the tile copy `$copy`, appending the step's token or not (`$append`).
+/// Declares one `extern "gpu-kernel"` entry point exported as `$name`, for element type, head
+/// dim and group size, with the tile copy `$copy`, appending the step's token or not
+/// (`$append`).
 macro_rules! decode_kernel {
-    ($copy:ty, $append:literal, $name:ident: $elem:ty, $d:literal, $g:literal) => {
+    ($copy:ty, $append:literal, $fn:ident = $name:expr; $elem:path, $d:literal, $g:literal) => {
         /// Decode attention entry point (see the module docs); pointers as `decode_attention`.
         ///
         /// # Safety
-        /// As [`decode_attention`]'s: launched by `lserve`'s host launcher only.
-        #[unsafe(no_mangle)]
+        /// As `decode_attention`'s: launched by `lserve`'s host launcher only.
+        #[unsafe(export_name = $name)]
         #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
-            p: DecodeParams,
+        pub unsafe extern "gpu-kernel" fn $fn(
+            p: lserve_abi::decode::DecodeParams,
             q: *const u16,
             k_new: *const u16,
             v_new: *const u16,
@@ -389,7 +387,7 @@ macro_rules! decode_kernel {
             part_acc: *mut f32,
             part_ml: *mut f32,
         ) {
-            let bufs = CacheBuffers {
+            let bufs = $crate::decode::rows::CacheBuffers {
                 k_pool,
                 v_pool,
                 k_stream,
@@ -401,10 +399,10 @@ macro_rules! decode_kernel {
                 held_lens,
                 held_pages,
             };
-            let new = NewToken {
+            let new = $crate::decode::newest::NewToken {
                 k: k_new,
                 v: v_new,
-                cache: WriteBuffers {
+                cache: $crate::kv_write::target::CacheBuffers {
                     k_pool,
                     v_pool,
                     kmin,
@@ -414,7 +412,7 @@ macro_rules! decode_kernel {
                     block_tables,
                     head_map,
                 },
-                index: IndexEntries {
+                index: $crate::kv_write::append::IndexEntries {
                     held_lens,
                     pages: index_pages,
                     lens: index_lens,
@@ -422,7 +420,7 @@ macro_rules! decode_kernel {
             };
             // SAFETY: forwarded launch contract (the body waits for the kernel before).
             unsafe {
-                decode_attention::<$elem, $d, $g, $copy, $append>(
+                $crate::decode::decode_attention::<$elem, $d, $g, $copy, $append>(
                     &p, q, &bufs, &new, seq_len, seq_slot, head_map, part_acc, part_ml,
                 )
             }
@@ -430,49 +428,30 @@ macro_rules! decode_kernel {
     };
 }
 
-/// Declares, per (element type, head dim, group size), the entry points over the cache as it is
-/// (`$bulk`: tiles by tensor-map bulk copies) and appending the step's token (`$append`: tiles by
-/// `cp.async`, for short splits, i.e. the sparse and streaming heads and short sequences;
-/// `$append_bulk`: by tensor-map bulk copies, for long splits); the host picks per launch.
+/// Declares, for one (element type, head dim, group size), the entry points over the cache as
+/// it is (`decode_attention_bulk_*`: tiles by tensor-map bulk copies) and appending the step's
+/// token (`decode_attention_append_*`: tiles by `cp.async`, for short splits, i.e. the sparse
+/// and streaming heads and short sequences; `decode_attention_append_bulk_*`: by tensor-map bulk
+/// copies, for long splits); the host picks per launch.
 macro_rules! decode_kernels {
-    ($($bulk:ident, $append:ident, $append_bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
-        decode_kernel!(TensorCopy, false, $bulk: $elem, $d, $g);
-        decode_kernel!(AsyncCopy, true, $append: $elem, $d, $g);
-        decode_kernel!(TensorCopy, true, $append_bulk: $elem, $d, $g);
-    )*};
+    ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
+        decode_kernel!(
+            $crate::decode::tiles::TensorCopy, false,
+            bulk = concat!("decode_attention_bulk_", $dtype, "_d", $d, "_g", $g);
+            $elem, $d, $g
+        );
+        decode_kernel!(
+            $crate::decode::tiles::AsyncCopy, true,
+            append = concat!("decode_attention_append_", $dtype, "_d", $d, "_g", $g);
+            $elem, $d, $g
+        );
+        decode_kernel!(
+            $crate::decode::tiles::TensorCopy, true,
+            append_bulk = concat!("decode_attention_append_bulk_", $dtype, "_d", $d, "_g", $g);
+            $elem, $d, $g
+        );
+    };
 }
 
-decode_kernels! {
-    decode_attention_bulk_bf16_d64_g1,
-        decode_attention_append_bf16_d64_g1, decode_attention_append_bulk_bf16_d64_g1: Bf16, 64, 1;
-    decode_attention_bulk_bf16_d64_g2,
-        decode_attention_append_bf16_d64_g2, decode_attention_append_bulk_bf16_d64_g2: Bf16, 64, 2;
-    decode_attention_bulk_bf16_d64_g4,
-        decode_attention_append_bf16_d64_g4, decode_attention_append_bulk_bf16_d64_g4: Bf16, 64, 4;
-    decode_attention_bulk_bf16_d64_g8,
-        decode_attention_append_bf16_d64_g8, decode_attention_append_bulk_bf16_d64_g8: Bf16, 64, 8;
-    decode_attention_bulk_bf16_d128_g1,
-        decode_attention_append_bf16_d128_g1, decode_attention_append_bulk_bf16_d128_g1: Bf16, 128, 1;
-    decode_attention_bulk_bf16_d128_g2,
-        decode_attention_append_bf16_d128_g2, decode_attention_append_bulk_bf16_d128_g2: Bf16, 128, 2;
-    decode_attention_bulk_bf16_d128_g4,
-        decode_attention_append_bf16_d128_g4, decode_attention_append_bulk_bf16_d128_g4: Bf16, 128, 4;
-    decode_attention_bulk_bf16_d128_g8,
-        decode_attention_append_bf16_d128_g8, decode_attention_append_bulk_bf16_d128_g8: Bf16, 128, 8;
-    decode_attention_bulk_f16_d64_g1,
-        decode_attention_append_f16_d64_g1, decode_attention_append_bulk_f16_d64_g1: F16, 64, 1;
-    decode_attention_bulk_f16_d64_g2,
-        decode_attention_append_f16_d64_g2, decode_attention_append_bulk_f16_d64_g2: F16, 64, 2;
-    decode_attention_bulk_f16_d64_g4,
-        decode_attention_append_f16_d64_g4, decode_attention_append_bulk_f16_d64_g4: F16, 64, 4;
-    decode_attention_bulk_f16_d64_g8,
-        decode_attention_append_f16_d64_g8, decode_attention_append_bulk_f16_d64_g8: F16, 64, 8;
-    decode_attention_bulk_f16_d128_g1,
-        decode_attention_append_f16_d128_g1, decode_attention_append_bulk_f16_d128_g1: F16, 128, 1;
-    decode_attention_bulk_f16_d128_g2,
-        decode_attention_append_f16_d128_g2, decode_attention_append_bulk_f16_d128_g2: F16, 128, 2;
-    decode_attention_bulk_f16_d128_g4,
-        decode_attention_append_f16_d128_g4, decode_attention_append_bulk_f16_d128_g4: F16, 128, 4;
-    decode_attention_bulk_f16_d128_g8,
-        decode_attention_append_f16_d128_g8, decode_attention_append_bulk_f16_d128_g8: F16, 128, 8;
-}
+// Every (element type, head dim, group size) of `crate::shapes`.
+crate::grouped_kernels!(decode_kernels);
