@@ -10,9 +10,9 @@ use crate::error::{LserveError, Result};
 /// A geometry is the contract for the whole library: [`new`](Self::new) accepts exactly the
 /// shapes every stage has kernels for (prefill, cache writes, page selection, decode attention),
 /// so a model it accepts never meets a missing kernel later. Those are head dimensions
-/// [`SUPPORTED_HEAD_DIMS`](Self::SUPPORTED_HEAD_DIMS) and GQA groups `1..=`[`MAX_GROUP`](Self::MAX_GROUP)
-/// (SmolLM2-135M: 9 query heads over 3 KV heads, group 3, head dim 64; Qwen2.5-7B: 28 over 4,
-/// group 7, head dim 128).
+/// [`SUPPORTED_HEAD_DIMS`](Self::SUPPORTED_HEAD_DIMS) and GQA groups 1 to
+/// [`MAX_GROUP`](Self::MAX_GROUP), powers of two or not (SmolLM2-135M: 9 query heads over 3 KV
+/// heads, group 3, head dim 64; Qwen2.5-7B: 28 over 4, group 7, head dim 128).
 ///
 /// ```
 /// use lserve::geometry::ModelGeometry;
@@ -43,7 +43,7 @@ impl ModelGeometry {
 
     /// The largest GQA group (query heads per KV head) the decode attention and the page
     /// scorer are built for; they serve every group from 1 to this.
-    pub const MAX_GROUP: usize = 8;
+    pub const MAX_GROUP: usize = lserve_abi::decode::MAX_GROUP as usize;
 
     /// Validates and builds a geometry: all values nonzero and at most `u32::MAX`,
     /// `q_heads % kv_heads == 0`, group `q_heads / kv_heads` at most [`Self::MAX_GROUP`],

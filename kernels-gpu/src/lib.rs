@@ -17,8 +17,7 @@
 //! - [`select`]: the page scorer, the top-K selector and the decode step counters;
 //! - [`decode`]: paged sparse decode attention and its split combine.
 //!
-//! [`shapes`] lists the (element type, head dim, GQA group) shapes the decode attention and the
-//! page scorer are built for.
+//! [`shapes`] lists the (element type, head dim, GQA group) shapes the grouped kernels serve.
 //!
 //! [`primitive_tests`] holds one test kernel per primitive (driven by `tests/gpu_primitives.rs`);
 //! the selector's warp scan, ballot and vector shared-memory loads are covered by

@@ -1,10 +1,18 @@
-//! The shapes the GQA-grouped kernels (decode attention, page scorer) are built for: every
-//! element type (bf16, f16), head dimension 64 and 128, and group size 1 to 8 (query heads per
-//! KV head). The host's geometry accepts exactly these (`lserve::geometry::ModelGeometry`).
+//! The shapes of the GQA-grouped kernels: every element type (bf16, f16), head dimension 64
+//! and 128, and group size 1 to [`MAX_GROUP`] (query heads per KV head). The host's geometry
+//! accepts exactly these (`lserve::geometry::ModelGeometry`).
 //!
-//! [`grouped_kernels!`](crate::grouped_kernels) instantiates a family once per shape: each
-//! instance lives in its own module (`<dtype>::d<D>::g<G>`) and exports its entry points under
-//! the names the host looks up, `{family}_{dtype}_d{D}_g{G}`.
+//! The decode attention takes the group as a launch parameter (it only sizes the rows of the
+//! query fragments and the final merge), so it is built per (element type, head dim). The page
+//! scorer keeps per-head state in registers and is built per group size:
+//! [`grouped_kernels!`](crate::grouped_kernels) instantiates such a family once per shape, each
+//! instance in its own module (`<dtype>::d<D>::g<G>`) exporting its entry points under the names
+//! the host looks up, `{family}_{dtype}_d{D}_g{G}`.
+
+use lserve_abi::decode::MAX_GROUP;
+
+// `grouped_kernels!` lists groups 1 to 8.
+const _: () = assert!(MAX_GROUP == 8);
 
 /// Instantiates a kernel family for every grouped shape (see the module docs).
 ///

@@ -9,7 +9,7 @@ use lserve_abi::decode::{
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 use super::kv_write::append_kv;
-use super::launch::{grouped_kernel_name, kernel_of, ByValue, OverlappedLaunch};
+use super::launch::{check_shape, kernel_of, ByValue, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
@@ -168,6 +168,9 @@ impl AttentionKernels {
     }
 }
 
+/// The attention kernel for element type, head dim and launch kind: one kernel per (element
+/// type, head dim) serves every group `1..=MAX_GROUP` (a launch parameter); other shapes are
+/// typed errors (only arguments that did not come from a geometry can be one).
 fn kernel_name(
     dtype: DType,
     head_dim: usize,
@@ -175,13 +178,14 @@ fn kernel_name(
     bulk: bool,
     append: bool,
 ) -> Result<String> {
+    check_shape(head_dim, group)?;
     // Launches that do not append always copy their tiles through the tensor maps.
     let prefix = match (append, bulk) {
         (false, _) => "decode_attention_bulk",
         (true, false) => "decode_attention_append",
         (true, true) => "decode_attention_append_bulk",
     };
-    grouped_kernel_name(prefix, "decode kernel", dtype, head_dim, group)
+    Ok(format!("{prefix}_{}_d{head_dim}", dtype.name()))
 }
 
 /// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`, over the
@@ -605,6 +609,7 @@ fn launch_attention<E: DeviceElement>(
     let params = ByValue(DecodeParams {
         batch: b as u32,
         kv_heads: hkv as u32,
+        group: group as u32,
         splits,
         max_pages: cache.max_pages,
         max_selected: cache.entry_capacity,
@@ -785,13 +790,13 @@ mod tests {
     fn unsupported_shapes_are_typed_errors() {
         // Launches that do not append are the tensor-map kernel whatever `bulk` says.
         assert!(kernel_name(DType::BF16, 128, 4, false, false)
-            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
+            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128"));
         assert!(kernel_name(DType::BF16, 128, 4, true, false)
-            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
-        assert!(kernel_name(DType::F16, 64, 2, false, true)
-            .is_ok_and(|n| n == "decode_attention_append_f16_d64_g2"));
-        assert!(kernel_name(DType::BF16, 128, 8, true, true)
-            .is_ok_and(|n| n == "decode_attention_append_bulk_bf16_d128_g8"));
+            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128"));
+        assert!(kernel_name(DType::F16, 64, 3, false, true)
+            .is_ok_and(|n| n == "decode_attention_append_f16_d64"));
+        assert!(kernel_name(DType::BF16, 128, 7, true, true)
+            .is_ok_and(|n| n == "decode_attention_append_bulk_bf16_d128"));
         assert!(matches!(
             kernel_name(DType::F16, 256, 4, false, true),
             Err(LserveError::InvalidArgument {

@@ -21,23 +21,16 @@ pub(crate) fn kernel_of<E: DeviceElement>(bf16: &'static str, f16: &'static str)
     }
 }
 
-/// The instance `{family}_{dtype}_d{head_dim}_g{group}` of a kernel family built for every
-/// shape a [`ModelGeometry`] accepts (the decode attention and the page scorer: head dimensions
-/// [`ModelGeometry::SUPPORTED_HEAD_DIMS`], groups 1 to [`ModelGeometry::MAX_GROUP`]); `what`
-/// names the family in the error for any other shape (only arguments that did not come from a
-/// geometry can be one).
-pub(crate) fn grouped_kernel_name(
-    family: &str,
-    what: &str,
-    dtype: DType,
-    head_dim: usize,
-    group: usize,
-) -> Result<String> {
+/// Checks that the decode attention and the page scorer serve head dimension `head_dim` and
+/// GQA group `group`: the shapes a [`ModelGeometry`] accepts (head dimensions
+/// [`ModelGeometry::SUPPORTED_HEAD_DIMS`], groups 1 to [`ModelGeometry::MAX_GROUP`]). Only
+/// arguments that did not come from a geometry can fail it.
+pub(crate) fn check_shape(head_dim: usize, group: usize) -> Result<()> {
     if !ModelGeometry::SUPPORTED_HEAD_DIMS.contains(&head_dim) {
         return Err(LserveError::InvalidArgument {
             what: "head_dim",
             reason: format!(
-                "{head_dim}: the GPU {what} supports {:?}",
+                "{head_dim}: the GPU kernels support {:?}",
                 ModelGeometry::SUPPORTED_HEAD_DIMS
             ),
         });
@@ -46,12 +39,12 @@ pub(crate) fn grouped_kernel_name(
         return Err(LserveError::InvalidArgument {
             what: "group",
             reason: format!(
-                "{group}: the GPU {what} supports GQA groups 1 to {}",
+                "{group}: the GPU kernels support GQA groups 1 to {}",
                 ModelGeometry::MAX_GROUP
             ),
         });
     }
-    Ok(format!("{family}_{}_d{head_dim}_g{group}", dtype.name()))
+    Ok(())
 }
 
 /// Whether the embedded PTX defines the kernel entry point `name` (the tests check every name

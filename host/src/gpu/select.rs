@@ -51,7 +51,7 @@ use lserve_abi::select::{
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{grouped_kernel_name, ByValue, LaunchParams, OverlappedLaunch};
+use super::launch::{check_shape, ByValue, LaunchParams, OverlappedLaunch};
 use super::GpuContext;
 use crate::config::GqaAggregation;
 use crate::dtype::DType;
@@ -116,9 +116,11 @@ impl SelectWorkspace {
     }
 }
 
-/// The kernel name for element type, head dim and group size (`score_pages_bf16_d128_g4`).
+/// The kernel name for element type, head dim and group size (`score_pages_bf16_d128_g4`: one
+/// kernel per group, see `kernels-gpu/src/shapes.rs`).
 fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
-    grouped_kernel_name("score_pages", "page scorer", dtype, head_dim, group)
+    check_shape(head_dim, group)?;
+    Ok(format!("score_pages_{}_d{head_dim}_g{group}", dtype.name()))
 }
 
 /// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
