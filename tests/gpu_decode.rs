@@ -29,6 +29,7 @@ use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
 use lserve::reference::decode_step::{decode_step, write_tokens, DecodeStepOutput};
 use lserve::reference::ReuseState;
+use lserve::LserveError;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -645,6 +646,25 @@ fn every_group_and_head_dim_matches_reference() {
                 }
             }
         }
+    }
+}
+
+/// A workspace for a shape no kernel serves is a typed error at construction.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn workspace_rejects_shapes_no_kernel_serves() {
+    let gpu = gpu();
+    for (group, head_dim, what) in [(9, 64, "group"), (0, 128, "group"), (4, 256, "head_dim")] {
+        assert!(
+            matches!(
+                DecodeWorkspace::new(&gpu, 1, 2, group, head_dim),
+                Err(LserveError::InvalidArgument { what: w, .. }) if w == what
+            ),
+            "group {group} head_dim {head_dim}"
+        );
+    }
+    for group in 1..=ModelGeometry::MAX_GROUP {
+        DecodeWorkspace::new(&gpu, 1, 2, group, 128).unwrap();
     }
 }
 

@@ -29,6 +29,11 @@ pub use lserve_abi::decode::MAX_SPLITS;
 impl DecodeWorkspace {
     /// Room for batches of up to `max_batch` sequences of a model with `kv_heads`, `group` and
     /// `head_dim`.
+    ///
+    /// Errors (nothing allocated): `Empty` for no (sequence, KV head) pair; `InvalidArgument`
+    /// for a head dim or group no kernel serves (what a
+    /// [`ModelGeometry`](crate::geometry::ModelGeometry) accepts: head dims 64 and 128, groups 1
+    /// to 8).
     pub fn new(
         gpu: &GpuContext,
         max_batch: usize,
@@ -40,6 +45,7 @@ impl DecodeWorkspace {
         if max_pairs == 0 {
             return Err(LserveError::Empty("batch"));
         }
+        check_shape(head_dim, group)?;
         let states = max_pairs * MAX_SPLITS as usize * group;
         Ok(Self {
             part_acc: gpu.stream().alloc_zeros(states * head_dim)?,
