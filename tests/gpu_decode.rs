@@ -30,6 +30,7 @@ use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
 use lserve::reference::decode::{decode_step, DecodeStepOutput};
 use lserve::reference::kv_write::write_tokens;
 use lserve::reference::select::ReuseState;
+use lserve::LserveError;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -57,7 +58,8 @@ fn case_strategy() -> impl Strategy<Value = Case> {
     (
         prop_oneof![Just(64usize), Just(128)],
         1usize..=4,
-        prop_oneof![Just(1usize), Just(2), Just(4), Just(8)],
+        // Every GQA group the kernels serve, the non-powers of two included.
+        1usize..=ModelGeometry::MAX_GROUP,
     )
         .prop_flat_map(|(head_dim, kv_heads, group)| {
             (
@@ -589,6 +591,89 @@ fn reused_selections_follow_new_pages_without_the_selector() {
     // Uploaded mid-decode (step 1 of reuse 4): the cache holds no selection, so the first step
     // selects although its counter is not a multiple of 4 (`PlannedStep::selects`).
     run_steps::<bf16>(&gpu, &case, false, 1, AppendLaunch::Fused, MAX_SPLITS).unwrap();
+}
+
+/// Every (head dim, GQA group, element type) the geometry accepts, against the reference on each
+/// of the three attention kernels of its shape: the bulk-copy kernel (attention over the cache as
+/// it is), the appending `cp.async` kernel (whole steps with the append fused, short splits of
+/// sparse and streaming heads, selection and reuse), and the appending bulk-copy kernel (one
+/// split per pair over a long dense sequence). Three KV heads, so the pairs of a batch are not a
+/// power of two either.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn every_group_and_head_dim_matches_reference() {
+    let gpu = gpu();
+    for head_dim in ModelGeometry::SUPPORTED_HEAD_DIMS {
+        for group in 1..=ModelGeometry::MAX_GROUP {
+            for use_f16 in [false, true] {
+                let seed = (head_dim * 100 + group * 10 + use_f16 as usize) as u64;
+                let sparse = Case {
+                    head_dim,
+                    kv_heads: 3,
+                    group,
+                    streaming: vec![false, true, false],
+                    page_tokens: 32,
+                    logical_per_page: 2,
+                    top_k: 2,
+                    sink: 4,
+                    local: 16,
+                    dynamic_min_len: 40,
+                    reuse: 2,
+                    prompts: vec![70, 150, 33],
+                    steps: 3,
+                    f16: use_f16,
+                    seed,
+                };
+                let long = Case {
+                    streaming: vec![false, true, false],
+                    page_tokens: 64,
+                    logical_per_page: 4,
+                    dynamic_min_len: 1 << 20,
+                    reuse: 1,
+                    prompts: vec![2000],
+                    steps: 2,
+                    ..sparse.clone()
+                };
+                let what = format!("D {head_dim} group {group} f16 {use_f16}");
+                let r = f16_or_bf16!(use_f16, run_case(&gpu, &sparse))
+                    .and_then(|()| {
+                        f16_or_bf16!(
+                            use_f16,
+                            run_steps(&gpu, &sparse, false, 0, AppendLaunch::Fused, MAX_SPLITS)
+                        )
+                    })
+                    .and_then(|()| {
+                        // 2000 rows in one split: 32 tiles per warp, past the bulk-copy line.
+                        f16_or_bf16!(
+                            use_f16,
+                            run_steps(&gpu, &long, false, 0, AppendLaunch::Fused, 1)
+                        )
+                    });
+                if let Err(e) = r {
+                    panic!("{what}: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// A workspace for a shape no kernel serves is a typed error at construction.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn workspace_rejects_shapes_no_kernel_serves() {
+    let gpu = gpu();
+    for (group, head_dim, what) in [(9, 64, "group"), (0, 128, "group"), (4, 256, "head_dim")] {
+        assert!(
+            matches!(
+                DecodeWorkspace::new(&gpu, 1, 2, group, head_dim),
+                Err(LserveError::InvalidArgument { what: w, .. }) if w == what
+            ),
+            "group {group} head_dim {head_dim}"
+        );
+    }
+    for group in 1..=ModelGeometry::MAX_GROUP {
+        DecodeWorkspace::new(&gpu, 1, 2, group, 128).unwrap();
+    }
 }
 
 /// The `dynamic_min_len` profiler measures every requested length and recommends one of them:

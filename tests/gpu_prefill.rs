@@ -74,7 +74,8 @@ fn case_strategy() -> impl Strategy<Value = Case> {
     (
         prop_oneof![Just(64usize), Just(128)],
         1usize..=2,
-        prop_oneof![Just(1usize), Just(2), Just(4), Just(8)],
+        // Every GQA group the geometry accepts, the non-powers of two included.
+        1usize..=lserve::geometry::ModelGeometry::MAX_GROUP,
         prop::collection::vec(token_count(), 1..=4),
         prop_oneof![Just(0usize), window_tokens()],
         window_tokens(),
@@ -285,7 +286,7 @@ proptest! {
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn dense_heads_are_causal_attention() {
     let gpu = gpu();
-    for (head_dim, group) in [(128, 4), (64, 1)] {
+    for (head_dim, group) in [(128, 4), (64, 1), (64, 3), (128, 7)] {
         let mut case = Case {
             head_dim,
             kv_heads: 2,

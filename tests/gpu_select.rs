@@ -74,7 +74,8 @@ fn case_strategy() -> impl Strategy<Value = Case> {
     (
         prop_oneof![Just(64usize), Just(128)],
         1usize..=4,
-        prop_oneof![Just(1usize), Just(2), Just(4), Just(8)],
+        // Every GQA group the scorer is built for, the non-powers of two included.
+        1usize..=ModelGeometry::MAX_GROUP,
         1usize..=2,
     )
         .prop_flat_map(|(head_dim, kv_heads, group, layers)| {
@@ -477,6 +478,42 @@ fn reuse_four_changes_tables_only_on_due_steps() {
             seed,
         };
         run_case::<bf16>(&gpu, &case).unwrap();
+    }
+}
+
+/// Every (head dim, GQA group, element type) the geometry accepts, with both aggregations over
+/// the group: the scores of every physical page and the selections against the reference. Three
+/// KV heads (two dense) over two layers, several sequences past `dynamic_min_len`.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn every_group_and_head_dim_scores_like_the_reference() {
+    let gpu = gpu();
+    for head_dim in ModelGeometry::SUPPORTED_HEAD_DIMS {
+        for group in 1..=ModelGeometry::MAX_GROUP {
+            for (use_f16, mean) in [(false, false), (false, true), (true, false), (true, true)] {
+                let case = Case {
+                    head_dim,
+                    kv_heads: 3,
+                    group,
+                    streaming: vec![vec![false, true, false], vec![true, false, false]],
+                    page_tokens: 32,
+                    logical_per_page: 4,
+                    top_k: 3,
+                    dynamic_min_len: 64,
+                    reuse: 1,
+                    always_first: true,
+                    mean,
+                    prompts: vec![300, 97, 1025],
+                    steps: 2,
+                    f16: use_f16,
+                    seed: (head_dim * 100 + group * 10 + 2 * use_f16 as usize + mean as usize)
+                        as u64,
+                };
+                if let Err(e) = f16_or_bf16!(use_f16, run_case(&gpu, &case)) {
+                    panic!("D {head_dim} group {group} f16 {use_f16} mean {mean}: {e}");
+                }
+            }
+        }
     }
 }
 

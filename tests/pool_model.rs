@@ -638,12 +638,12 @@ fn host_cache_positions_past_u32_are_errors() {
 /// never an overflow panic.
 #[test]
 fn host_cache_buffer_sizes_that_overflow_are_errors() {
-    // Capacity x dense heads x N_P x D = 2^16 x 2^16 x 2^24 x 2^8 = 2^64 elements.
-    let g = ModelGeometry::new(1, 1 << 16, 1 << 16, 256).unwrap();
+    // Capacity x dense heads x N_P x D = 2^16 x 2^16 x 2^25 x 2^7 = 2^64 elements.
+    let g = ModelGeometry::new(1, 1 << 16, 1 << 16, 128).unwrap();
     let config = SparsityConfig {
-        page_tokens: 1 << 24,
-        logical_page_tokens: 1 << 24,
-        token_budget: 1 << 24,
+        page_tokens: 1 << 25,
+        logical_page_tokens: 1 << 25,
+        token_budget: 1 << 25,
         ..Default::default()
     };
     config.validate().unwrap();
@@ -652,7 +652,7 @@ fn host_cache_buffer_sizes_that_overflow_are_errors() {
         HostKvCache::<bf16>::new(&pattern, &config, 1 << 16, 1),
         Err(LserveError::InvalidConfig { .. })
     ));
-    // Streaming: slots x heads x (sink + local) x D = 2^8 x 2^16 x 2^31 x 2^8 = 2^63 elements
+    // Streaming: slots x heads x (sink + local) x D = 2^9 x 2^16 x 2^31 x 2^7 = 2^63 elements
     // (a count that fits usize) of 2 bytes each: past isize::MAX bytes.
     let streaming = HeadPattern::from_kinds(g, vec![vec![HeadKind::Streaming; 1 << 16]]).unwrap();
     let config = SparsityConfig {
@@ -661,7 +661,7 @@ fn host_cache_buffer_sizes_that_overflow_are_errors() {
         ..SparsityConfig::default()
     };
     assert!(matches!(
-        HostKvCache::<bf16>::new(&streaming, &config, 1, 1 << 8),
+        HostKvCache::<bf16>::new(&streaming, &config, 1, 1 << 9),
         Err(LserveError::InvalidConfig { .. })
     ));
 }

@@ -240,7 +240,7 @@ fn geometry_presets_and_rules() {
     );
     assert_eq!(l2.group(), 1);
     assert_eq!(ModelGeometry::new(32, 32, 8, 128).unwrap(), l3);
-    for d in [64, 128, 256] {
+    for d in [64, 128] {
         ModelGeometry::new(2, 4, 2, d).unwrap();
     }
     for (args, field) in [
@@ -251,9 +251,36 @@ fn geometry_presets_and_rules() {
         ((1, 4, 3, 64), "kv_heads"),
         ((1, 2, 4, 64), "kv_heads"),
         ((1, 4, 2, 96), "head_dim"),
+        ((1, 4, 2, 256), "head_dim"),
         ((1, 4, 2, 512), "head_dim"),
+        ((1, 9, 1, 64), "group"),
+        ((1, 64, 4, 128), "group"),
     ] {
         let r = ModelGeometry::new(args.0, args.1, args.2, args.3).map(|_| ());
         assert_eq!(field_of(r), field, "{args:?}");
+    }
+}
+
+/// The geometry accepts every GQA group the kernels serve (1 to 8, including the
+/// non-power-of-two groups of real models) at both head dimensions, and rejects the next group
+/// up at construction, whatever the head count.
+#[test]
+fn geometry_accepts_groups_one_to_eight_only() {
+    assert_eq!(ModelGeometry::MAX_GROUP, 8);
+    assert_eq!(ModelGeometry::SUPPORTED_HEAD_DIMS, [64, 128]);
+    // SmolLM2-135M (9 query heads over 3 KV heads, D 64), Qwen2.5-7B (28 over 4, D 128).
+    assert_eq!(ModelGeometry::new(30, 9, 3, 64).unwrap().group(), 3);
+    assert_eq!(ModelGeometry::new(28, 28, 4, 128).unwrap().group(), 7);
+    for d in [64, 128] {
+        for kv in [1, 2, 3, 8] {
+            for group in 1..=8 {
+                let g = ModelGeometry::new(1, kv * group, kv, d).unwrap();
+                assert_eq!((g.group(), g.kv_head_of(kv * group - 1)), (group, kv - 1));
+            }
+            for group in [9, 12, 16, 64] {
+                let r = ModelGeometry::new(1, kv * group, kv, d).map(|_| ());
+                assert_eq!(field_of(r), "group", "kv {kv} group {group} d {d}");
+            }
+        }
     }
 }

@@ -59,16 +59,22 @@ pub const fn decode_smem_bytes(head_dim: u32) -> u32 {
     decode_stage_bytes(head_dim) + DECODE_BARRIER_BYTES
 }
 
+/// The largest GQA group (query heads per KV head) the decode attention and the page scorer
+/// serve; they serve every group from 1 to this. The decode kernel puts a group's query heads in
+/// the rows of `m16n8k16` products whose rows `8..16` it keeps zero, and the scorer is built once
+/// per group size (`kernels-gpu/src/shapes.rs`).
+pub const MAX_GROUP: u32 = 8;
+
 /// Bytes of the cross-warp merge area at the end of a decode block: per warp and query head of
 /// the group, the running maximum, the denominator and `head_dim` accumulators (f32). It fits in
-/// the stage area ([`decode_stage_bytes`]) for every supported shape (`group <= 8`, `head_dim` 64
-/// or 128).
+/// the stage area ([`decode_stage_bytes`]) for every supported shape (`group <= MAX_GROUP`,
+/// `head_dim` 64 or 128).
 pub const fn decode_merge_bytes(head_dim: u32, group: u32) -> u32 {
     (DECODE_THREADS / 32) * group * (head_dim + 2) * 4
 }
 
-const _: () = assert!(decode_merge_bytes(64, 8) <= decode_stage_bytes(64));
-const _: () = assert!(decode_merge_bytes(128, 8) <= decode_stage_bytes(128));
+const _: () = assert!(decode_merge_bytes(64, MAX_GROUP) <= decode_stage_bytes(64));
+const _: () = assert!(decode_merge_bytes(128, MAX_GROUP) <= decode_stage_bytes(128));
 
 /// Elements along a row in one tensor-map copy box of the bulk-copy kernels: 128 bytes, the
 /// widest box the 128-byte swizzle allows. A K or V tile is `head_dim / 64` such boxes of
@@ -129,6 +135,9 @@ pub struct DecodeParams {
     pub batch: u32,
     /// KV heads of the model (`Hkv`); `grid.y = batch * kv_heads`.
     pub kv_heads: u32,
+    /// Query heads per KV head (`G`, 1 to [`MAX_GROUP`]): a block's query heads, the first `G`
+    /// rows of its `mma` products.
+    pub group: u32,
     /// Splits per (sequence, KV head) (`grid.x`).
     pub splits: u32,
     /// Row stride of the block tables (`[slots][max_pages]`).
@@ -158,7 +167,7 @@ impl DecodeParams {
     /// let streaming =
     ///     StreamingLayout { slots: 1, heads: 1, sink_tokens: 64, local_tokens: 256, head_dim: 128 };
     /// let p = DecodeParams {
-    ///     batch: 1, kv_heads: 2, splits: 1, max_pages: 4, max_selected: 4, held_capacity: 4,
+    ///     batch: 1, kv_heads: 2, group: 4, splits: 1, max_pages: 4, max_selected: 4, held_capacity: 4,
     ///     dynamic_min_len: 0, scale_log2: 0.1275, paged, streaming,
     /// };
     /// let c = p.cache_layout();

@@ -7,13 +7,26 @@ use crate::error::{LserveError, Result};
 /// All counts are `usize`; every value also fits in `u32` (the device layouts use `u32`).
 /// Query head `h` belongs to KV head `h / group()`.
 ///
+/// A geometry is the contract for the whole library: [`new`](Self::new) accepts exactly the
+/// shapes every stage has kernels for (prefill, cache writes, page selection, decode attention),
+/// so a model it accepts never meets a missing kernel later. Those are head dimensions
+/// [`SUPPORTED_HEAD_DIMS`](Self::SUPPORTED_HEAD_DIMS) and GQA groups 1 to
+/// [`MAX_GROUP`](Self::MAX_GROUP), powers of two or not (SmolLM2-135M: 9 query heads over 3 KV
+/// heads, group 3, head dim 64; Qwen2.5-7B: 28 over 4, group 7, head dim 128).
+///
 /// ```
 /// use lserve::geometry::ModelGeometry;
+/// use lserve::LserveError;
 /// let g = ModelGeometry::new(32, 32, 8, 128)?;
 /// assert_eq!(g, ModelGeometry::llama3_8b());
 /// assert_eq!(g.group(), 4);
+/// assert_eq!(ModelGeometry::new(30, 9, 3, 64)?.group(), 3); // SmolLM2-135M
 /// assert!(ModelGeometry::new(32, 32, 6, 128).is_err()); // 32 % 6 != 0
 /// assert!(ModelGeometry::new(32, 32, 8, 96).is_err()); // head_dim not supported
+/// assert!(matches!(
+///     ModelGeometry::new(32, 64, 4, 128), // group 16: no kernel serves it
+///     Err(LserveError::InvalidConfig { field: "group", .. })
+/// ));
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -25,11 +38,19 @@ pub struct ModelGeometry {
 }
 
 impl ModelGeometry {
-    /// Head dimensions the kernels support.
-    pub const SUPPORTED_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+    /// Head dimensions the kernels support (prefill and decode attention, page scorer).
+    pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
+
+    /// The largest GQA group (query heads per KV head) the decode attention and the page
+    /// scorer are built for; they serve every group from 1 to this.
+    pub const MAX_GROUP: usize = lserve_abi::decode::MAX_GROUP as usize;
 
     /// Validates and builds a geometry: all values nonzero and at most `u32::MAX`,
-    /// `q_heads % kv_heads == 0`, `head_dim` one of [`Self::SUPPORTED_HEAD_DIMS`].
+    /// `q_heads % kv_heads == 0`, group `q_heads / kv_heads` at most [`Self::MAX_GROUP`],
+    /// `head_dim` one of [`Self::SUPPORTED_HEAD_DIMS`].
+    ///
+    /// Errors: [`LserveError::InvalidConfig`] naming the offending value (`layers`, `q_heads`,
+    /// `kv_heads`, `head_dim`, or `group` for a group past [`Self::MAX_GROUP`]).
     pub fn new(layers: usize, q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<Self> {
         for (field, value) in [
             ("layers", layers),
@@ -48,6 +69,17 @@ impl ModelGeometry {
             return Err(invalid(
                 "kv_heads",
                 format!("q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})"),
+            ));
+        }
+        let group = q_heads / kv_heads;
+        if group > Self::MAX_GROUP {
+            return Err(invalid(
+                "group",
+                format!(
+                    "{q_heads} query heads over {kv_heads} KV heads is a group of {group}: \
+                     the kernels serve groups 1 to {}",
+                    Self::MAX_GROUP
+                ),
             ));
         }
         if !Self::SUPPORTED_HEAD_DIMS.contains(&head_dim) {

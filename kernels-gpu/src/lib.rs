@@ -18,6 +18,8 @@
 //! - [`select`]: the page scorer, the top-K selector and the decode step counters;
 //! - [`decode`]: paged sparse decode attention and its split combine.
 //!
+//! [`shapes`] lists the (element type, head dim, GQA group) shapes the grouped kernels serve.
+//!
 //! The crate builds one of two PTX modules: the kernels above (the default), or, with the
 //! `test-kernels` feature, only [`primitive_tests`], one test kernel per primitive (driven by
 //! `tests/gpu_primitives.rs`, loaded by tests alone). The selector's warp scan, ballot and vector
@@ -57,6 +59,7 @@ pub mod prefill;
 pub mod primitive_tests;
 #[cfg(not(feature = "test-kernels"))]
 pub mod select;
+pub mod shapes;
 pub mod smem;
 pub mod sync;
 pub mod thread;

@@ -9,7 +9,7 @@ use lserve_abi::decode::{
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 use super::kv_write::append_kv;
-use super::launch::{grouped_kernel_name, kernel_of, ByValue, OverlappedLaunch};
+use super::launch::{check_shape, kernel_of, ByValue, OverlappedLaunch};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
@@ -29,6 +29,11 @@ pub use lserve_abi::decode::MAX_SPLITS;
 impl DecodeWorkspace {
     /// Room for batches of up to `max_batch` sequences of a model with `kv_heads`, `group` and
     /// `head_dim`.
+    ///
+    /// Errors (nothing allocated): `Empty` for no (sequence, KV head) pair; `InvalidArgument`
+    /// for a head dim or group no kernel serves (what a
+    /// [`ModelGeometry`](crate::geometry::ModelGeometry) accepts: head dims 64 and 128, groups 1
+    /// to 8).
     pub fn new(
         gpu: &GpuContext,
         max_batch: usize,
@@ -40,6 +45,7 @@ impl DecodeWorkspace {
         if max_pairs == 0 {
             return Err(LserveError::Empty("batch"));
         }
+        check_shape(head_dim, group)?;
         let states = max_pairs * MAX_SPLITS as usize * group;
         Ok(Self {
             part_acc: gpu.stream().alloc_zeros(states * head_dim)?,
@@ -169,6 +175,9 @@ impl AttentionKernels {
     }
 }
 
+/// The attention kernel for element type, head dim and launch kind: one kernel per (element
+/// type, head dim) serves every group `1..=MAX_GROUP` (a launch parameter); other shapes are
+/// typed errors (only arguments that did not come from a geometry can be one).
 fn kernel_name(
     dtype: DType,
     head_dim: usize,
@@ -176,13 +185,14 @@ fn kernel_name(
     bulk: bool,
     append: bool,
 ) -> Result<String> {
+    check_shape(head_dim, group)?;
     // Launches that do not append always copy their tiles through the tensor maps.
     let prefix = match (append, bulk) {
         (false, _) => "decode_attention_bulk",
         (true, false) => "decode_attention_append",
         (true, true) => "decode_attention_append_bulk",
     };
-    grouped_kernel_name(prefix, "decode kernel", dtype, head_dim, group)
+    Ok(format!("{prefix}_{}_d{head_dim}", dtype.name()))
 }
 
 /// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`, over the
@@ -603,6 +613,7 @@ fn launch_attention<E: DeviceElement>(
     let params = ByValue(DecodeParams {
         batch: b as u32,
         kv_heads: hkv as u32,
+        group: group as u32,
         splits,
         max_pages: cache.max_pages,
         max_selected: cache.entry_capacity,
@@ -686,7 +697,9 @@ fn launch_attention<E: DeviceElement>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::launch::ptx_has_kernel;
     use super::*;
+    use crate::geometry::ModelGeometry;
 
     #[test]
     fn splits_fill_the_gpu_from_the_dense_pairs_but_keep_splits_long() {
@@ -780,13 +793,13 @@ mod tests {
     fn unsupported_shapes_are_typed_errors() {
         // Launches that do not append are the tensor-map kernel whatever `bulk` says.
         assert!(kernel_name(DType::BF16, 128, 4, false, false)
-            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
+            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128"));
         assert!(kernel_name(DType::BF16, 128, 4, true, false)
-            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128_g4"));
-        assert!(kernel_name(DType::F16, 64, 2, false, true)
-            .is_ok_and(|n| n == "decode_attention_append_f16_d64_g2"));
-        assert!(kernel_name(DType::BF16, 128, 8, true, true)
-            .is_ok_and(|n| n == "decode_attention_append_bulk_bf16_d128_g8"));
+            .is_ok_and(|n| n == "decode_attention_bulk_bf16_d128"));
+        assert!(kernel_name(DType::F16, 64, 3, false, true)
+            .is_ok_and(|n| n == "decode_attention_append_f16_d64"));
+        assert!(kernel_name(DType::BF16, 128, 7, true, true)
+            .is_ok_and(|n| n == "decode_attention_append_bulk_bf16_d128"));
         assert!(matches!(
             kernel_name(DType::F16, 256, 4, false, true),
             Err(LserveError::InvalidArgument {
@@ -794,9 +807,38 @@ mod tests {
                 ..
             })
         ));
-        assert!(matches!(
-            kernel_name(DType::F16, 64, 3, true, false),
-            Err(LserveError::InvalidArgument { what: "group", .. })
-        ));
+        for group in [0, ModelGeometry::MAX_GROUP + 1] {
+            assert!(matches!(
+                kernel_name(DType::F16, 64, group, true, false),
+                Err(LserveError::InvalidArgument { what: "group", .. })
+            ));
+        }
+    }
+
+    /// The geometry's rule and the decode kernels agree: every shape `ModelGeometry::new`
+    /// accepts names an attention kernel of each kind that the PTX defines, and the shapes next
+    /// to them are rejected at construction.
+    #[test]
+    fn every_accepted_geometry_has_its_decode_kernels() {
+        for d in [32, 64, 96, 128, 256] {
+            for group in 1..=ModelGeometry::MAX_GROUP + 1 {
+                let accepted = ModelGeometry::new(1, 2 * group, 2, d).is_ok();
+                let served = ModelGeometry::SUPPORTED_HEAD_DIMS.contains(&d)
+                    && group <= ModelGeometry::MAX_GROUP;
+                assert_eq!(accepted, served, "d {d} group {group}");
+                for dtype in [DType::BF16, DType::F16] {
+                    for (bulk, append) in [(false, false), (false, true), (true, true)] {
+                        let name = kernel_name(dtype, d, group, bulk, append);
+                        assert_eq!(name.is_ok(), served, "d {d} group {group}");
+                        if let Ok(name) = name {
+                            assert!(ptx_has_kernel(&name), "{name} is not in the PTX");
+                        }
+                    }
+                }
+            }
+        }
+        for name in ["decode_combine_bf16", "decode_combine_f16"] {
+            assert!(ptx_has_kernel(name), "{name} is not in the PTX");
+        }
     }
 }

@@ -11,6 +11,7 @@ use cudarc::driver::{
 use super::cache::DeviceElement;
 use super::GpuContext;
 use crate::dtype::DType;
+use crate::geometry::ModelGeometry;
 use crate::{LserveError, Result};
 
 /// The kernel of element type `E` among a (bf16, f16) pair of entry points.
@@ -21,29 +22,38 @@ pub(crate) fn kernel_of<E: DeviceElement>(bf16: &'static str, f16: &'static str)
     }
 }
 
-/// The instance `{family}_{dtype}_d{head_dim}_g{group}` of a kernel family built for head
-/// dimensions 64 and 128 and GQA groups 1, 2, 4 and 8 (the decode attention and the page
-/// scorer); `what` names the family in the error for any other shape.
-pub(crate) fn grouped_kernel_name(
-    family: &str,
-    what: &str,
-    dtype: DType,
-    head_dim: usize,
-    group: usize,
-) -> Result<String> {
-    if !matches!(head_dim, 64 | 128) {
+/// Checks that the decode attention and the page scorer serve head dimension `head_dim` and
+/// GQA group `group`: the shapes a [`ModelGeometry`] accepts (head dimensions
+/// [`ModelGeometry::SUPPORTED_HEAD_DIMS`], groups 1 to [`ModelGeometry::MAX_GROUP`]). Only
+/// arguments that did not come from a geometry can fail it.
+pub(crate) fn check_shape(head_dim: usize, group: usize) -> Result<()> {
+    if !ModelGeometry::SUPPORTED_HEAD_DIMS.contains(&head_dim) {
         return Err(LserveError::InvalidArgument {
             what: "head_dim",
-            reason: format!("{head_dim}: the GPU {what} supports 64 and 128"),
+            reason: format!(
+                "{head_dim}: the GPU kernels support {:?}",
+                ModelGeometry::SUPPORTED_HEAD_DIMS
+            ),
         });
     }
-    if !matches!(group, 1 | 2 | 4 | 8) {
+    if !(1..=ModelGeometry::MAX_GROUP).contains(&group) {
         return Err(LserveError::InvalidArgument {
             what: "group",
-            reason: format!("{group}: the GPU {what} supports GQA groups of 1, 2, 4, 8"),
+            reason: format!(
+                "{group}: the GPU kernels support GQA groups 1 to {}",
+                ModelGeometry::MAX_GROUP
+            ),
         });
     }
-    Ok(format!("{family}_{}_d{head_dim}_g{group}", dtype.name()))
+    Ok(())
+}
+
+/// Whether every embedded PTX module defines the kernel entry point `name` (the tests check every
+/// name the launchers can ask for).
+#[cfg(test)]
+pub(crate) fn ptx_has_kernel(name: &str) -> bool {
+    let entry = format!(".visible .entry {name}(");
+    super::KERNEL_PTX.iter().all(|m| m.text.contains(&entry))
 }
 
 /// A launch-parameter struct from `lserve-abi`, passed to a kernel by value.

@@ -24,6 +24,7 @@ use super::launch::{ByValue, LaunchParams};
 use super::GpuContext;
 use crate::block_iter::{num_blocks, BlockMask};
 use crate::error::invalid;
+use crate::geometry::ModelGeometry;
 use crate::head_pattern::HeadKind;
 use crate::{LserveError, Result};
 
@@ -101,12 +102,13 @@ impl PrefillArgs<'_> {
     /// Checks every shape and value (what [`PrefillPlan::new`] checks before touching the
     /// device); returns the number of tokens `T`. Errors as [`PrefillPlan::new`].
     pub fn validate(&self) -> Result<usize> {
-        if !matches!(self.head_dim, 64 | 128) {
+        if !ModelGeometry::SUPPORTED_HEAD_DIMS.contains(&self.head_dim) {
             return Err(invalid(
                 "head_dim",
                 format!(
-                    "{}: the GPU prefill kernel supports 64 and 128",
-                    self.head_dim
+                    "{}: the GPU prefill kernel supports {:?}",
+                    self.head_dim,
+                    ModelGeometry::SUPPORTED_HEAD_DIMS
                 ),
             ));
         }
@@ -477,4 +479,38 @@ pub fn prefill_into_cache<E: DeviceElement>(
     write_kv_rows(gpu, cache, layer, kv_plan, k, v)?;
     pool_key_stats(gpu, cache, layer, kv_plan)?;
     plan.run(gpu, q, k, v, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::launch::ptx_has_kernel;
+    use super::*;
+    use half::{bf16, f16};
+
+    /// Every head dimension `ModelGeometry::new` accepts has both prefill kernels in the PTX,
+    /// in both element types (the kernels take the group as a launch parameter), and the cache
+    /// writes exist for both element types.
+    #[test]
+    fn every_accepted_head_dim_has_its_prefill_kernels() {
+        for &d in &ModelGeometry::SUPPORTED_HEAD_DIMS {
+            for masked in [false, true] {
+                for name in [
+                    kernel_name::<bf16>(d, masked),
+                    kernel_name::<f16>(d, masked),
+                ] {
+                    assert!(ptx_has_kernel(&name), "{name} is not in the PTX");
+                }
+            }
+        }
+        for name in [
+            "write_kv_rows_bf16",
+            "write_kv_rows_f16",
+            "pool_key_stats_bf16",
+            "pool_key_stats_f16",
+            "append_kv_bf16",
+            "append_kv_f16",
+        ] {
+            assert!(ptx_has_kernel(name), "{name} is not in the PTX");
+        }
+    }
 }

@@ -54,7 +54,7 @@ use lserve_abi::select::{
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{grouped_kernel_name, ByValue, LaunchParams, OverlappedLaunch};
+use super::launch::{check_shape, ByValue, LaunchParams, OverlappedLaunch};
 use super::GpuContext;
 use crate::config::GqaAggregation;
 use crate::dtype::DType;
@@ -119,9 +119,11 @@ impl SelectWorkspace {
     }
 }
 
-/// The kernel name for element type, head dim and group size (`score_pages_bf16_d128_g4`).
+/// The kernel name for element type, head dim and group size (`score_pages_bf16_d128_g4`: one
+/// kernel per group, see `kernels-gpu/src/shapes.rs`).
 fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
-    grouped_kernel_name("score_pages", "page scorer", dtype, head_dim, group)
+    check_shape(head_dim, group)?;
+    Ok(format!("score_pages_{}_d{head_dim}_g{group}", dtype.name()))
 }
 
 /// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
@@ -398,8 +400,7 @@ impl SelectLaunch {
 /// nothing and does not synchronize.
 ///
 /// Errors: `Empty` for an empty batch; `ShapeMismatch` for a short `q`; `InvalidArgument` for a
-/// bad layer, a workspace sized for less, an unsupported head dim (64, 128) or group (1, 2, 4,
-/// 8).
+/// bad layer or a workspace sized for less.
 pub fn score_pages<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &DeviceKvCache<E>,
@@ -592,7 +593,9 @@ pub fn upload_key_stats<E: DeviceElement>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::launch::ptx_has_kernel;
     use super::*;
+    use crate::geometry::ModelGeometry;
 
     #[test]
     fn scorer_grid_covers_short_sequences_and_caps_long_batches() {
@@ -616,7 +619,30 @@ mod tests {
             score_kernel_name(DType::F16, 64, 1).unwrap(),
             "score_pages_f16_d64_g1"
         );
+        assert_eq!(
+            score_kernel_name(DType::BF16, 128, 7).unwrap(),
+            "score_pages_bf16_d128_g7"
+        );
         assert!(score_kernel_name(DType::BF16, 256, 4).is_err());
-        assert!(score_kernel_name(DType::BF16, 128, 3).is_err());
+        assert!(score_kernel_name(DType::BF16, 128, 0).is_err());
+        assert!(score_kernel_name(DType::BF16, 128, ModelGeometry::MAX_GROUP + 1).is_err());
+    }
+
+    /// Every shape `ModelGeometry::new` accepts has its page scorer in the PTX (the top-K half
+    /// serves any shape).
+    #[test]
+    fn every_accepted_geometry_has_its_scorer() {
+        for &d in &ModelGeometry::SUPPORTED_HEAD_DIMS {
+            for group in 1..=ModelGeometry::MAX_GROUP {
+                assert!(ModelGeometry::new(1, 3 * group, 3, d).is_ok());
+                for dtype in [DType::BF16, DType::F16] {
+                    let name = score_kernel_name(dtype, d, group).unwrap();
+                    assert!(ptx_has_kernel(&name), "{name} is not in the PTX");
+                }
+            }
+        }
+        for name in ["select_pages", "advance_decode_steps"] {
+            assert!(ptx_has_kernel(name), "{name} is not in the PTX");
+        }
     }
 }

@@ -52,13 +52,7 @@ struct WarpState {
 /// # Safety
 /// All 32 lanes of the warp call it; `first + count <= src.tiles()`; the warp's stages are free.
 #[inline(always)]
-unsafe fn attend_tiles<
-    E: MmaElement,
-    const D: usize,
-    const G: usize,
-    C: TileCopy,
-    const APPEND: bool,
->(
+unsafe fn attend_tiles<E: MmaElement, const D: usize, C: TileCopy, const APPEND: bool>(
     p: &DecodeParams,
     src: &RowSource,
     q_group: *const u16,
@@ -81,8 +75,9 @@ unsafe fn attend_tiles<
         return state;
     }
     let tile = |j: u32| first + warp + j * WARPS;
-    // SAFETY: `q_group` holds the group's `G x D` query elements (the caller's layout).
-    let q = unsafe { load_q_fragments::<E, D, G>(q_group, lane) };
+    // SAFETY: `q_group` holds the group's `p.group x D` query elements (the caller's layout),
+    // `p.group <= MAX_GROUP`.
+    let q = unsafe { load_q_fragments::<E, D>(q_group, p.group, lane) };
     // SAFETY: the whole warp is here (`mine` is warp-uniform), before any issue.
     unsafe { C::start::<D>(warp, lane) };
     // Issues tile `j` (whose rows are at `at`) into its stage.
@@ -180,7 +175,9 @@ unsafe fn attend_tiles<
     state
 }
 
-/// The kernel body, generic over element type `E`, head dimension `D` and group size `G`.
+/// The kernel body, generic over element type `E` and head dimension `D`; the group size
+/// `G = p.group` is a launch parameter (it only sizes the query fragments' rows and the merge
+/// at the end, not the loop over the tiles).
 ///
 /// With `APPEND` the launch also appends the step's token (what the `append_kv` kernel
 /// does, so the step needs no launch for it): the warp whose tiles hold a pair's newest row
@@ -189,19 +186,14 @@ unsafe fn attend_tiles<
 ///
 /// # Safety
 /// Launched with grid `(p.splits, p.batch * p.kv_heads)`, `DECODE_THREADS` threads
-/// and `decode_smem_bytes(D)` bytes of dynamic shared memory; every pointer holds the layout the
-/// host-side launcher documents (with `APPEND`, `new` as `append_kv`'s contract asks);
+/// and `decode_smem_bytes(D)` bytes of dynamic shared memory; `1 <= p.group <= MAX_GROUP`
+/// (`lserve_abi::decode`); every pointer holds the layout the host-side launcher documents
+/// (with `APPEND`, `new` as `append_kv`'s contract asks);
 /// `seq_len`, `seq_slot`, `head_map` and the block tables are written by host copies enqueued
 /// before the previous kernel (not by a kernel): they are read before `overlapped_entry`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn decode_attention<
-    E: MmaElement,
-    const D: usize,
-    const G: usize,
-    C: TileCopy,
-    const APPEND: bool,
->(
+unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APPEND: bool>(
     p: &DecodeParams,
     q: *const u16,
     bufs: &CacheBuffers,
@@ -267,12 +259,13 @@ unsafe fn decode_attention<
         (NewestRow::NONE, None)
     };
     // SAFETY: `q` is `[batch][q_heads][D]` and pair `(b, kv_head)`'s query heads are the `G`
-    // consecutive rows from `pair * G`; `first + count <= tiles`; the stages are unused so far.
+    // consecutive rows from `pair * G`, `G <= MAX_GROUP`; `first + count <= tiles`; the stages
+    // are unused so far.
     let state = unsafe {
-        attend_tiles::<E, D, G, C, APPEND>(
+        attend_tiles::<E, D, C, APPEND>(
             p,
             &src,
-            q.add(pair as usize * G * D),
+            q.add(pair as usize * p.group as usize * D),
             first,
             count,
             warp,
@@ -296,14 +289,16 @@ unsafe fn decode_attention<
     C::finish();
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
+    let group = p.group;
     let area = dynamic_smem::<f32>(0);
-    let slot_of = |w: u32, g: u32| ((w * G as u32 + g) * (D as u32 + 2)) as usize;
+    let slot_of = |w: u32, g: u32| ((w * group + g) * (D as u32 + 2)) as usize;
     // SAFETY: every lane of the warp is here (quad shuffle).
     let l = unsafe { quad_sum_f32(state.softmax.l) };
     let (g, quad) = (lane / 4, lane % 4);
-    if g < G as u32 {
+    if g < group {
         let at = slot_of(warp, g);
-        // SAFETY: inside the merge area (`decode_merge_bytes(D, G) <= decode_stage_bytes(D)`).
+        // SAFETY: inside the merge area (`decode_merge_bytes(D, G) <= decode_stage_bytes(D)` for
+        // `G <= MAX_GROUP`).
         unsafe {
             if quad == 0 {
                 *area.add(at) = state.softmax.m;
@@ -322,7 +317,7 @@ unsafe fn decode_attention<
     unsafe { sync_threads() };
     // Thread `t` merges (head, dim) pairs `t, t + 128, ...` over the warps.
     let mut i = thread_in_block();
-    while i < (G * D) as u32 {
+    while i < group * D as u32 {
         let (g, d) = (i / D as u32, (i % D as u32) as usize);
         // SAFETY (reads): written above, before the barrier.
         let m_of = |w: u32| unsafe { *area.add(slot_of(w, g)) };
@@ -343,7 +338,7 @@ unsafe fn decode_attention<
             }
             w += 1;
         }
-        let out = ((pair * p.splits + split) as usize) * G + g as usize;
+        let out = ((pair * p.splits + split) as usize) * group as usize + g as usize;
         // SAFETY: `part_acc` is `[pairs][splits][G][D]`, `part_ml` `[pairs][splits][G][2]`.
         unsafe {
             *part_acc.add(out * D + d) = num;
@@ -356,10 +351,10 @@ unsafe fn decode_attention<
     }
 }
 
-/// Declares one `extern "gpu-kernel"` entry point `$name` for element type, head dim and group
-/// size, with the tile copy `$copy`, appending the step's token or not (`$append`).
+/// Declares one `extern "gpu-kernel"` entry point `$name` for element type and head dim, with
+/// the tile copy `$copy`, appending the step's token or not (`$append`).
 macro_rules! decode_kernel {
-    ($copy:ty, $append:literal, $name:ident: $elem:ty, $d:literal, $g:literal) => {
+    ($copy:ty, $append:literal, $name:ident: $elem:ty, $d:literal) => {
         /// Decode attention entry point (see the module docs); pointers as `decode_attention`.
         ///
         /// # Safety
@@ -422,7 +417,7 @@ macro_rules! decode_kernel {
             };
             // SAFETY: forwarded launch contract (the body waits for the kernel before).
             unsafe {
-                decode_attention::<$elem, $d, $g, $copy, $append>(
+                decode_attention::<$elem, $d, $copy, $append>(
                     &p, q, &bufs, &new, seq_len, seq_slot, head_map, part_acc, part_ml,
                 )
             }
@@ -430,49 +425,26 @@ macro_rules! decode_kernel {
     };
 }
 
-/// Declares, per (element type, head dim, group size), the entry points over the cache as it is
-/// (`$bulk`: tiles by tensor-map bulk copies) and appending the step's token (`$append`: tiles by
+/// Declares, per (element type, head dim), the entry points over the cache as it is (`$bulk`:
+/// tiles by tensor-map bulk copies) and appending the step's token (`$append`: tiles by
 /// `cp.async`, for short splits, i.e. the sparse and streaming heads and short sequences;
-/// `$append_bulk`: by tensor-map bulk copies, for long splits); the host picks per launch.
+/// `$append_bulk`: by tensor-map bulk copies, for long splits); the host picks per launch. Each
+/// serves every group size `1..=MAX_GROUP` (`p.group`).
 macro_rules! decode_kernels {
-    ($($bulk:ident, $append:ident, $append_bulk:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
-        decode_kernel!(LongSplitCopy, false, $bulk: $elem, $d, $g);
-        decode_kernel!(AsyncCopy, true, $append: $elem, $d, $g);
-        decode_kernel!(LongSplitCopy, true, $append_bulk: $elem, $d, $g);
+    ($($bulk:ident, $append:ident, $append_bulk:ident: $elem:ty, $d:literal;)*) => {$(
+        decode_kernel!(LongSplitCopy, false, $bulk: $elem, $d);
+        decode_kernel!(AsyncCopy, true, $append: $elem, $d);
+        decode_kernel!(LongSplitCopy, true, $append_bulk: $elem, $d);
     )*};
 }
 
 decode_kernels! {
-    decode_attention_bulk_bf16_d64_g1,
-        decode_attention_append_bf16_d64_g1, decode_attention_append_bulk_bf16_d64_g1: Bf16, 64, 1;
-    decode_attention_bulk_bf16_d64_g2,
-        decode_attention_append_bf16_d64_g2, decode_attention_append_bulk_bf16_d64_g2: Bf16, 64, 2;
-    decode_attention_bulk_bf16_d64_g4,
-        decode_attention_append_bf16_d64_g4, decode_attention_append_bulk_bf16_d64_g4: Bf16, 64, 4;
-    decode_attention_bulk_bf16_d64_g8,
-        decode_attention_append_bf16_d64_g8, decode_attention_append_bulk_bf16_d64_g8: Bf16, 64, 8;
-    decode_attention_bulk_bf16_d128_g1,
-        decode_attention_append_bf16_d128_g1, decode_attention_append_bulk_bf16_d128_g1: Bf16, 128, 1;
-    decode_attention_bulk_bf16_d128_g2,
-        decode_attention_append_bf16_d128_g2, decode_attention_append_bulk_bf16_d128_g2: Bf16, 128, 2;
-    decode_attention_bulk_bf16_d128_g4,
-        decode_attention_append_bf16_d128_g4, decode_attention_append_bulk_bf16_d128_g4: Bf16, 128, 4;
-    decode_attention_bulk_bf16_d128_g8,
-        decode_attention_append_bf16_d128_g8, decode_attention_append_bulk_bf16_d128_g8: Bf16, 128, 8;
-    decode_attention_bulk_f16_d64_g1,
-        decode_attention_append_f16_d64_g1, decode_attention_append_bulk_f16_d64_g1: F16, 64, 1;
-    decode_attention_bulk_f16_d64_g2,
-        decode_attention_append_f16_d64_g2, decode_attention_append_bulk_f16_d64_g2: F16, 64, 2;
-    decode_attention_bulk_f16_d64_g4,
-        decode_attention_append_f16_d64_g4, decode_attention_append_bulk_f16_d64_g4: F16, 64, 4;
-    decode_attention_bulk_f16_d64_g8,
-        decode_attention_append_f16_d64_g8, decode_attention_append_bulk_f16_d64_g8: F16, 64, 8;
-    decode_attention_bulk_f16_d128_g1,
-        decode_attention_append_f16_d128_g1, decode_attention_append_bulk_f16_d128_g1: F16, 128, 1;
-    decode_attention_bulk_f16_d128_g2,
-        decode_attention_append_f16_d128_g2, decode_attention_append_bulk_f16_d128_g2: F16, 128, 2;
-    decode_attention_bulk_f16_d128_g4,
-        decode_attention_append_f16_d128_g4, decode_attention_append_bulk_f16_d128_g4: F16, 128, 4;
-    decode_attention_bulk_f16_d128_g8,
-        decode_attention_append_f16_d128_g8, decode_attention_append_bulk_f16_d128_g8: F16, 128, 8;
+    decode_attention_bulk_bf16_d64,
+        decode_attention_append_bf16_d64, decode_attention_append_bulk_bf16_d64: Bf16, 64;
+    decode_attention_bulk_bf16_d128,
+        decode_attention_append_bf16_d128, decode_attention_append_bulk_bf16_d128: Bf16, 128;
+    decode_attention_bulk_f16_d64,
+        decode_attention_append_f16_d64, decode_attention_append_bulk_f16_d64: F16, 64;
+    decode_attention_bulk_f16_d128,
+        decode_attention_append_f16_d128, decode_attention_append_bulk_f16_d128: F16, 128;
 }

@@ -12,8 +12,9 @@
 //! `mbarrier`, after the stage area: one per warp and stage), or 16-byte `cp.async` copies
 //! ([`AsyncCopy`], each chunk placed where the swizzle puts it).
 //!
-//! The products, per warp and tile, with the `G` query heads of the KV group as the `M` rows of
-//! the `m16n8k16` products (rows `G..16` are zero and never written out):
+//! The products, per warp and tile, with the `G` query heads of the KV group (`G <= 8`, a launch
+//! parameter) as the `M` rows of the `m16n8k16` products (rows `G..16` are zero and never
+//! written out):
 //! - `S = Q Kᵀ`: 2 accumulators (keys 0..8, 8..16); `Q` is `D/16` A fragments loaded once from
 //!   global memory; `Kᵀ`'s B fragments come from the row-major K tile with plain `ldmatrix`;
 //! - `O += P V`: `D/8` accumulators of 8 dims; `P` reuses `S`'s registers as one A fragment;
@@ -21,7 +22,7 @@
 
 use lserve_abi::decode::{
     decode_stage_bytes, DecodeParams, DECODE_BOX_COLUMNS, DECODE_STAGES, DECODE_STAGE_ALIGN,
-    DECODE_THREADS, DECODE_TILE_ROWS, TENSOR_MAP_BYTES,
+    DECODE_THREADS, DECODE_TILE_ROWS, MAX_GROUP, TENSOR_MAP_BYTES,
 };
 
 use super::newest::NewestRow;
@@ -457,30 +458,36 @@ pub unsafe fn patch_rows<const D: usize, C: TileCopy>(
     unsafe { sync_warp() };
 }
 
-/// The `D/16` A fragments of the group's query heads: row `g < G` is query head `g` of the
-/// group (`q_group` points to its `G x D` elements), rows `G..16` are zero.
+/// The `D/16` A fragments of the group's query heads: row `g < group` is query head `g` of the
+/// group (`q_group` points to its `group x D` elements), rows `group..16` are zero.
 ///
 /// # Safety
-/// `q_group` points to `G * D` readable elements, 4-byte aligned.
+/// `group <= MAX_GROUP`; `q_group` points to `group * D` readable elements, 4-byte aligned.
 #[inline(always)]
-pub unsafe fn load_q_fragments<E: MmaElement, const D: usize, const G: usize>(
+pub unsafe fn load_q_fragments<E: MmaElement, const D: usize>(
     q_group: *const u16,
+    group: u32,
     lane: u32,
 ) -> [FragA<E>; MAX_Q_STEPS] {
     let mut q = [FragA::from_regs([0; 4]); MAX_Q_STEPS];
     let (row, col) = (lane / 4, 2 * (lane % 4));
-    if row < G as u32 {
+    if row < group {
         crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
             let at = |c: u32| {
-                // SAFETY: `row < G`, `c + 2 <= D`: inside the group's elements; `c` even.
+                // SAFETY: `row < group`, `c + 2 <= D`: inside the group's elements; `c` even.
                 unsafe { *(q_group.add(row as usize * D + c as usize) as *const u32) }
             };
-            // A's registers 1 and 3 are rows `row + 8` (always past `G <= 8`): zero.
+            // A's registers 1 and 3 are rows `row + 8` (past every group, `MAX_GROUP <= 8`):
+            // zero.
             q[kk] = FragA::from_regs([at(16 * kk as u32 + col), 0, at(16 * kk as u32 + 8 + col), 0]);
         });
     }
     q
 }
+
+// A group's query heads are rows `0..8` of the products (`lane / 4`): the rows of A's registers
+// 0 and 2.
+const _: () = assert!(MAX_GROUP <= 8);
 
 /// The B fragments of `Kᵀ` for the tile's 16 keys (two accumulators of 8) and dims
 /// `16 * kk .. + 16`, with one `ldmatrix.x4` from the row-major K tile (keys are B's `n`).

@@ -21,21 +21,20 @@ pub mod top_k;
 
 use lserve_abi::select::SelectParams;
 
-use crate::convert::{Bf16, F16};
-use score::ScoreBuffers;
 use top_k::SelectBuffers;
 
-/// Declares one scorer entry point per (element type, head dim, group size).
-macro_rules! score_kernels {
-    ($($name:ident: $elem:ty, $d:literal, $g:literal;)*) => {$(
-        /// Page scorer entry point (see [`score`]).
+/// Declares the scorer entry point of one (element type, head dim, group size), exported as
+/// `score_pages_{dtype}_d{D}_g{G}`.
+macro_rules! score_kernel {
+    ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
+        /// Page scorer entry point (see [`score`](crate::select::score)).
         ///
         /// # Safety
-        /// As [`score::score_pages`]'s: launched by `lserve`'s host launcher only.
-        #[unsafe(no_mangle)]
+        /// As `score::score_pages`'s: launched by `lserve`'s host launcher only.
+        #[unsafe(export_name = concat!("score_pages_", $dtype, "_d", $d, "_g", $g))]
         #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
-            p: SelectParams,
+        pub unsafe extern "gpu-kernel" fn score(
+            p: lserve_abi::select::SelectParams,
             q: *const u16,
             kmin: *const u16,
             kmax: *const u16,
@@ -48,35 +47,27 @@ macro_rules! score_kernels {
             scores: *mut f32,
         ) {
             // SAFETY: first thing in the kernel; the host launches it overlapped.
-            unsafe { crate::sync::overlapped_entry() };
-            let bufs = ScoreBuffers {
-                q, kmin, kmax, block_tables, seq_len, seq_slot, head_map, decode_steps, held_lens,
+            unsafe { $crate::sync::overlapped_entry() };
+            let bufs = $crate::select::score::ScoreBuffers {
+                q,
+                kmin,
+                kmax,
+                block_tables,
+                seq_len,
+                seq_slot,
+                head_map,
+                decode_steps,
+                held_lens,
                 scores,
             };
             // SAFETY: forwarded launch contract.
-            unsafe { score::score_pages::<$elem, $d, $g>(&p, &bufs) }
+            unsafe { $crate::select::score::score_pages::<$elem, $d, $g>(&p, &bufs) }
         }
-    )*};
+    };
 }
 
-score_kernels! {
-    score_pages_bf16_d64_g1: Bf16, 64, 1;
-    score_pages_bf16_d64_g2: Bf16, 64, 2;
-    score_pages_bf16_d64_g4: Bf16, 64, 4;
-    score_pages_bf16_d64_g8: Bf16, 64, 8;
-    score_pages_bf16_d128_g1: Bf16, 128, 1;
-    score_pages_bf16_d128_g2: Bf16, 128, 2;
-    score_pages_bf16_d128_g4: Bf16, 128, 4;
-    score_pages_bf16_d128_g8: Bf16, 128, 8;
-    score_pages_f16_d64_g1: F16, 64, 1;
-    score_pages_f16_d64_g2: F16, 64, 2;
-    score_pages_f16_d64_g4: F16, 64, 4;
-    score_pages_f16_d64_g8: F16, 64, 8;
-    score_pages_f16_d128_g1: F16, 128, 1;
-    score_pages_f16_d128_g2: F16, 128, 2;
-    score_pages_f16_d128_g4: F16, 128, 4;
-    score_pages_f16_d128_g8: F16, 128, 8;
-}
+// Every (element type, head dim, group size) of `crate::shapes`.
+crate::grouped_kernels!(score_kernel);
 
 /// Top-K selection and index tables entry point (see [`top_k`]).
 ///
