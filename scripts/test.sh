@@ -2,8 +2,9 @@
 # The project's test command (README, "Run the tests"; .ci/run calls it).
 # Installs what a fresh machine lacks (the pinned nightly with its components, a stable
 # toolchain for the consumer check, ptxas from PyPI), then runs every check:
-# formatting, `cargo xtask ptx` (PTX valid, no spills), clippy, the workspace's tests (GPU tests
-# show as ignored without a GPU), and a stable build of a crate that depends on lserve.
+# formatting, `cargo xtask ptx` (PTX valid, no spills, no kernel above its baseline), clippy,
+# the workspace's tests (GPU tests show as ignored without a GPU), and a stable build of a crate
+# that depends on lserve.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
