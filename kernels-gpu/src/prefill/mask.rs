@@ -37,7 +37,8 @@ pub trait Mask<const N: usize>: Copy {
     /// `warp_block` (in the tile), one block ahead: calls `start(first)` with the walk's first
     /// block once, then `step(i, kv_block, next, visited, &q)` per block `i` of the walk, with
     /// the block after it (`None` for the last) and whether the warp's query block visits it
-    /// (warp-uniform; the tile's other query blocks may); `q` is what `start` returned.
+    /// (warp-uniform; in a two-block tile a block may be visited by one query block only); `q`
+    /// is what `start` returned.
     ///
     /// # Safety
     /// `1 <= blocks <= N`, the query blocks of the tile exist in the sequence; with caller masks,
