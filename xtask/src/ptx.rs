@@ -1,4 +1,5 @@
-//! `cargo xtask ptx`: build the PTX, check it with `ptxas -v`, report per kernel, fail on spills.
+//! `cargo xtask ptx`: build the PTX, check it with `ptxas -v`, report per kernel, fail on spills
+//! and on kernels that grew past the committed baseline ([`crate::baseline`]).
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -6,7 +7,13 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::baseline;
 use crate::kernel_build::{built_ptx, kernel_build_command, toolchain_channel};
+
+/// The committed baseline of `arch`, relative to the workspace root.
+pub fn baseline_path(arch: &str) -> String {
+    format!("kernels-gpu/ptx-baseline-{arch}.txt")
+}
 
 /// What `ptxas -v` says about one function.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -21,7 +28,9 @@ pub struct KernelInfo {
     pub spill_loads: u32,
 }
 
-pub fn run(root: &Path, arch: &str) -> Result<(), String> {
+/// Builds and checks the PTX for `arch`; with `bless`, rewrites the baseline from this build
+/// (after the spill check passed) instead of comparing with it.
+pub fn run(root: &Path, arch: &str, bless: bool) -> Result<(), String> {
     if !arch.starts_with("sm_") {
         return Err(format!("--arch {arch}: expected sm_XX"));
     }
@@ -77,15 +86,70 @@ pub fn run(root: &Path, arch: &str) -> Result<(), String> {
     } else {
         let _ = writeln!(report, "SPILLS not allowed: {}", forbidden.join(", "));
     }
+    let mut failures = Vec::new();
+    if !forbidden.is_empty() {
+        failures.push(format!(
+            "register spills in {} (list a kernel in kernels-gpu/spills-allowed.txt to allow it)",
+            forbidden.join(", ")
+        ));
+    }
+    let current = baseline::from_kernels(&kernels);
+    let baseline_file = root.join(baseline_path(arch));
+    if !bless {
+        if let Err(e) = check_baseline(&baseline_file, arch, &current, &mut report) {
+            failures.push(e);
+        }
+    } else if failures.is_empty() {
+        fs::write(&baseline_file, baseline::render(arch, &current))
+            .map_err(|e| format!("writing {}: {e}", baseline_file.display()))?;
+        let _ = writeln!(
+            report,
+            "baseline: wrote {} ({} kernels)",
+            baseline_path(arch),
+            current.len()
+        );
+    } else {
+        let _ = writeln!(report, "baseline: not written (spills)");
+    }
     print!("{report}");
     let path = root.join("target/ptx-report.txt");
     fs::write(&path, &report).map_err(|e| format!("writing {}: {e}", path.display()))?;
-    if forbidden.is_empty() {
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; "))
+    }
+}
+
+/// Compares `current` with the baseline file of `arch` (missing: empty), appends the differences
+/// to `report`; an error when a kernel grew or is not listed.
+fn check_baseline(
+    file: &Path,
+    arch: &str,
+    current: &baseline::Baseline,
+    report: &mut String,
+) -> Result<(), String> {
+    let path = baseline_path(arch);
+    let committed = match fs::read_to_string(file) {
+        Ok(text) => baseline::parse(&text).map_err(|e| format!("{}: {e}", file.display()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let _ = writeln!(report, "\nno baseline file {path}");
+            baseline::Baseline::new()
+        }
+        Err(e) => return Err(format!("reading {}: {e}", file.display())),
+    };
+    let comparison = baseline::compare(&committed, current);
+    let _ = writeln!(report, "\nbaseline {path}:");
+    report.push_str(&comparison.report());
+    if comparison.passes() {
+        let _ = writeln!(report, "no kernel grew, none unlisted");
         Ok(())
     } else {
         Err(format!(
-            "register spills in {} (list a kernel in kernels-gpu/spills-allowed.txt to allow it)",
-            forbidden.join(", ")
+            "{} kernel(s) grew past {path}, {} not in it (see above; after a deliberate change, \
+             `cargo xtask ptx --arch {arch} --bless` rewrites it)",
+            comparison.grown.len(),
+            comparison.added.len(),
         ))
     }
 }

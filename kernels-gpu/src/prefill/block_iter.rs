@@ -153,19 +153,6 @@ pub struct TileBlock<const N: usize> {
     pub visits: [bool; N],
 }
 
-impl<const N: usize> TileBlock<N> {
-    /// Whether the tile's query block `i` (`< N`, not known at compile time) visits the block:
-    /// a select over the flags, not an indexed load (which would put them in local memory).
-    #[inline(always)]
-    pub fn visited_by(&self, i: usize) -> bool {
-        let mut visited = false;
-        crate::unroll8!(j in 0..N => {
-            visited |= j == i && self.visits[j];
-        });
-        visited
-    }
-}
-
 /// The caller block mask rows of a query tile: the mask array (null: no mask), the first query
 /// block's row (a word offset) and the distance between consecutive query blocks' rows.
 #[derive(Clone, Copy)]

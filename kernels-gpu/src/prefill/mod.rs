@@ -1,38 +1,35 @@
 //! Block-sparse prefill attention (FlashAttention-2 forward on `mma.sync` tensor cores), one
 //! launch for dense and streaming heads.
 //!
-//! Two kernels, differing in the query rows per warp (`ROW_TILES` `mma` row tiles of 16) and
-//! hence in the query tile of a launch block:
-//! - `prefill_attention_*` (launches without caller masks): 32 rows per warp, a tile of two
-//!   query blocks ([`TILE_Q_BLOCKS`]); warps 0-1 own the first query block, warps 2-3 the second.
-//!   Every K/V fragment feeds two row tiles; `Q` is re-read from shared memory per KV block.
-//! - `prefill_masked_attention_*` (launches with caller block masks): 16 rows per warp, a tile of
-//!   one query block ([`MASKED_TILE_Q_BLOCKS`]), `Q` in registers. A random mask per query block
-//!   makes a two-block tile visit the union of two KV sets with half its warps idle; one block
-//!   per tile visits exactly its own set.
+//! One body, [`prefill_attention`], generic over the element type, the head dimension and the
+//! block-level mask ([`mask::Mask`]), which fixes the query rows per warp (`ROW_TILES` `mma`
+//! row tiles of 16) and hence the query tile of a launch block:
+//! - `prefill_attention_*` ([`mask::HeadPattern`], launches without caller masks): 32 rows per
+//!   warp, a tile of two query blocks ([`TILE_Q_BLOCKS`]); warps 0-1 own the first query block,
+//!   warps 2-3 the second. Every K/V fragment feeds two row tiles; `Q` is re-read from shared
+//!   memory per KV block.
+//! - `prefill_masked_attention_*` ([`mask::BlockMask`], launches with caller block masks): 16
+//!   rows per warp, a tile of one query block ([`MASKED_TILE_Q_BLOCKS`]), `Q` in registers. A
+//!   random mask per query block makes a two-block tile visit the union of two KV sets with half
+//!   its warps idle; one block per tile visits exactly its own set.
 //!
 //! Grid `(items, q_heads)`, [`PREFILL_THREADS`] threads (4 warps). Block `(x, h)` computes the
 //! query tile of `items[x]` for query head `h` (GQA: KV head `h / G`):
 //!
 //! 1. the query rows go to shared memory;
-//! 2. the KV blocks to visit (per query block the head's pattern — causal or Λ — intersected
-//!    with the caller block mask in the masked kernel, the diagonal kept; the tile visits the
-//!    union) come from [`block_iter::TileSpan`] (unmasked: arithmetic in the block counter) or
-//!    [`block_iter::TileBlocks`] (masked: a bitset walk); K/V tiles stream through a
+//! 2. the mask walks the KV blocks to visit (per query block the head's pattern — causal or Λ —
+//!    intersected with the caller block mask if there is one, the diagonal kept; the tile visits
+//!    the union): [`block_iter::TileSpan`] (arithmetic in the block counter) or
+//!    [`block_iter::TileBlocks`] (a bitset walk); K/V tiles stream through a
 //!    [`PREFILL_STAGES`]-stage `cp.async` ring, one block ahead of the computation;
 //! 3. per block, in the warps whose query block visits it: `S = Q Kᵀ` ([`scores`]), element
-//!    masks where the block is partially visible ([`mask`]), online softmax in registers
+//!    masks where the block is partially visible ([`mask::apply`]), online softmax in registers
 //!    ([`softmax`]), `O += P V` with `P` taken straight from `S`'s registers
 //!    ([`accumulate_pv`]);
 //! 4. `O / l` is written as the output element type.
 //!
-//! The loop body is the same for every head and block: what differs is only which blocks the
-//! walk yields, which warps skip one, and whether the block needs element masks.
-//!
-//! The two kernels have separate bodies of the same steps: [`prefill_attention`] (the
-//! arithmetic walk, K and V copied in one call) for the unmasked kernel, and
-//! [`prefill_attention_v3`] (the bitset walk, one tile per copy call) for the masked one, whose
-//! registers and schedule the shared body made worse (DESIGN.md, "Invariants").
+//! The loop body is the same for every head, block and mask: what differs is only which blocks
+//! the walk yields, which warps skip one, and whether the block needs element masks.
 
 pub mod block_iter;
 pub mod mask;
@@ -41,8 +38,8 @@ pub mod tiles;
 
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
-    mask_words_per_row, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS,
-    PREFILL_STAGES, PREFILL_THREADS, TILE_Q_BLOCKS,
+    PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS, PREFILL_STAGES,
+    PREFILL_THREADS, TILE_Q_BLOCKS,
 };
 
 use crate::convert::{Bf16, F16};
@@ -52,11 +49,12 @@ use crate::mma::{mma_m16n8k16, FragA, FragC, MmaElement};
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block, WARP_SIZE};
 use crate::warp::shfl_idx_u32;
-use block_iter::{TileBlocks, TileMask, TileSpan, Window};
+use block_iter::Window;
+use mask::{BlockMask, HeadPattern, Mask};
 use softmax::{rescale_unless_settled, RowSoftmax};
 use tiles::{
-    load_k_fragments, load_q_fragment, load_tile_async, load_tiles_async, load_v_fragments,
-    p_fragment, SmemLayout, Tile, MAX_O_TILES, S_TILES,
+    load_k_fragments, load_q_fragment, load_tiles_async, load_v_fragments, p_fragment, SmemLayout,
+    Tile, MAX_O_TILES, S_TILES,
 };
 
 /// Warps per launch block.
@@ -83,7 +81,7 @@ type Output<const ROW_TILES: usize> = [[FragC; MAX_O_TILES]; ROW_TILES];
 // that use it: `ptxas` schedules the loop itself and ignores the PTX order of `ldmatrix` and
 // `mma` (a source-level software pipeline, fragments loaded one step ahead into a second set of
 // registers, gave byte-identical SASS). How far ahead of its products it issues a load depends on
-// the registers it has to spare (see DESIGN.md, "Variants that lost").
+// the registers it has to spare (DESIGN.md, "Variants that lost").
 
 /// `S = Q Kᵀ` for this warp's rows and the 64 keys of the K tile at `k_tile`; `q(m, kk)` is the
 /// `Q` fragment of row tile `m`, dims `16 kk .. + 16` (from registers or shared memory). Each K
@@ -153,30 +151,26 @@ struct Tensors {
     out: *mut u16,
 }
 
-/// The unmasked kernel's body, generic over the element type `E`, head dimension
-/// `D` (64 or 128), the `mma` row tiles per warp (`ROW_TILES` = query blocks per tile, 1 or 2)
-/// and whether it reads caller block masks (`MASKED`; the unmasked kernel walks the heads'
-/// patterns only).
-///
-/// Only instantiated unmasked (`ROW_TILES` 2, `MASKED` false): the masked kernels run
-/// [`prefill_attention_v3`]. The `MASKED` walk below is kept although no kernel instantiates
-/// it: without it (removed, or `unreachable!()`) rustc hands LLVM a different function and the
-/// D 128 unmasked kernel spills again (DESIGN.md, "Invariants": its codegen is that fragile).
+/// `Q` fragments of a warp held in registers: per row tile, `D / 16` of them (the rest unused).
+type QRegs<E, const ROW_TILES: usize> = [[FragA<E>; MAX_Q_STEPS]; ROW_TILES];
+
+/// The prefill kernel body, generic over the element type `E`, head dimension `D` (64 or 128),
+/// the `mma` row tiles per warp (`ROW_TILES` = query blocks per tile) and the block-level mask
+/// `M` (which blocks a tile visits; see the module docs for the two instantiations).
 ///
 /// # Safety
 /// Launched with grid `(p.items, p.q_heads)`, [`PREFILL_THREADS`] threads and
 /// `prefill_smem_bytes(D, ROW_TILES)` bytes of dynamic shared memory. `items` holds `p.items`
 /// work items (tiles of `ROW_TILES` query blocks) of sequences inside `q [T][Hq][D]`, `k`,
 /// `v [T][Hkv][D]`, `out [T][Hq][D]` (16-byte aligned); `head_map` holds `Hkv` entries (bit
-/// [`HEAD_STREAMING`] = streaming); with `MASKED`, `mask` holds every item's rows
-/// (`mask_row + h * mask_head_stride`, then the next query block's row, each
-/// `mask_words_per_row(seq_len)` words).
+/// [`HEAD_STREAMING`] = streaming); for [`BlockMask`], `mask` holds every item's rows
+/// (`mask_row + h * mask_head_stride`, each `mask_words_per_row(seq_len)` words).
 #[inline(always)]
 unsafe fn prefill_attention<
     E: MmaElement,
     const D: usize,
     const ROW_TILES: usize,
-    const MASKED: bool,
+    M: Mask<ROW_TILES>,
 >(
     p: &PrefillParams,
     items: *const PrefillWorkItem,
@@ -188,11 +182,12 @@ unsafe fn prefill_attention<
     let warp_rows = 16 * ROW_TILES as u32;
     let tile_rows = warp_rows * WARPS;
     let q_resident = ROW_TILES == 1;
-    // A masked instantiation (none exists: the masked kernels run `prefill_attention_v3`) would
-    // be the one-row-tile kernel (the masked walk and `Q` handling below rely on it).
-    const { assert!(MASKED == (ROW_TILES == 1)) };
 
-    let (thread, lane) = (thread_in_block(), lane());
+    // `% WARP_SIZE` gives LLVM the lane's range (the `%laneid` read is opaque to it): the
+    // lane-derived parts of the fragment addresses then combine with the per-step offsets into
+    // immediates rather than into loop-invariant registers, which ptxas spends on issuing the
+    // fragment loads further ahead of their products.
+    let (thread, lane) = (thread_in_block(), lane() % WARP_SIZE);
     // The warp index broadcast from lane 0: ptxas then knows it (and what derives from it: the
     // warp's rows, query block and walk bounds) is warp-uniform and keeps those values in
     // uniform registers, beside the 255 per thread rather than among them (CUTLASS's
@@ -278,13 +273,31 @@ unsafe fn prefill_attention<
     let mut o = [[FragC::default(); MAX_O_TILES]; ROW_TILES];
     let mut softmax: [RowSoftmax; ROW_TILES] =
         core::array::from_fn(|_| RowSoftmax::new(p.scale_log2));
+    // The walk's first block, into stage 0 (its own group); then, with one row tile, the warp's
+    // `Q` fragments, loaded once (the query tile's group is the older of the two in flight).
+    let start = |kv_block: u32| {
+        load_kv(kv_block, 0);
+        commit_group();
+        let mut q_regs = [[FragA::<E>::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES];
+        if q_resident {
+            wait_group::<1>();
+            // SAFETY: block-uniform; the query tile has landed for everyone after it.
+            unsafe { sync_threads() };
+            crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+                // SAFETY: the whole warp, after the barrier that follows the query tile's
+                // arrival.
+                q_regs[0][kk] =
+                    unsafe { load_q_fragment::<E, D>(q_rows_smem, 0, kk as u32, lane) };
+            });
+        }
+        q_regs
+    };
     // One KV block: block `i` of the walk, `kv_block`, whose tiles were loaded into stage
     // `i % PREFILL_STAGES` one block earlier; starts the load of the walk's next block `next`
     // into the other stage, then, if this warp's query block visits the block (warp-uniform),
     // computes it (`q_regs`: the warp's `Q` fragments if they are resident).
-    type QRegs<E, const ROW_TILES: usize> = [[FragA<E>; MAX_Q_STEPS]; ROW_TILES];
-    // Inlined into each walk's loop below (LLVM otherwise calls it, with `O` in local memory).
-    let mut step =
+    // Inlined into the walk's loop (LLVM otherwise calls it, with `O` in local memory).
+    let step =
         #[inline(always)]
         |i: u32, kv_block: u32, next: Option<u32>, visited: bool, q_regs: &QRegs<E, ROW_TILES>| {
             // Block `i` (and, the first time, the query tile) has landed (for everyone after the
@@ -321,289 +334,33 @@ unsafe fn prefill_attention<
                     mask::apply(&mut s[m], window, rows, kv_block * BLOCK_KV, lane);
                 });
             }
-            let mut corrections = [[1.0f32; 2]; ROW_TILES];
-            crate::unroll8!(m in 0..ROW_TILES => {
-                // SAFETY: the whole warp.
-                corrections[m] =
-                    unsafe { softmax[m].update::<true>(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
-            });
-            // SAFETY: the whole warp.
-            unsafe { rescale_unless_settled(&mut o, &corrections, Tile::<D>::O_TILES) };
-            // SAFETY: the whole warp, after the barrier.
-            unsafe {
-                accumulate_pv::<E, D, ROW_TILES>(&s, SmemLayout::<D>::v(stage), &mut o, lane)
-            };
-        };
-
-    // The walk, one block ahead of the computation: with two stages, block `i + 1` loads while
-    // block `i` is computed.
-    if MASKED {
-        // Never instantiated (kept for the unmasked kernel's codegen, see the doc comment): one
-        // query block (`Q` in registers), the caller mask, the bitset walk.
-        // SAFETY: every mask row holds `mask_words_per_row(seq_len)` words, one per 32 KV
-        // blocks of the sequence, and the tile's query block is below that count.
-        let mut walk = unsafe {
-            let mask = TileMask {
-                words: mask,
-                row: item.mask_row + head * item.mask_head_stride,
-                row_words: mask_words_per_row(seq_len),
-            };
-            TileBlocks::<ROW_TILES>::new(window, item.q_block, tile_blocks, mask)
-        };
-        let mut current = walk.next();
-        if let Some(block) = current {
-            load_kv(block.kv_block, 0);
-        }
-        commit_group();
-        let mut ahead = walk.next();
-        let mut q_regs = [[FragA::<E>::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES];
-        // The warp's `Q` fragments, loaded once, here (the query tile's group is the older of
-        // the two in flight).
-        wait_group::<1>();
-        // SAFETY: block-uniform; the query tile has landed for everyone after it.
-        unsafe { sync_threads() };
-        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
-            // SAFETY: the whole warp, after the barrier that follows the query tile's arrival.
-            q_regs[0][kk] = unsafe { load_q_fragment::<E, D>(q_rows_smem, 0, kk as u32, lane) };
-        });
-        let mut i = 0;
-        while let Some(block) = current {
-            step(i, block.kv_block, ahead.map(|b| b.kv_block), true, &q_regs);
-            (current, ahead) = (ahead, walk.next());
-            i += 1;
-        }
-    } else {
-        // Two query blocks, no caller mask: block `i` of the walk is arithmetic in `i`.
-        let span = TileSpan::new(window, item.q_block, tile_blocks);
-        let visitor = span.visitor(window, my_q_block, my_block < tile_blocks);
-        load_kv(span.kv_block(0), 0);
-        commit_group();
-        let mut i = 0;
-        while i < span.len() {
-            let kv_block = span.kv_block(i);
-            let next = (i + 1 < span.len()).then(|| span.kv_block(i + 1));
-            step(
-                i,
-                kv_block,
-                next,
-                visitor.visits(&span, kv_block),
-                &[[FragA::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES],
-            );
-            i += 1;
-        }
-    }
-    wait_all();
-
-    // O / l, rows that exist only.
-    let (group, quad) = (lane / 4, lane % 4);
-    crate::unroll8!(m in 0..ROW_TILES => {
-        // SAFETY: the whole warp.
-        let inv = unsafe { softmax[m].inverse_denominators() };
-        crate::unroll8!(half in 0..2 => {
-            let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
-            if row < seq_len {
-                let base = (seq_start + row as usize) * q_stride + head as usize * D;
-                crate::unroll16!(n in 0..Tile::<D>::O_TILES => {
-                    let c = &o[m][n].regs[2 * half..2 * half + 2];
-                    let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
-                    // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.
-                    unsafe {
-                        t.out
-                            .add(base + 8 * n + 2 * quad as usize)
-                            .cast::<u32>()
-                            .write(pair)
-                    };
-                });
-            }
-        });
-    });
-}
-
-/// The masked kernel's body, with the same generics and safety contract as
-/// [`prefill_attention`]; instantiated masked only (`ROW_TILES` 1, `MASKED` true). The shared
-/// body gives this kernel 184 instead of 225 registers at D 128 and a schedule that consumes its
-/// `K`/`V` fragment loads at once: -20% on the GPU (DESIGN.md). Its generics and unmasked paths
-/// stay as they are so that its PTX stays the measured one: `ptxas`'s schedule moves with any
-/// change of the LLVM input.
-///
-/// # Safety
-/// As [`prefill_attention`]'s.
-#[inline(always)]
-unsafe fn prefill_attention_v3<
-    E: MmaElement,
-    const D: usize,
-    const ROW_TILES: usize,
-    const MASKED: bool,
->(
-    p: &PrefillParams,
-    items: *const PrefillWorkItem,
-    head_map: *const u32,
-    mask: *const u32,
-    t: Tensors,
-) {
-    // Query rows of a warp and of the tile; with one row tile `Q` stays in registers.
-    let warp_rows = 16 * ROW_TILES as u32;
-    let tile_rows = warp_rows * WARPS;
-    let q_resident = ROW_TILES == 1;
-
-    let (thread, warp, lane) = (thread_in_block(), warp_in_block(), lane());
-    let head = block_idx_y();
-    let kv_head = head / p.group;
-    // SAFETY: `block_idx_x < items`, `kv_head < kv_heads` by the grid and the host's checks.
-    let (item, entry) = unsafe {
-        (
-            items.add(block_idx_x() as usize).read(),
-            head_map.add(kv_head as usize).read(),
-        )
-    };
-    let window = if entry & HEAD_STREAMING != 0 {
-        Window {
-            sink: p.sink_tokens,
-            local: p.local_tokens,
-        }
-    } else {
-        Window::CAUSAL
-    };
-    let (seq_start, seq_len) = (item.seq_start as usize, item.seq_len);
-    let q_first = item.q_block * BLOCK_Q;
-    // Query blocks of the tile that exist (the last tile of a sequence may be short).
-    let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(ROW_TILES as u32);
-    let tile_mask = TileMask {
-        // The unmasked kernel has no mask at compile time: no mask code in its loop.
-        words: if MASKED { mask } else { core::ptr::null() },
-        row: item.mask_row + head * item.mask_head_stride,
-        row_words: mask_words_per_row(seq_len),
-    };
-    let (q_stride, kv_stride) = (p.q_heads as usize * D, p.kv_heads as usize * D);
-
-    // The query tile, into shared memory (its own `cp.async` group).
-    let q_rows = (seq_len - q_first).min(tile_rows);
-    // SAFETY: rows `q_first .. q_first + q_rows` of the sequence exist in `q`; the tile has
-    // `tile_rows` rows (`ROW_TILES` query blocks).
-    unsafe {
-        let src =
-            t.q.add((seq_start + q_first as usize) * q_stride + head as usize * D);
-        if ROW_TILES == 1 {
-            load_tile_async::<D, BLOCK_Q>(SmemLayout::<D>::q(), src, q_stride, q_rows, thread);
-        } else {
-            load_tile_async::<D, { 2 * BLOCK_Q }>(
-                SmemLayout::<D>::q(),
-                src,
-                q_stride,
-                q_rows,
-                thread,
-            );
-        }
-    }
-    commit_group();
-
-    // One walk over the blocks, one block ahead of the computation: with two stages, block
-    // `i + 1` loads while block `i` is computed.
-    // SAFETY: every mask row holds `mask_words_per_row(seq_len)` words, one per 32 KV blocks of
-    // the sequence, and the tile's query blocks are below that count.
-    let mut walk =
-        unsafe { TileBlocks::<ROW_TILES>::new(window, item.q_block, tile_blocks, tile_mask) };
-    // Elements from `k` / `v` to this head's first row of the sequence.
-    let kv_offset = seq_start * kv_stride + kv_head as usize * D;
-    let load_kv = |kv_block: u32, stage: u32| {
-        let k_first = kv_block * BLOCK_KV;
-        let rows = (seq_len - k_first).min(BLOCK_KV);
-        let offset = opaque(kv_offset) + k_first as usize * kv_stride;
-        // SAFETY: `kv_block` is at most the tile's last diagonal block, a block of the
-        // sequence, so its rows `0 .. rows` exist in `k` and `v`.
-        unsafe {
-            load_tile_async::<D, BLOCK_KV>(
-                SmemLayout::<D>::k(stage),
-                t.k.add(offset),
-                kv_stride,
-                rows,
-                thread,
-            );
-            load_tile_async::<D, BLOCK_KV>(
-                SmemLayout::<D>::v(stage),
-                t.v.add(offset),
-                kv_stride,
-                rows,
-                thread,
-            );
-        }
-    };
-    let mut current = walk.next();
-    if let Some(block) = current {
-        load_kv(block.kv_block, 0);
-    }
-    commit_group();
-    let mut ahead = walk.next();
-
-    // This warp's query block (in the tile) and rows.
-    let my_block = (warp * warp_rows / BLOCK_Q) as usize;
-    let my_q_block = item.q_block + my_block as u32;
-    let q_first_warp = q_first + warp_rows * warp;
-    let q_rows_smem = SmemLayout::<D>::q() + warp_rows * warp * Tile::<D>::ROW_BYTES;
-
-    // With one row tile, the warp's `Q` fragments are loaded once, here (the query tile's group
-    // is the older of the two in flight), and stay in registers.
-    let mut q_regs = [[FragA::<E>::from_regs([0; 4]); MAX_Q_STEPS]; ROW_TILES];
-    if q_resident {
-        wait_group::<1>();
-        // SAFETY: block-uniform; the query tile has landed for everyone after it.
-        unsafe { sync_threads() };
-        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
-            // SAFETY: the whole warp, after the barrier that follows the query tile's arrival.
-            q_regs[0][kk] = unsafe { load_q_fragment::<E, D>(q_rows_smem, 0, kk as u32, lane) };
-        });
-    }
-    let q_fragment = |m: usize, kk: usize| {
-        if q_resident {
-            q_regs[m][kk]
-        } else {
-            // SAFETY: called by the whole warp inside `scores`, after the barrier that follows
-            // the query tile's arrival.
-            unsafe { load_q_fragment::<E, D>(q_rows_smem, m as u32, kk as u32, lane) }
-        }
-    };
-
-    let mut o = [[FragC::default(); MAX_O_TILES]; ROW_TILES];
-    let mut softmax: [RowSoftmax; ROW_TILES] =
-        core::array::from_fn(|_| RowSoftmax::new(p.scale_log2));
-    let mut i = 0;
-    while let Some(block) = current {
-        // Block `i` (and, the first time, the query tile) has landed (for everyone after the
-        // barrier), and everyone is done reading the stage the next load overwrites (it held
-        // block `i - 1`).
-        wait_group::<0>();
-        // SAFETY: the iterator is block-uniform, so every thread runs the same iterations.
-        unsafe { sync_threads() };
-        if let Some(next) = ahead {
-            load_kv(next.kv_block, (i + 1) % PREFILL_STAGES);
-        }
-        commit_group();
-
-        // Warp-uniform: the warps of a query block that does not visit this KV block skip it
-        // (never in the masked kernel: its tile is one query block).
-        if block.visited_by(my_block) {
-            let stage = i % PREFILL_STAGES;
-            // SAFETY: the whole warp, after the barrier that follows the tiles' arrival.
-            let mut s =
-                unsafe { scores::<E, D, ROW_TILES>(&q_fragment, SmemLayout::<D>::k(stage), lane) };
-            if window.needs_mask(my_q_block, block.kv_block, seq_len) {
+            if M::LATENCY_TUNED_SOFTMAX {
+                let mut corrections = [[1.0f32; 2]; ROW_TILES];
                 crate::unroll8!(m in 0..ROW_TILES => {
-                    let rows = q_first_warp + 16 * m as u32;
-                    mask::apply(&mut s[m], window, rows, block.kv_block * BLOCK_KV, lane);
+                    // SAFETY: the whole warp.
+                    corrections[m] = unsafe {
+                        softmax[m].update::<true>(&mut s[m], &mut o[m], Tile::<D>::O_TILES)
+                    };
+                });
+                // SAFETY: the whole warp.
+                unsafe { rescale_unless_settled(&mut o, &corrections, Tile::<D>::O_TILES) };
+            } else {
+                crate::unroll8!(m in 0..ROW_TILES => {
+                    // SAFETY: the whole warp.
+                    unsafe {
+                        softmax[m].update::<false>(&mut s[m], &mut o[m], Tile::<D>::O_TILES)
+                    };
                 });
             }
-            crate::unroll8!(m in 0..ROW_TILES => {
-                // SAFETY: the whole warp.
-                unsafe { softmax[m].update::<false>(&mut s[m], &mut o[m], Tile::<D>::O_TILES) };
-            });
             // SAFETY: the whole warp, after the barrier.
             unsafe {
                 accumulate_pv::<E, D, ROW_TILES>(&s, SmemLayout::<D>::v(stage), &mut o, lane)
             };
-        }
-        (current, ahead) = (ahead, walk.next());
-        i += 1;
-    }
+        };
+
+    // SAFETY: `1 <= tile_blocks <= ROW_TILES` query blocks of the sequence; the mask rows by the
+    // launch contract.
+    unsafe { M::new(mask).walk(&item, head, window, tile_blocks, my_block, start, step) };
     wait_all();
 
     // O / l, rows that exist only.
@@ -631,11 +388,10 @@ unsafe fn prefill_attention_v3<
     });
 }
 
-/// Declares one `extern "gpu-kernel"` entry point per (kernel variant, element type, head dim):
-/// `$body` is the kernel body it runs, `rows` the `mma` row tiles per warp, `masked` whether the
-/// kernel reads caller masks.
+/// Declares one `extern "gpu-kernel"` entry point per (mask, element type, head dim): `rows` is
+/// the mask's query blocks per tile (the `mma` row tiles per warp).
 macro_rules! prefill_kernels {
-    ($($name:ident: $body:ident, $elem:ty, $d:literal, rows $rows:literal, masked $masked:literal;)*) => {$(
+    ($($name:ident: $mask:ty, $elem:ty, $d:literal, rows $rows:literal;)*) => {$(
         /// Prefill attention entry point (see the module docs).
         ///
         /// # Safety
@@ -654,7 +410,7 @@ macro_rules! prefill_kernels {
         ) {
             // SAFETY: forwarded launch contract.
             unsafe {
-                $body::<$elem, $d, $rows, $masked>(
+                prefill_attention::<$elem, $d, $rows, $mask>(
                     &p,
                     items,
                     head_map,
@@ -668,17 +424,17 @@ macro_rules! prefill_kernels {
 
 // Launches without caller masks: 32 rows per warp, tiles of `TILE_Q_BLOCKS` query blocks.
 prefill_kernels! {
-    prefill_attention_bf16_d64: prefill_attention, Bf16, 64, rows 2, masked false;
-    prefill_attention_bf16_d128: prefill_attention, Bf16, 128, rows 2, masked false;
-    prefill_attention_f16_d64: prefill_attention, F16, 64, rows 2, masked false;
-    prefill_attention_f16_d128: prefill_attention, F16, 128, rows 2, masked false;
+    prefill_attention_bf16_d64: HeadPattern, Bf16, 64, rows 2;
+    prefill_attention_bf16_d128: HeadPattern, Bf16, 128, rows 2;
+    prefill_attention_f16_d64: HeadPattern, F16, 64, rows 2;
+    prefill_attention_f16_d128: HeadPattern, F16, 128, rows 2;
 }
 
 // Launches with caller block masks: 16 rows per warp, tiles of `MASKED_TILE_Q_BLOCKS` (one)
 // query block.
 prefill_kernels! {
-    prefill_masked_attention_bf16_d64: prefill_attention_v3, Bf16, 64, rows 1, masked true;
-    prefill_masked_attention_bf16_d128: prefill_attention_v3, Bf16, 128, rows 1, masked true;
-    prefill_masked_attention_f16_d64: prefill_attention_v3, F16, 64, rows 1, masked true;
-    prefill_masked_attention_f16_d128: prefill_attention_v3, F16, 128, rows 1, masked true;
+    prefill_masked_attention_bf16_d64: BlockMask, Bf16, 64, rows 1;
+    prefill_masked_attention_bf16_d128: BlockMask, Bf16, 128, rows 1;
+    prefill_masked_attention_f16_d64: BlockMask, F16, 64, rows 1;
+    prefill_masked_attention_f16_d128: BlockMask, F16, 128, rows 1;
 }

@@ -37,11 +37,11 @@ impl RowSoftmax {
     /// into the probabilities `p = 2^(s · scale_log2 − m)` (masked scores, `-inf`, become 0).
     ///
     /// Without `LATENCY_TUNED` it also rescales `o` (its first `o_tiles` accumulators) by the
-    /// rows' corrections `2^((m_old − m_new) · scale_log2)` and returns `[1.0; 2]`: the masked
-    /// kernel's update (it measured 3% slower with the tuning, prefill DESIGN.md). With it (the
-    /// unmasked kernel) it returns the corrections (exactly 1 where the maximum did not move)
-    /// and leaves `o` to the caller, and the dependent chains between the two products of a
-    /// block, which two warps per scheduler cannot hide, are shorter:
+    /// rows' corrections `2^((m_old − m_new) · scale_log2)` and returns `[1.0; 2]`: the form the
+    /// block-mask kernel uses (it measured 3% slower with the tuning, prefill DESIGN.md). With it
+    /// (the kernel without caller masks) it returns the corrections (exactly 1 where the
+    /// maximum did not move) and leaves `o` to the caller, and the dependent chains between the
+    /// two products of a block, which two warps per scheduler cannot hide, are shorter:
     /// - a row's block maximum and probability sum are pairwise trees (4 levels over a lane's
     ///   16 values) instead of running chains of 16 (the maximum is the same; the sum rounds
     ///   differently, as any order does);

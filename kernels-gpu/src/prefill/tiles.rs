@@ -83,68 +83,6 @@ const _: () = {
     assert!(prefill_smem_bytes(128, MASKED_TILE_Q_BLOCKS) == kv + MASKED_TILE_Q_BLOCKS * q_block);
 };
 
-/// Starts the asynchronous copy of `ROWS` rows into the tile at `dst`: row `r < valid_rows`
-/// comes from `src + r * row_stride`, rows past the end are zero-filled (finite; the kernel masks
-/// them out).
-///
-/// The masked kernel's copy (`prefill_attention_v3`); the unmasked kernel uses
-/// [`load_tiles_async`].
-///
-/// Thread `t` copies chunk `t % CHUNKS_PER_ROW` of rows `t / CHUNKS_PER_ROW + i * ROW_STEP`: its
-/// addresses are one base plus multiples of a constant step, and whether a row exists is one
-/// compare against a per-call count, so a copy costs an address and a select.
-///
-/// # Safety
-/// All [`PREFILL_THREADS`] threads call it; `dst` is a tile of this layout of `ROWS` rows (64 or
-/// 128); `1 <= valid_rows`, and `valid_rows` rows of `D` elements at
-/// `src + r * row_stride` are readable, 16-byte aligned.
-#[inline(always)]
-pub unsafe fn load_tile_async<const D: usize, const ROWS: u32>(
-    dst: u32,
-    src: *const u16,
-    row_stride: usize,
-    valid_rows: u32,
-    thread: u32,
-) {
-    let row_step = PREFILL_THREADS / Tile::<D>::CHUNKS_PER_ROW;
-    let (row, chunk) = (
-        thread / Tile::<D>::CHUNKS_PER_ROW,
-        thread % Tile::<D>::CHUNKS_PER_ROW,
-    );
-    let dst = dst + row * Tile::<D>::ROW_BYTES + chunk * 16;
-    // Rows `row + i * row_step` exist for `i * row_step < rows_left`.
-    let rows_left = valid_rows.saturating_sub(row);
-    // SAFETY: row `min(row, valid_rows - 1) < valid_rows` exists and `chunk * 8 + 8 <= D`.
-    let (src, first) = unsafe {
-        let src = src.add(chunk as usize * 8);
-        (src, src.add(row.min(valid_rows - 1) as usize * row_stride))
-    };
-    // A running pointer rather than `first + i * step`: the products `i * step` would be loop
-    // invariants of the kernel's KV loop, hoisted out of it into eight live registers.
-    let step = row_step as usize * row_stride;
-    let mut next = first;
-    let mut i = 0;
-    while i < ROWS / row_step {
-        let (from, bytes) = if i * row_step < rows_left {
-            (next, 16)
-        } else {
-            (src, 0)
-        };
-        // SAFETY: `from` is a readable 16-byte chunk (row `row + i * row_step < valid_rows`, as
-        // `first` is row `row` then), or nothing is read; the destination is inside the tile
-        // (`row + i * row_step < ROWS`), 16-byte aligned (`ROW_BYTES` is a multiple of 16).
-        unsafe {
-            cp_async_16_zfill(
-                dst + i * row_step * Tile::<D>::ROW_BYTES,
-                from as *const u8,
-                bytes,
-            )
-        };
-        next = next.wrapping_add(step);
-        i += 1;
-    }
-}
-
 /// Starts the asynchronous copy of `ROWS` rows into each of the `N` consecutive tiles from
 /// `dst` (tile `j` at `dst + j * ROWS * ROW_BYTES`): its row `r < valid_rows` comes from
 /// `src[j] + r * row_stride`, rows past the end are zero-filled (finite; the kernel masks them
@@ -180,7 +118,7 @@ pub unsafe fn load_tiles_async<const D: usize, const ROWS: u32, const N: usize>(
     // zero-filled copies, which read nothing), as an element offset from every source. The
     // chunk's part is opaque to LLVM: otherwise it adds it to the K and V base pointers outside
     // the kernel's KV loop and keeps the two 64-bit sums live across the loop (the 128-row D 128
-    // kernel spills; DESIGN.md, "Variants that lost").
+    // kernel then spilled; DESIGN.md, "Variants that lost").
     let first = opaque_u32(chunk * 8) as usize + row.min(valid_rows - 1) as usize * row_stride;
     // A running pointer rather than `first + i * step`: the products `i * step` would be loop
     // invariants of the kernel's KV loop, hoisted out of it into eight live registers.
