@@ -60,7 +60,11 @@ pub fn run(root: &Path, arch: &str, bless: bool) -> Result<(), String> {
     if kernels.is_empty() {
         return Err(format!("ptxas reported no functions:\n{text}"));
     }
-    let allowed = read_allow_list(&kernel_dir.join("spills-allowed.txt"))?;
+    // Kernels allowed to spill on every architecture, and on this one only.
+    let mut allowed = read_allow_list(&kernel_dir.join("spills-allowed.txt"))?;
+    allowed.extend(read_allow_list(
+        &kernel_dir.join(format!("spills-allowed-{arch}.txt")),
+    )?);
     let mut report = format!(
         "PTX {} (toolchain {channel}), ptxas {} -arch={arch}\n\n",
         ptx.display(),
@@ -81,7 +85,7 @@ pub fn run(root: &Path, arch: &str, bless: bool) -> Result<(), String> {
     if forbidden.is_empty() {
         let _ = writeln!(
             report,
-            "spills: none outside kernels-gpu/spills-allowed.txt"
+            "spills: none outside kernels-gpu/spills-allowed[-{arch}].txt"
         );
     } else {
         let _ = writeln!(report, "SPILLS not allowed: {}", forbidden.join(", "));
@@ -89,7 +93,7 @@ pub fn run(root: &Path, arch: &str, bless: bool) -> Result<(), String> {
     let mut failures = Vec::new();
     if !forbidden.is_empty() {
         failures.push(format!(
-            "register spills in {} (list a kernel in kernels-gpu/spills-allowed.txt to allow it)",
+            "register spills in {} (list a kernel in kernels-gpu/spills-allowed[-{arch}].txt to allow it)",
             forbidden.join(", ")
         ));
     }
