@@ -1,6 +1,6 @@
-//! Provides the kernels' PTX modules in `OUT_DIR` for `include_str!`: the library's kernels for
-//! every architecture in [`kernel_build::ARCHES`] and, with the `test-kernels` feature, the test
-//! kernels (file names: [`kernel_build::PtxModule::file_name`]).
+//! Provides the kernels' PTX modules in `OUT_DIR`, deflated, for `include_bytes!`: the library's
+//! kernels for every architecture in [`kernel_build::ARCHES`] and, with the `test-kernels`
+//! feature, the test kernels (file names: [`kernel_build::PtxModule::file_name`] + `.deflate`).
 //!
 //! Where the PTX comes from, first match wins:
 //! 1. `LSERVE_PTX_DIR`: a folder holding prebuilt modules under those names;
@@ -49,9 +49,22 @@ fn main() {
             "the PTX shipped in the package",
         )
     };
-    if let Err(e) = result {
+    if let Err(e) = result.and_then(|()| deflate_modules(&modules, &out_dir)) {
         panic!("lserve: {e}");
     }
+}
+
+/// Writes `<module>.deflate` beside each module's PTX in `out_dir` (raw DEFLATE, the level
+/// `GpuContext` inflates quickly).
+fn deflate_modules(modules: &[PtxModule], out_dir: &Path) -> Result<(), String> {
+    for m in modules {
+        let ptx = out_dir.join(m.file_name());
+        let text = fs::read(&ptx).map_err(|e| format!("reading {}: {e}", ptx.display()))?;
+        let packed = miniz_oxide::deflate::compress_to_vec(&text, 6);
+        let to = out_dir.join(format!("{}.deflate", m.file_name()));
+        fs::write(&to, packed).map_err(|e| format!("writing {}: {e}", to.display()))?;
+    }
+    Ok(())
 }
 
 /// Copies each module's file from `dir` to `out_dir`.

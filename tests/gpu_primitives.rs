@@ -567,7 +567,7 @@ fn no_kernel_uses_local_memory() {
     );
     let mut spilling = Vec::new();
     for name in names {
-        let r = gpu.kernel_resources(name).unwrap();
+        let r = gpu.kernel_resources(&name).unwrap();
         if r.local_bytes > 0 {
             spilling.push(format!(
                 "{name}: {} local bytes, {} registers",

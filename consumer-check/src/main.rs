@@ -2,7 +2,7 @@
 
 fn main() {
     for m in lserve::gpu::KERNEL_PTX {
-        println!("lserve PTX for {} ({} bytes)", m.arch, m.text.len());
+        println!("lserve PTX for {} ({} bytes)", m.arch, m.text().len());
     }
     match lserve::gpu::GpuContext::new(0) {
         Ok(gpu) => println!(

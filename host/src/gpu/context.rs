@@ -72,7 +72,7 @@ impl GpuContext {
             (capability.0 as u32, capability.1 as u32),
             requested.as_deref(),
         )?;
-        let module = ctx.load_module(Ptx::from_src(ptx.text))?;
+        let module = ctx.load_module(Ptx::from_src(ptx.text()))?;
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
@@ -120,7 +120,7 @@ impl GpuContext {
     }
 
     /// The names of the kernels this context loaded, in PTX order.
-    pub fn kernel_names(&self) -> Vec<&'static str> {
+    pub fn kernel_names(&self) -> Vec<String> {
         self.ptx.kernel_names()
     }
 
@@ -151,7 +151,7 @@ impl GpuContext {
         let module = match self.test_module.get() {
             Some(m) => m.clone(),
             None => {
-                let m = self.ctx.load_module(Ptx::from_src(super::ptx::TEST_PTX))?;
+                let m = self.ctx.load_module(Ptx::from_src(super::ptx::test_ptx()))?;
                 self.test_module.get_or_init(|| m).clone()
             }
         };
@@ -196,7 +196,7 @@ impl GpuContext {
 /// ```no_run
 /// let gpu = lserve::gpu::GpuContext::new(0)?;
 /// for name in gpu.kernel_names() {
-///     let r: lserve::gpu::KernelResources = gpu.kernel_resources(name)?;
+///     let r: lserve::gpu::KernelResources = gpu.kernel_resources(&name)?;
 ///     println!("{name}: {} registers, {} local bytes", r.registers, r.local_bytes);
 /// }
 /// # Ok::<(), lserve::LserveError>(())

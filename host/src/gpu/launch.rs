@@ -52,8 +52,9 @@ pub(crate) fn check_shape(head_dim: usize, group: usize) -> Result<()> {
 /// name the launchers can ask for).
 #[cfg(test)]
 pub(crate) fn ptx_has_kernel(name: &str) -> bool {
-    let entry = format!(".visible .entry {name}(");
-    super::KERNEL_PTX.iter().all(|m| m.text.contains(&entry))
+    static NAMES: std::sync::OnceLock<Vec<Vec<String>>> = std::sync::OnceLock::new();
+    let names = NAMES.get_or_init(|| super::KERNEL_PTX.iter().map(|m| m.kernel_names()).collect());
+    names.iter().all(|module| module.iter().any(|n| n == name))
 }
 
 /// A launch-parameter struct from `lserve-abi`, passed to a kernel by value.

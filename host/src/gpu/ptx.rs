@@ -3,7 +3,8 @@
 //! lserve ships its kernels as PTX for sm_80 (Ampere and Ada: `cp.async` tiles, plain launches)
 //! and for sm_90 (Hopper: tensor-map bulk copies, launches overlapped with the previous kernel),
 //! built from the same kernel sources (`host/build.rs`). The driver compiles the chosen module for
-//! the device when it loads. The PTX is ISA 8.0: a CUDA 12.0 or newer driver loads it.
+//! the device when it loads. The PTX is ISA 8.0: a CUDA 12.0 or newer driver loads it. The modules
+//! are embedded deflated (about a tenth of their text) and inflated when a context loads one.
 
 use crate::{LserveError, Result};
 
@@ -14,8 +15,8 @@ pub struct KernelPtx {
     pub arch: &'static str,
     /// The oldest compute capability it runs on (major, minor).
     pub min_capability: (u32, u32),
-    /// The PTX text.
-    pub text: &'static str,
+    /// The PTX text, deflated.
+    deflated: &'static [u8],
 }
 
 impl KernelPtx {
@@ -25,15 +26,38 @@ impl KernelPtx {
         self.min_capability.0 >= 9
     }
 
+    /// The PTX text (inflated from the embedded bytes on each call).
+    ///
+    /// ```
+    /// let text = lserve::gpu::KERNEL_PTX[1].text();
+    /// assert!(text.contains(".target sm_90"));
+    /// ```
+    ///
+    /// # Panics
+    /// Only if the embedded bytes are not the deflated PTX `build.rs` wrote: a broken build.
+    pub fn text(&self) -> String {
+        inflate(self.deflated)
+    }
+
     /// The names of the kernels in this module (its `.entry` symbols), in PTX order.
     ///
     /// ```
     /// let names = lserve::gpu::KERNEL_PTX[0].kernel_names();
-    /// assert!(names.contains(&"decode_combine_bf16"));
+    /// assert!(names.iter().any(|n| n == "decode_combine_bf16"));
     /// ```
-    pub fn kernel_names(&self) -> Vec<&'static str> {
-        entry_names(self.text)
+    pub fn kernel_names(&self) -> Vec<String> {
+        entry_names(&self.text())
+            .into_iter()
+            .map(str::to_string)
+            .collect()
     }
+}
+
+/// The text of deflated PTX embedded by `build.rs`.
+fn inflate(deflated: &[u8]) -> String {
+    let bytes = miniz_oxide::inflate::decompress_to_vec(deflated)
+        .expect("lserve's embedded PTX is the deflate stream build.rs wrote");
+    String::from_utf8(bytes).expect("PTX is ASCII text")
 }
 
 /// The library's PTX modules, oldest architecture first.
@@ -41,20 +65,30 @@ pub const KERNEL_PTX: [KernelPtx; 2] = [
     KernelPtx {
         arch: "sm_80",
         min_capability: (8, 0),
-        text: include_str!(concat!(env!("OUT_DIR"), "/lserve_kernels.sm_80.ptx")),
+        deflated: include_bytes!(concat!(
+            env!("OUT_DIR"),
+            "/lserve_kernels.sm_80.ptx.deflate"
+        )),
     },
     KernelPtx {
         arch: "sm_90",
         min_capability: (9, 0),
-        text: include_str!(concat!(env!("OUT_DIR"), "/lserve_kernels.sm_90.ptx")),
+        deflated: include_bytes!(concat!(
+            env!("OUT_DIR"),
+            "/lserve_kernels.sm_90.ptx.deflate"
+        )),
     },
 ];
 
 /// The device-primitive test kernels (built with the `test-kernels` feature; only tests load
 /// them).
 #[cfg(feature = "test-kernels")]
-pub(crate) const TEST_PTX: &str =
-    include_str!(concat!(env!("OUT_DIR"), "/lserve_test_kernels.sm_90.ptx"));
+pub(crate) fn test_ptx() -> String {
+    inflate(include_bytes!(concat!(
+        env!("OUT_DIR"),
+        "/lserve_test_kernels.sm_90.ptx.deflate"
+    )))
+}
 
 /// The environment variable that makes a device load an older module than its newest one
 /// (e.g. `sm_80` on a Hopper GPU, to test that module there).
@@ -107,8 +141,8 @@ mod tests {
     #[test]
     fn both_modules_hold_the_same_kernels() {
         let [sm80, sm90] = KERNEL_PTX;
-        assert!(sm80.text.contains(".target sm_80"));
-        assert!(sm90.text.contains(".target sm_90"));
+        assert!(sm80.text().contains(".target sm_80"));
+        assert!(sm90.text().contains(".target sm_90"));
         assert_eq!(sm80.kernel_names(), sm90.kernel_names());
         assert!(!sm80.kernel_names().is_empty());
     }
@@ -116,9 +150,10 @@ mod tests {
     #[test]
     fn only_the_hopper_module_has_hopper_instructions() {
         let [sm80, sm90] = KERNEL_PTX;
+        let (sm80_text, sm90_text) = (sm80.text(), sm90.text());
         for hopper in ["cp.async.bulk", "griddepcontrol", "mbarrier"] {
-            assert!(!sm80.text.contains(hopper), "{hopper} in the sm_80 PTX");
-            assert!(sm90.text.contains(hopper), "no {hopper} in the sm_90 PTX");
+            assert!(!sm80_text.contains(hopper), "{hopper} in the sm_80 PTX");
+            assert!(sm90_text.contains(hopper), "no {hopper} in the sm_90 PTX");
         }
         assert!(!sm80.is_hopper() && sm90.is_hopper());
     }
