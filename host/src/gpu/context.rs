@@ -151,7 +151,9 @@ impl GpuContext {
         let module = match self.test_module.get() {
             Some(m) => m.clone(),
             None => {
-                let m = self.ctx.load_module(Ptx::from_src(super::ptx::test_ptx()))?;
+                let m = self
+                    .ctx
+                    .load_module(Ptx::from_src(super::ptx::test_ptx()))?;
                 self.test_module.get_or_init(|| m).clone()
             }
         };
