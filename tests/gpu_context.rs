@@ -5,9 +5,10 @@
 //! streams made with `new_stream`, so cudarc manages cross-stream synchronization. The GPU tests
 //! check that lserve's launches and copies go to the engine's stream (a capture on that stream
 //! holds them), that lserve leaves the engine's event tracking on and honours it (another engine
-//! stream reads lserve's output with no synchronization by hand), that a decode-style capture
-//! works with tracking turned off around it as `GpuContext`'s docs say, and that the results
-//! match the CPU reference. GPU tests are ignored without a GPU; the driver check runs anywhere.
+//! stream reads the output of a prefill and of a decode step with no synchronization by hand, the
+//! decode step's launches being lserve's own overlapped ones), that a capture works with tracking
+//! turned off around it as `GpuContext`'s docs say, and that the results match the CPU reference.
+//! GPU tests are ignored without a GPU; the driver check runs anywhere.
 
 mod common;
 
@@ -15,10 +16,16 @@ use std::sync::Arc;
 
 use common::tolerance;
 use half::bf16;
+use lserve::config::SparsityConfig;
 use lserve::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use lserve::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use lserve::gpu::{driver_present, prefill_attention, GpuContext, PrefillArgs, PrefillPlan};
-use lserve::head_pattern::HeadKind;
+use lserve::geometry::ModelGeometry;
+use lserve::gpu::{
+    driver_present, fill_random, pool_key_stats, prefill_attention, DecodeBatch, DecodeStep,
+    DeviceKvCache, GpuContext, KvWritePlan, PrefillArgs, PrefillPlan,
+};
+use lserve::head_pattern::{HeadKind, HeadPattern};
+use lserve::paging::KvCacheManager;
 use lserve::reference::{self, PrefillInput, TokenPattern};
 use lserve::LserveError;
 use rand::rngs::StdRng;
@@ -172,6 +179,79 @@ fn launches_go_to_the_engines_stream_and_honour_its_event_tracking() {
     let got = reader.clone_dtoh(&out).unwrap();
     reader.synchronize().unwrap();
     check("read on another stream", &got, &x.want);
+}
+
+/// One decode step (two layers, a 10000-token context of pseudo-random K/V: past
+/// `dynamic_min_len`, so the selector runs) on `gpu`, its output read on `reader` (`gpu`'s stream
+/// if `None`) with no synchronization by hand before the read.
+fn decode_step_output(gpu: &GpuContext, reader: Option<&Arc<CudaStream>>) -> Vec<bf16> {
+    let g = ModelGeometry::new(2, 8, 2, 128).unwrap();
+    let pattern = HeadPattern::interleaved(g, 0.5).unwrap();
+    let mut mgr =
+        KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 1, 1 << 16).unwrap();
+    let seq = mgr.add_sequence().unwrap();
+    let prompt = mgr.reserve(seq, 10_000).unwrap();
+    let mut cache = DeviceKvCache::<bf16>::new(gpu, &mgr).unwrap();
+    cache.sync_tables(gpu, &mgr).unwrap();
+    cache.fill_random(gpu, 11).unwrap();
+    let plan = KvWritePlan::new(&mgr, &[(seq, prompt)])
+        .unwrap()
+        .upload(gpu)
+        .unwrap();
+    for layer in 0..g.layers() {
+        pool_key_stats(gpu, &mut cache, layer, &plan).unwrap();
+    }
+    mgr.reserve(seq, 1).unwrap();
+    cache.sync_tables(gpu, &mgr).unwrap();
+    let mut batch = DecodeBatch::new(gpu, 1).unwrap();
+    batch.set(gpu, &mgr, &[seq]).unwrap();
+    let mut step = DecodeStep::new(gpu, &cache, 1).unwrap();
+    let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+    let s = gpu.stream();
+    let (mut q, mut k, mut v) = (
+        s.alloc_zeros::<bf16>(hq * d).unwrap(),
+        s.alloc_zeros::<bf16>(hkv * d).unwrap(),
+        s.alloc_zeros::<bf16>(hkv * d).unwrap(),
+    );
+    fill_random(gpu, &mut q, 21).unwrap();
+    fill_random(gpu, &mut k, 22).unwrap();
+    fill_random(gpu, &mut v, 23).unwrap();
+    let mut out = poisoned(s, hq * d);
+    for layer in 0..g.layers() {
+        step.layer(gpu, &mut cache, layer, &batch, &q, &k, &v, &mut out)
+            .unwrap();
+    }
+    step.finish(gpu, &mut cache, &batch).unwrap();
+    let reader = reader.unwrap_or(s);
+    let got = reader.clone_dtoh(&out).unwrap();
+    reader.synchronize().unwrap();
+    got
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_decode_step_on_the_engines_stream_is_read_on_another_stream() {
+    // The decode step's kernels are launched overlapped (lserve's own launch path, not cudarc's
+    // builder): with tracking on, each written buffer's event must be recorded after its kernel,
+    // or the reader could copy `out` before the split combine has written it.
+    let want = decode_step_output(&common::gpu(), None);
+    let (ctx, stream) = engine();
+    let gpu = GpuContext::from_stream(stream).unwrap();
+    let reader = ctx.new_stream().unwrap();
+    let got = decode_step_output(&gpu, Some(&reader));
+    assert!(ctx.is_managing_stream_synchronization());
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        let (g, w) = (g.to_f32() as f64, w.to_f32() as f64);
+        assert!(g.is_finite() && w.is_finite(), "element {i}: {g} / {w}");
+        diff += (g - w) * (g - w);
+        norm += w * w;
+    }
+    let err = (diff / norm).sqrt();
+    assert!(
+        err < 1e-3,
+        "engine stream vs lserve's own context: relative error {err}"
+    );
 }
 
 #[test]
