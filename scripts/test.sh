@@ -4,8 +4,8 @@
 # toolchain for the consumer check, ptxas from PyPI), then runs every check:
 # formatting, `cargo xtask ptx` (PTX valid, no spills, no kernel above its baseline, for sm_90 and
 # sm_80), clippy, the workspace's tests from a bare copy of the tree (GPU tests show as ignored
-# without a GPU), `cargo xtask package`, and a stable, offline build of a crate that depends on
-# the packaged lserve.
+# without a GPU), `cargo xtask package`, a stable, offline build of a crate that depends on the
+# packaged lserve, and a compile check of lserve beside candle's CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,3 +57,8 @@ stable_bin="$(dirname "$(rustup +stable which cargo)")"
 (cd consumer-check && cargo +stable fetch --locked)
 (cd consumer-check && env -i HOME="$HOME" CARGO_HOME="${CARGO_HOME:-$HOME/.cargo}" \
     PATH="$stable_bin:/usr/bin:/bin" cargo build --offline --locked)
+
+# An engine's dependency graph: lserve beside candle-core with its CUDA features (which choose
+# cudarc's dynamic-linking), compile-checked with nvcc and CUDA headers from PyPI.
+step "lserve beside candle (integrations/candle-check)"
+bash scripts/candle_check.sh

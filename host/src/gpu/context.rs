@@ -1,5 +1,5 @@
-//! Device context: one CUDA context and stream plus the kernel module loaded from the embedded PTX
-//! that suits the device ([`module_for`]).
+//! Device context: a CUDA context and the stream lserve enqueues on (its own, or an engine's),
+//! plus the kernel module loaded from the embedded PTX that suits the device ([`module_for`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -14,15 +14,72 @@ use crate::{LserveError, Result};
 /// Dynamic shared memory a kernel may use without opting in.
 const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
 
-/// A CUDA device with lserve's kernels loaded.
+/// A CUDA device with lserve's kernels loaded, and the one stream lserve enqueues on.
 ///
-/// Everything lserve enqueues goes to one stream ([`stream`](Self::stream)), in order; cudarc's
-/// cross-stream event tracking is off for this context (so a decode step can be captured in a
-/// CUDA graph). Using lserve's buffers on another stream needs explicit synchronization with it.
+/// Everything lserve enqueues (launches, copies, allocations) goes to [`stream`](Self::stream),
+/// in order. Two ways to get one:
+///
+/// - [`GpuContext::new`]: lserve's own context and stream, with cudarc's cross-stream event
+///   tracking off (every use of lserve's buffers is ordered by that one stream).
+/// - [`GpuContext::from_stream`]: on an engine's stream (candle's `CudaDevice::cuda_stream()`,
+///   or any cudarc [`CudaStream`]); lserve's launches and copies then interleave with the
+///   engine's own work on that stream, in order, and lserve leaves the engine's context as it
+///   is.
+///
+/// # Event tracking
+///
+/// cudarc orders buffers across streams by itself when the context *manages stream synchronization*
+/// ([`CudaContext::is_managing_stream_synchronization`]: event tracking on, the default, and a
+/// stream made with `new_stream` or `fork`, not only the default or per-thread stream; candle's
+/// `Device::new_cuda_with_stream` makes one, `Device::new_cuda` not). Then each buffer allocated
+/// while tracking was on carries a read and a write event: a use of it makes the stream wait for
+/// the buffer's last write (and, for a write, its last read), and records the buffer's read or
+/// write event after the use. lserve honours this for every buffer it reads or writes, the engine's
+/// and its own: cudarc's launch builder and copies do it, and lserve's own launch path keeps
+/// cudarc's guards until the kernel is enqueued, so an event marks the end of the kernel that used
+/// the buffer. An engine may then read lserve's outputs on another of its streams without
+/// synchronizing by hand. lserve never turns tracking off on a context it did not create. The price
+/// is a wait and a record per tracked buffer per launch (the decode attention takes about twenty
+/// buffers), enqueued between the kernels; a decode loop on one stream needs none of it.
+///
+/// # Capturing a decode step in a CUDA graph
+///
+/// A decode step ([`DecodeStep`](super::DecodeStep), or its calls one by one) allocates nothing
+/// and never synchronizes, so it can be captured on the context's stream
+/// ([`CudaStream::begin_capture`] .. [`CudaStream::end_capture`]) and replayed. What the engine
+/// must arrange:
+///
+/// - Capture on a stream made with `new_stream` (or another stream that may be captured), not the
+///   legacy default stream (`CudaContext::default_stream`).
+/// - No event tracking in the capture. While the context manages stream synchronization,
+///   cudarc's waits and records happen inside the capture: a capturing stream may not wait on an
+///   event recorded outside the capture (cudarc passes no external-wait flag), nor on one
+///   recorded in another capture, and an event recorded in a capture becomes a captured event
+///   that later waits and queries outside it reject (`CUDA_ERROR_CAPTURED_EVENT`). CUDA then
+///   invalidates the capture or fails the call. So either the context has tracking off
+///   (`CudaContext::disable_event_tracking`, as [`GpuContext::new`] does; candle's
+///   `CudaDevice::disable_event_tracking`), or it turns it off for the capture: synchronize
+///   the streams that used the step's buffers, `disable_event_tracking`, capture,
+///   `enable_event_tracking` (cudarc checks the setting at each use, so the buffers'
+///   existing events are left alone). A replay records no events: order the graph's launches
+///   with work on other streams by hand (an event recorded after the replay, a wait on it).
+/// - The buffers the capture uses, allocated before it (the cache, the workspaces, the
+///   [`DecodeBatch`](super::DecodeBatch)), outlive every replay.
 ///
 /// ```no_run
-/// let gpu = lserve::gpu::GpuContext::new(0)?;
+/// use std::sync::Arc;
+/// use lserve::cudarc::driver::CudaContext;
+/// use lserve::gpu::GpuContext;
+///
+/// // lserve's own context and stream:
+/// let gpu = GpuContext::new(0)?;
 /// println!("running on {}", gpu.device_name()?);
+///
+/// // On an engine's stream (here a plain cudarc one; with candle: `device.cuda_stream()`):
+/// let ctx = CudaContext::new(0)?;
+/// let stream = ctx.new_stream()?;
+/// let gpu = GpuContext::from_stream(stream.clone())?;
+/// assert!(Arc::ptr_eq(gpu.stream(), &stream));
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
 pub struct GpuContext {
@@ -47,25 +104,68 @@ struct LoadedKernel {
 }
 
 impl GpuContext {
-    /// Opens device `ordinal` (loading `libcuda` at run time) and loads the embedded kernels: the
-    /// newest PTX module the device runs, or the one the environment variable `LSERVE_PTX_ARCH`
-    /// names (`sm_80` on a Hopper GPU tests that module there).
+    /// Opens device `ordinal` (loading `libcuda` at run time where cudarc loads it dynamically)
+    /// with a context and stream of lserve's own, and loads the embedded kernels (as
+    /// [`from_stream`](Self::from_stream)). Event tracking is off on this context (see
+    /// [`GpuContext`]): lserve's stream orders every use of its buffers, and a decode step
+    /// captures as it is.
     ///
     /// On a machine without an NVIDIA driver this is [`LserveError::NoCudaDriver`], not a panic;
     /// on a GPU older than sm_80, [`LserveError::UnsupportedDevice`].
+    ///
+    /// ```no_run
+    /// let gpu = lserve::gpu::GpuContext::new(0)?;
+    /// assert!(!gpu.context().is_event_tracking());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
     pub fn new(ordinal: usize) -> Result<Self> {
         if !driver_present() {
             return Err(LserveError::NoCudaDriver);
         }
         let ctx = CudaContext::new(ordinal)?;
-        // SAFETY: every launch and copy lserve makes goes to this context's one stream, in
-        // order, so cudarc's cross-stream event tracking has nothing to order; without it the
-        // decode step records no events and can be captured in a CUDA graph. A caller who uses
-        // lserve's buffers on another stream synchronizes with `stream()` itself (documented on
-        // `GpuContext`).
+        // SAFETY: this context is lserve's own, and every launch and copy lserve makes goes to
+        // its one stream, in order, so cudarc's cross-stream event tracking has nothing to order;
+        // without it the decode step records no events and can be captured in a CUDA graph. A
+        // caller who uses lserve's buffers on another stream synchronizes with `stream()` itself
+        // (documented on `GpuContext`).
         unsafe { ctx.disable_event_tracking() };
         // A stream of our own, not the legacy default stream: only those can be captured.
         let stream = ctx.new_stream()?;
+        Self::with_stream(ctx, stream)
+    }
+
+    /// lserve on an engine's stream: loads the embedded kernels into the stream's context (the
+    /// newest PTX module the device runs, or the one the environment variable `LSERVE_PTX_ARCH`
+    /// names: `sm_80` on a Hopper GPU tests that module there), and every launch and copy lserve
+    /// makes goes to `stream`. The context is left as it is: its
+    /// event tracking setting is the engine's, and lserve honours it (see [`GpuContext`]).
+    ///
+    /// With candle (`candle-core` with its `cuda` feature), `stream` is the device's
+    /// `CudaDevice::cuda_stream()`, and a tensor's buffer is the `CudaSlice` of its
+    /// `CudaStorage` (`as_cuda_slice::<bf16>()`).
+    ///
+    /// Errors: [`LserveError::UnsupportedDevice`] on a GPU older than sm_80 (or one that does not
+    /// run the module `LSERVE_PTX_ARCH` names); a driver error loading the module or reading the
+    /// device's attributes.
+    ///
+    /// ```no_run
+    /// use lserve::cudarc::driver::CudaContext;
+    /// use lserve::gpu::GpuContext;
+    ///
+    /// let ctx = CudaContext::new(0)?;
+    /// let stream = ctx.new_stream()?;
+    /// let gpu = GpuContext::from_stream(stream)?;
+    /// // The engine's context keeps cudarc's default: event tracking on.
+    /// assert!(gpu.context().is_event_tracking());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        let ctx = stream.context().clone();
+        Self::with_stream(ctx, stream)
+    }
+
+    /// Loads the kernels into `ctx`, whose stream `stream` is.
+    fn with_stream(ctx: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<Self> {
         let capability = ctx.compute_capability()?;
         let requested = std::env::var(PTX_ARCH_VAR).ok();
         let ptx = module_for(
@@ -98,7 +198,8 @@ impl GpuContext {
         &self.ctx
     }
 
-    /// The stream every launch of this context goes to.
+    /// The stream every launch and copy of this context goes to (the engine's, for a context
+    /// made by [`from_stream`](Self::from_stream)).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -211,10 +312,26 @@ pub struct KernelResources {
     pub local_bytes: u32,
 }
 
-/// Whether `libcuda` can be loaded. cudarc panics on first use when it cannot, so every entry
-/// point checks this first.
+/// Whether the CUDA driver library (`libcuda`) can be loaded. Where cudarc loads the driver at
+/// run time (its `dynamic-loading` mode) it panics on first use when the library is missing, so
+/// [`GpuContext::new`] checks this first; where the binary links the driver (cudarc's
+/// `dynamic-linking`, as candle builds it) the library is loaded already and this is `true`.
+///
+/// ```
+/// // Either answer is fine; `GpuContext::new` turns `false` into `LserveError::NoCudaDriver`.
+/// let present: bool = lserve::gpu::driver_present();
+/// # let _ = present;
+/// ```
 pub fn driver_present() -> bool {
-    // SAFETY: `is_culib_present` only tries to dlopen the driver library by its usual names and
-    // drops the handle; loading libcuda runs no user-visible initialisation.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    DRIVER_LIBRARIES.iter().any(|name| {
+        // SAFETY: opening the driver library runs only its own initialisers (no CUDA call is
+        // made); the handle is dropped at once, which leaves a library loaded elsewhere loaded.
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
 }
+
+/// The names the driver library is installed under (cudarc tries these among others).
+#[cfg(windows)]
+const DRIVER_LIBRARIES: &[&str] = &["nvcuda.dll"];
+#[cfg(not(windows))]
+const DRIVER_LIBRARIES: &[&str] = &["libcuda.so", "libcuda.so.1"];

@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    SyncOnDrop,
 };
 
 use super::cache::DeviceElement;
@@ -89,7 +90,10 @@ unsafe impl<T: LaunchParams> DeviceRepr for ByValue<T> {}
 /// The decode step's kernels are launched this way; the ordering is the stream's, as before.
 ///
 /// The builder mirrors cudarc's `LaunchArgs`: arguments in kernel-signature order, then
-/// [`launch`](Self::launch).
+/// [`launch`](Self::launch), which consumes it. Buffers take part in cudarc's event tracking as
+/// with `LaunchArgs` (where the context manages stream synchronization, see `GpuContext`):
+/// adding one makes the stream wait for the buffer's last write (and, for a written buffer, its
+/// last read), and the buffer's read or write event is recorded after the launch is enqueued.
 pub(crate) struct OverlappedLaunch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
@@ -97,6 +101,10 @@ pub(crate) struct OverlappedLaunch<'a> {
     /// Whether the loaded module's kernels wait for the previous kernel themselves (the sm_90
     /// build's `griddepcontrol.wait`): only then may the launch overlap it.
     overlap: bool,
+    /// cudarc's guards of the buffer arguments: dropping one records the buffer's read or write
+    /// event on the stream (when the context tracks events), so they are dropped only after
+    /// the launch is enqueued.
+    guards: Vec<SyncOnDrop<'a>>,
 }
 
 /// One kernel argument: a device pointer (held here, so the parameter array can point at it) or
@@ -116,22 +124,27 @@ impl<'a> OverlappedLaunch<'a> {
             func,
             args: Vec::with_capacity(16),
             overlap: gpu.ptx().is_hopper(),
+            guards: Vec::with_capacity(16),
         }
     }
 
     /// Appends a buffer argument (the kernel reads or writes through it).
     pub(crate) fn buf<T>(&mut self, slice: &'a CudaSlice<T>) -> &mut Self {
-        // Event tracking is off on lserve's context (`GpuContext::new`): the guard records
-        // nothing, and the stream orders every use of the buffer.
-        let (ptr, _guard) = slice.device_ptr(self.stream);
+        // With tracking, this enqueues the wait for the buffer's last write; its guard records
+        // the read after the launch.
+        let (ptr, guard) = slice.device_ptr(self.stream);
         self.args.push(Arg::Pointer(ptr));
+        self.guards.push(guard);
         self
     }
 
     /// Appends a buffer argument the kernel writes through.
     pub(crate) fn buf_mut<T>(&mut self, slice: &'a mut CudaSlice<T>) -> &mut Self {
-        let (ptr, _guard) = slice.device_ptr_mut(self.stream);
+        // With tracking, this enqueues the wait for the buffer's last read and write; its guard
+        // records the write after the launch.
+        let (ptr, guard) = slice.device_ptr_mut(self.stream);
         self.args.push(Arg::Pointer(ptr));
+        self.guards.push(guard);
         self
     }
 
@@ -142,14 +155,14 @@ impl<'a> OverlappedLaunch<'a> {
         self
     }
 
-    /// Enqueues the launch.
+    /// Enqueues the launch, then records the buffers' events (see the type's docs).
     ///
     /// # Safety
     /// As cudarc's `LaunchArgs::launch`: the arguments match the kernel's signature in order and
     /// type, and the grid and the buffers satisfy the kernel's contract. The kernel waits for
     /// the previous kernel on the stream (`grid_dependency_wait`) before its first memory access
     /// that could depend on it.
-    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<()> {
+    pub(crate) unsafe fn launch(self, cfg: LaunchConfig) -> Result<()> {
         // Pointers into `self.args` (not moved or resized from here to the call, which copies
         // the parameters).
         let mut params: Vec<*mut c_void> = self
@@ -182,15 +195,18 @@ impl<'a> OverlappedLaunch<'a> {
         // SAFETY: `config` and `attr` live across the call; `params` holds one pointer per kernel
         // parameter, each to memory alive for the call (the caller's values, this builder's
         // pointers); the caller guarantees the signature and the kernel's contract.
-        unsafe {
+        let launched = unsafe {
             sys::cuLaunchKernelEx(
                 &config,
                 self.func.cu_function(),
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
-            .result()?
+            .result()
         };
+        // After the enqueue: each buffer's event marks the end of this kernel.
+        drop(self.guards);
+        launched?;
         Ok(())
     }
 }
