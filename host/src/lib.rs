@@ -30,3 +30,9 @@ pub mod reference;
 /// the same version.
 pub use cudarc;
 pub use error::{LserveError, Result};
+
+/// The repository README's examples, compiled as doctests (the README is not in the published
+/// crate, so only where it is beside the sources).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
