@@ -430,15 +430,18 @@ fn decode(c: &mut Criterion) {
                         if let Some(plan) = plan.as_mut() {
                             // A decode step's layer: the append (inside the attention launch
                             // or before the selector), the selector if `select`, the attention.
-                            plan.layer_with_selector(select, &gpu, cache, layer, q, k, v, out)
-                                .expect("step layer");
+                            plan.layer_with_selector(
+                                select, &gpu, cache, layer, &*q, &*k, &*v, &mut *out,
+                            )
+                            .expect("step layer");
                             continue;
                         }
                         if select {
-                            select_pages(&gpu, cache, layer, batch, q, selection).expect("select");
+                            select_pages(&gpu, cache, layer, batch, &*q, selection)
+                                .expect("select");
                         }
                         if run_attend {
-                            decode_attention(&gpu, cache, layer, batch, q, out, attention)
+                            decode_attention(&gpu, cache, layer, batch, &*q, &mut *out, attention)
                                 .expect("attend");
                         }
                     }
@@ -474,7 +477,7 @@ fn decode(c: &mut Criterion) {
                             let Bench {
                                 cache, batch, k, v, ..
                             } = &mut l;
-                            append_kv(&gpu, cache, 0, batch, k, v).expect("append");
+                            append_kv(&gpu, cache, 0, batch, &*k, &*v).expect("append");
                         });
                     }
                     Err(e) => println!("kv/append b{batch}/{context}: skipped ({e})"),

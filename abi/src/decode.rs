@@ -8,7 +8,7 @@
 //! partial softmax state, which [`CombineParams`]' kernel merges into the output.
 
 use crate::kv_write::CacheLayout;
-use crate::layout::{PagedLayout, StreamingLayout};
+use crate::layout::{PagedLayout, StreamingLayout, TokenStrides};
 
 /// Threads per block of the decode attention kernel (4 warps).
 pub const DECODE_THREADS: u32 = 128;
@@ -155,6 +155,9 @@ pub struct DecodeParams {
     pub paged: PagedLayout,
     /// The layer's streaming store.
     pub streaming: StreamingLayout,
+    /// Token strides of `q` (`batch` rows of `q_heads` heads) and of the new token's `k`/`v`
+    /// (rows of `kv_heads` heads); `out` is unused (the combine writes the output).
+    pub strides: TokenStrides,
 }
 
 impl DecodeParams {
@@ -162,13 +165,14 @@ impl DecodeParams {
     ///
     /// ```
     /// use lserve_abi::decode::DecodeParams;
-    /// use lserve_abi::layout::{PagedLayout, StreamingLayout};
+    /// use lserve_abi::layout::{PagedLayout, StreamingLayout, TokenStrides};
     /// let paged = PagedLayout { capacity: 4, heads: 1, page_tokens: 64, logical_tokens: 16, head_dim: 128 };
     /// let streaming =
     ///     StreamingLayout { slots: 1, heads: 1, sink_tokens: 64, local_tokens: 256, head_dim: 128 };
     /// let p = DecodeParams {
     ///     batch: 1, kv_heads: 2, group: 4, splits: 1, max_pages: 4, max_selected: 4, held_capacity: 4,
     ///     dynamic_min_len: 0, scale_log2: 0.1275, paged, streaming,
+    ///     strides: TokenStrides::packed(8, 2),
     /// };
     /// let c = p.cache_layout();
     /// assert_eq!((c.kv_heads, c.max_pages, c.paged, c.streaming), (2, 4, paged, streaming));
@@ -197,4 +201,6 @@ pub struct CombineParams {
     pub head_dim: u32,
     /// Splits per (sequence, KV head) written by the attention launch.
     pub splits: u32,
+    /// Token strides; `out` (`batch` rows of `q_heads` heads) is the one the combine uses.
+    pub strides: TokenStrides,
 }

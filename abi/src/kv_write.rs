@@ -5,7 +5,7 @@
 //! the unit of work of one thread, so a launch is a flat range of chunks cut into blocks of
 //! [`KV_WRITE_THREADS`] threads. `head_dim` must be a multiple of 8.
 
-use crate::layout::{PagedLayout, StreamingLayout};
+use crate::layout::{PagedLayout, StreamingLayout, TokenStrides};
 
 /// Threads per block of every kernel in this module.
 pub const KV_WRITE_THREADS: u32 = 128;
@@ -59,6 +59,8 @@ pub struct AppendParams {
     /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`). Equal to
     /// `SelectParams::entry_capacity`; every held selection is shorter.
     pub entry_capacity: u32,
+    /// Token strides; `kv` (the batch's `k`/`v` rows) is the one the append uses.
+    pub strides: TokenStrides,
 }
 
 /// One sequence's token range for `write_kv_rows_*` and `pool_key_stats_*`: positions
@@ -88,6 +90,8 @@ pub struct WriteRowsParams {
     pub sequences: u32,
     /// Where rows go.
     pub cache: CacheLayout,
+    /// Token strides; `kv` (the activation rows of `k`/`v`) is the one the row write uses.
+    pub strides: TokenStrides,
 }
 
 /// Scalars of one `pool_key_stats_*` launch: grid `(ceil(max_logical_pages /

@@ -3,6 +3,41 @@
 //! All offsets are in elements, not bytes. The structs are `#[repr(C)]` and `Copy` so a kernel
 //! can take them by value as launch parameters.
 
+/// The distance between consecutive tokens' rows in a launch's activations, in head rows of
+/// `head_dim` elements: a packed `[tokens][heads][D]` tensor has stride `heads`; a view into a
+/// fused `[tokens][Hq + 2 Hkv][D]` QKV buffer has `Hq + 2 Hkv`. In decode a "token" is a sequence
+/// of the batch (one token each). `k` and `v` share one stride. (In head rows, not elements, so
+/// a kernel's row offsets are `stride * D` with `D` a constant: the 128-row D 128 prefill kernel
+/// spills with an element stride.)
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenStrides {
+    /// Of the queries.
+    pub q: u32,
+    /// Of the keys and of the values.
+    pub kv: u32,
+    /// Of the output.
+    pub out: u32,
+}
+
+impl TokenStrides {
+    /// The strides of packed tensors: `q_heads` for the queries and the output, `kv_heads` for
+    /// the keys and values.
+    ///
+    /// ```
+    /// use lserve_abi::layout::TokenStrides;
+    /// let s = TokenStrides::packed(32, 8);
+    /// assert_eq!((s.q, s.kv, s.out), (32, 8, 32));
+    /// ```
+    pub const fn packed(q_heads: u32, kv_heads: u32) -> Self {
+        Self {
+            q: q_heads,
+            kv: kv_heads,
+            out: q_heads,
+        }
+    }
+}
+
 /// One layer's dense page pool: `K`, `V` are `[capacity][heads][page_tokens][head_dim]`, the key
 /// statistics `kmin`, `kmax` are `[capacity][heads][page_tokens / logical_tokens][head_dim]`.
 #[repr(C)]

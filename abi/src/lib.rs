@@ -13,4 +13,4 @@ pub mod prefill;
 pub mod primitives;
 pub mod select;
 
-pub use layout::{PagedLayout, StreamingLayout};
+pub use layout::{PagedLayout, StreamingLayout, TokenStrides};

@@ -91,4 +91,6 @@ pub struct PrefillParams {
     /// 1 if the launch passes a caller block mask (then the plan launches the masked kernel,
     /// which requires it), else 0 (the unmasked kernel, which ignores the mask argument).
     pub has_mask: u32,
+    /// Token strides of `q`, `k`/`v` and `out`.
+    pub strides: crate::layout::TokenStrides,
 }

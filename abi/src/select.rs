@@ -13,7 +13,7 @@
 //!
 //! Both decide "due" with [`selection_due`] on the same state, so they agree.
 
-use crate::layout::PagedLayout;
+use crate::layout::{PagedLayout, TokenStrides};
 
 /// Threads per block of the scorer (8 warps).
 pub const SCORE_THREADS: u32 = 256;
@@ -59,6 +59,8 @@ pub struct SelectParams {
     pub aggregation: u32,
     /// The layer's dense pool (`heads` is `dense_heads`; statistics layout).
     pub paged: PagedLayout,
+    /// Token strides; `q` (the batch's query rows) is the one the scorer uses.
+    pub strides: TokenStrides,
 }
 
 /// Position, in a held-selection row of `held_capacity` words, of the selection's newest page

@@ -6,10 +6,12 @@ use lserve_abi::decode::{
     combine_smem_bytes, decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS,
     DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
 };
+use lserve_abi::layout::TokenStrides;
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::kv_write::append_kv;
+use super::kv_write::append_rows;
 use super::launch::{check_shape, kernel_of, ByValue, OverlappedLaunch};
+use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::{LserveError, Result};
@@ -234,18 +236,21 @@ fn kernel_name(
 /// decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws)?;
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
-pub fn decode_attention<E: DeviceElement>(
+pub fn decode_attention<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &CudaSlice<E>,
-    out: &mut CudaSlice<E>,
+    q: impl Into<Tokens<'t, E>>,
+    out: impl Into<TokensMut<'t, E>>,
     ws: &mut DecodeWorkspace,
 ) -> Result<()> {
-    let plan = check_and_plan(gpu, cache, layer, batch, q, None, out, ws)?;
+    let (q, mut out) = (q.into(), out.into());
+    let plan = check_and_plan(gpu, cache, layer, batch, &q, None, &out, ws)?;
     let kernels = AttentionKernels::look_up(gpu, cache, plan, false)?;
-    launch_attention(gpu, cache, layer, batch, q, None, out, ws, plan, &kernels)
+    launch_attention(
+        gpu, cache, layer, batch, &q, None, &mut out, ws, plan, &kernels,
+    )
 }
 
 /// The step's append and decode attention of one layer (what
@@ -291,15 +296,15 @@ pub fn decode_attention<E: DeviceElement>(
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
-pub fn append_and_attend<E: DeviceElement>(
+pub fn append_and_attend<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &CudaSlice<E>,
-    k: &CudaSlice<E>,
-    v: &CudaSlice<E>,
-    out: &mut CudaSlice<E>,
+    q: impl Into<Tokens<'t, E>>,
+    k: impl Into<Tokens<'t, E>>,
+    v: impl Into<Tokens<'t, E>>,
+    out: impl Into<TokensMut<'t, E>>,
     ws: &mut DecodeWorkspace,
 ) -> Result<()> {
     append_and_attend_as(
@@ -362,21 +367,22 @@ pub enum AppendLaunch {
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
-pub fn append_and_attend_as<E: DeviceElement>(
+pub fn append_and_attend_as<'t, E: DeviceElement>(
     how: AppendLaunch,
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &CudaSlice<E>,
-    k: &CudaSlice<E>,
-    v: &CudaSlice<E>,
-    out: &mut CudaSlice<E>,
+    q: impl Into<Tokens<'t, E>>,
+    k: impl Into<Tokens<'t, E>>,
+    v: impl Into<Tokens<'t, E>>,
+    out: impl Into<TokensMut<'t, E>>,
     ws: &mut DecodeWorkspace,
 ) -> Result<()> {
-    let step = AppendAttend::check(how, gpu, cache, layer, batch, q, (k, v), out, ws)?;
-    step.append_first(gpu, cache, layer, batch, (k, v))?;
-    step.attend(gpu, cache, layer, batch, q, (k, v), out, ws)
+    let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
+    let step = AppendAttend::check(how, gpu, cache, layer, batch, &q, (&k, &v), &out, ws)?;
+    step.append_first(gpu, cache, layer, batch, (&k, &v))?;
+    step.attend(gpu, cache, layer, batch, &q, (&k, &v), &mut out, ws)
 }
 
 /// One layer's append and attention, checked (nothing launched yet) and placed: a decode step
@@ -391,7 +397,7 @@ pub(crate) struct AppendAttend {
 }
 
 impl AppendAttend {
-    /// Validates the launches (every check of [`append_kv`] and [`decode_attention`]) and
+    /// Validates the launches (every check of [`append_kv`](super::append_kv) and [`decode_attention`]) and
     /// places the append as `how` says.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn check<E: DeviceElement>(
@@ -400,9 +406,9 @@ impl AppendAttend {
         cache: &DeviceKvCache<E>,
         layer: usize,
         batch: &DecodeBatch,
-        q: &CudaSlice<E>,
-        (k, v): (&CudaSlice<E>, &CudaSlice<E>),
-        out: &CudaSlice<E>,
+        q: &Tokens<'_, E>,
+        (k, v): (&Tokens<'_, E>, &Tokens<'_, E>),
+        out: &TokensMut<'_, E>,
         ws: &DecodeWorkspace,
     ) -> Result<Self> {
         let plan = check_and_plan(gpu, cache, layer, batch, q, Some((k, v)), out, ws)?;
@@ -430,12 +436,12 @@ impl AppendAttend {
         cache: &mut DeviceKvCache<E>,
         layer: usize,
         batch: &DecodeBatch,
-        (k, v): (&CudaSlice<E>, &CudaSlice<E>),
+        (k, v): (&Tokens<'_, E>, &Tokens<'_, E>),
     ) -> Result<()> {
         if self.fused {
             return Ok(());
         }
-        append_kv(gpu, cache, layer, batch, k, v)
+        append_rows(gpu, cache, layer, batch, k, v)
     }
 
     /// The attention (appending inside it where placed so) and the combine.
@@ -446,9 +452,9 @@ impl AppendAttend {
         cache: &mut DeviceKvCache<E>,
         layer: usize,
         batch: &DecodeBatch,
-        q: &CudaSlice<E>,
-        new: (&CudaSlice<E>, &CudaSlice<E>),
-        out: &mut CudaSlice<E>,
+        q: &Tokens<'_, E>,
+        new: (&Tokens<'_, E>, &Tokens<'_, E>),
+        out: &mut TokensMut<'_, E>,
         ws: &mut DecodeWorkspace,
     ) -> Result<()> {
         // With the append inside, the kernel writes the cache through the pointers
@@ -497,11 +503,13 @@ fn fuses_append(max_rows: u32, splits: u32) -> bool {
 /// See [`fuses_append`].
 const FUSED_MAX_TILES_PER_WARP: u32 = 3;
 
-/// How one attention launch runs: the split count and the longest pair's rows it was sized for.
+/// How one attention launch runs: the split count and the longest pair's rows it was sized for,
+/// and the activations' token strides.
 #[derive(Clone, Copy)]
 struct LaunchPlan {
     splits: u32,
     max_rows: u32,
+    strides: TokenStrides,
 }
 
 /// Validates a launch (nothing is launched on an error) and sizes it.
@@ -511,9 +519,9 @@ fn check_and_plan<E: DeviceElement>(
     cache: &DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &CudaSlice<E>,
-    new: Option<(&CudaSlice<E>, &CudaSlice<E>)>,
-    out: &CudaSlice<E>,
+    q: &Tokens<'_, E>,
+    new: Option<(&Tokens<'_, E>, &Tokens<'_, E>)>,
+    out: &TokensMut<'_, E>,
     ws: &DecodeWorkspace,
 ) -> Result<LaunchPlan> {
     let geometry = *cache.pattern().geometry();
@@ -525,26 +533,14 @@ fn check_and_plan<E: DeviceElement>(
     );
     cache.check_batch(batch)?;
     let b = batch.len();
-    for (what, buf) in [("q", q.len()), ("out", out.len())] {
-        if buf < b * hq * d {
-            return Err(LserveError::ShapeMismatch {
-                what,
-                expected: b * hq * d,
-                actual: buf,
-            });
-        }
-    }
-    if let Some((k, v)) = new {
-        for (what, buf) in [("k", k.len()), ("v", v.len())] {
-            if buf < b * hkv * d {
-                return Err(LserveError::ShapeMismatch {
-                    what,
-                    expected: b * hkv * d,
-                    actual: buf,
-                });
-            }
-        }
-    }
+    let strides = TokenStrides {
+        q: q.heads_stride(gpu, "q", b, hq, d)?,
+        kv: match new {
+            Some((k, v)) => kv_stride(gpu, k, v, b, hkv, d)?,
+            None => hkv as u32,
+        },
+        out: out.heads_stride(gpu, "out", b, hq, d)?,
+    };
     let pairs = b * hkv;
     if pairs > ws.max_pairs || ws.group != group || ws.head_dim != d {
         return Err(LserveError::InvalidArgument {
@@ -581,7 +577,11 @@ fn check_and_plan<E: DeviceElement>(
         max_rows,
         ws.max_splits,
     );
-    Ok(LaunchPlan { splits, max_rows })
+    Ok(LaunchPlan {
+        splits,
+        max_rows,
+        strides,
+    })
 }
 
 /// Launches the attention (and the combine) as `plan` says, appending the step's token
@@ -594,9 +594,9 @@ fn launch_attention<E: DeviceElement>(
     cache: &DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &CudaSlice<E>,
-    new: Option<(&CudaSlice<E>, &CudaSlice<E>)>,
-    out: &mut CudaSlice<E>,
+    q: &Tokens<'_, E>,
+    new: Option<(&Tokens<'_, E>, &Tokens<'_, E>)>,
+    out: &mut TokensMut<'_, E>,
     ws: &mut DecodeWorkspace,
     plan: LaunchPlan,
     kernels: &AttentionKernels,
@@ -622,6 +622,7 @@ fn launch_attention<E: DeviceElement>(
         scale_log2: cache.softmax_scale * std::f32::consts::LOG2_E,
         paged: l.paged,
         streaming: l.streaming,
+        strides: plan.strides,
     });
     let cfg = LaunchConfig {
         grid_dim: (splits, pairs as u32, 1),
@@ -633,9 +634,9 @@ fn launch_attention<E: DeviceElement>(
     let (k_new, v_new) = new.unwrap_or((q, q));
     launch
         .value(&params)
-        .buf(q)
-        .buf(k_new)
-        .buf(v_new)
+        .buf(q.view())
+        .buf(k_new.view())
+        .buf(v_new.view())
         .buf(&l.k_pool)
         .buf(&l.v_pool)
         .buf(&l.kmin)
@@ -674,6 +675,7 @@ fn launch_attention<E: DeviceElement>(
         group: group as u32,
         head_dim: d as u32,
         splits,
+        strides: plan.strides,
     });
     let cfg = LaunchConfig {
         grid_dim: ((b * hq) as u32, 1, 1),
@@ -685,10 +687,10 @@ fn launch_attention<E: DeviceElement>(
         .value(&combine)
         .buf(&ws.part_acc)
         .buf(&ws.part_ml)
-        .buf_mut(out);
+        .buf_mut(out.view_mut());
     // SAFETY: matches `decode_combine_*(CombineParams, *const f32, *const f32, *mut u16)`; the
     // partial states were written for this batch and split count just above, on this stream;
-    // `out` holds at least `B * Hq * D` elements (checked).
+    // `out` holds `B` rows of `Hq * D` elements at its stride (checked).
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
     unsafe { launch.launch(cfg) }?;

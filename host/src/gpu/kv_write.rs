@@ -49,9 +49,11 @@ use lserve_abi::kv_write::{
     logical_pages_of, pool_pages_per_block, AppendParams, CacheLayout, FillParams, PoolParams,
     SeqRange, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
 };
+use lserve_abi::layout::TokenStrides;
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
 use super::launch::{kernel_of, ByValue, LaunchParams, OverlappedLaunch};
+use super::tokens::{kv_stride, Tokens};
 use super::GpuContext;
 use crate::error::invalid;
 use crate::paging::{KvCacheManager, SeqId};
@@ -70,17 +72,6 @@ const _: () = assert!(std::mem::size_of::<SeqRange>() == RANGE_WORDS * 4);
 const MAX_GRID_YZ: usize = 65_535;
 /// The largest `gridDim.x`.
 const MAX_GRID_X: usize = (1 << 31) - 1;
-
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if actual < expected {
-        return Err(LserveError::ShapeMismatch {
-            what,
-            expected,
-            actual,
-        });
-    }
-    Ok(())
-}
 
 /// One layer's cache as the write kernels address it.
 fn cache_layout<E>(l: &DeviceLayer<E>, kv_heads: usize, max_pages: u32) -> CacheLayout {
@@ -123,20 +114,31 @@ fn blocks_for(chunks: usize) -> Result<u32> {
 /// Errors (nothing launched): `Empty` for an empty batch, `StaleTables` for a batch set
 /// against other tables, `ShapeMismatch` for short `k`/`v`, `InvalidArgument` for a bad layer or
 /// a batch length the block tables cannot hold.
-pub fn append_kv<E: DeviceElement>(
+pub fn append_kv<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    k: &CudaSlice<E>,
-    v: &CudaSlice<E>,
+    k: impl Into<Tokens<'t, E>>,
+    v: impl Into<Tokens<'t, E>>,
+) -> Result<()> {
+    append_rows(gpu, cache, layer, batch, &k.into(), &v.into())
+}
+
+/// [`append_kv`] on views.
+pub(crate) fn append_rows<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    batch: &DecodeBatch,
+    k: &Tokens<'_, E>,
+    v: &Tokens<'_, E>,
 ) -> Result<()> {
     let g = *cache.pattern().geometry();
     let (hkv, d) = (g.kv_heads(), g.head_dim());
     cache.check_batch(batch)?;
     let b = batch.len();
-    check_len("k", b * hkv * d, k.len())?;
-    check_len("v", b * hkv * d, v.len())?;
+    let kv = kv_stride(gpu, k, v, b, hkv, d)?;
     let max_pages = cache.max_pages;
     let (dynamic_min_len, entry_capacity) = (cache.dynamic_min_len, cache.entry_capacity);
     let (l, tables, _) = cache.layer_parts_mut(layer)?;
@@ -145,6 +147,10 @@ pub fn append_kv<E: DeviceElement>(
         cache: cache_layout(l, hkv, max_pages),
         dynamic_min_len,
         entry_capacity,
+        strides: TokenStrides {
+            kv,
+            ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
+        },
     });
     let f = gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
     let cfg = LaunchConfig {
@@ -155,8 +161,8 @@ pub fn append_kv<E: DeviceElement>(
     let mut launch = OverlappedLaunch::new(gpu, &f);
     launch
         .value(&params)
-        .buf(k)
-        .buf(v)
+        .buf(k.view())
+        .buf(v.view())
         .buf_mut(&mut l.k_pool)
         .buf_mut(&mut l.v_pool)
         .buf_mut(&mut l.kmin)
@@ -487,20 +493,20 @@ impl DeviceKvWritePlan {
 /// Errors (nothing launched): `StaleTables` for a plan uploaded for another cache or made
 /// against rows the cache no longer holds; `ShapeMismatch` for short `k`/`v`; `InvalidArgument`
 /// for a bad layer or a plan made for another cache shape.
-pub fn write_kv_rows<E: DeviceElement>(
+pub fn write_kv_rows<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     plan: &DeviceKvWritePlan,
-    k: &CudaSlice<E>,
-    v: &CudaSlice<E>,
+    k: impl Into<Tokens<'t, E>>,
+    v: impl Into<Tokens<'t, E>>,
 ) -> Result<()> {
+    let (k, v) = (k.into(), v.into());
     plan.check_current(cache)?;
     let g = *cache.pattern().geometry();
     let (hkv, d) = (g.kv_heads(), g.head_dim());
     let host = &plan.plan;
-    check_len("k", host.rows * hkv * d, k.len())?;
-    check_len("v", host.rows * hkv * d, v.len())?;
+    let kv = kv_stride(gpu, &k, &v, host.rows, hkv, d)?;
     let (slots, max_pages) = (cache.slots, cache.max_pages);
     let (l, tables, _) = cache.layer_parts_mut(layer)?;
     host.check_cache(slots, max_pages, l)?;
@@ -511,6 +517,10 @@ pub fn write_kv_rows<E: DeviceElement>(
     let params = ByValue(WriteRowsParams {
         sequences: host.ranges.len() as u32,
         cache: cache_layout(l, hkv, max_pages),
+        strides: TokenStrides {
+            kv,
+            ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
+        },
     });
     let f = gpu.function(kernel_of::<E>("write_kv_rows_bf16", "write_kv_rows_f16"))?;
     let cfg = LaunchConfig {
@@ -522,8 +532,8 @@ pub fn write_kv_rows<E: DeviceElement>(
     launch
         .arg(&params)
         .arg(&plan.ranges)
-        .arg(k)
-        .arg(v)
+        .arg(k.view())
+        .arg(v.view())
         .arg(&mut l.k_pool)
         .arg(&mut l.v_pool)
         .arg(&mut l.k_stream)
@@ -533,7 +543,8 @@ pub fn write_kv_rows<E: DeviceElement>(
     // SAFETY: the arguments match `write_kv_rows_*` in order and type; `plan.ranges` holds
     // `sequences` `SeqRange`s (five `u32` each, `#[repr(C)]`) that the manager validated
     // (`start <= end <= len`, distinct live slots) for a cache of this shape (checked), so their
-    // block-table rows map every page below `len`; `k`/`v` hold `T * Hkv * D` elements (checked);
+    // block-table rows map every page below `len`; `k`/`v` hold `T` rows of `Hkv * D` elements at
+    // their stride (checked);
     // the grid covers the longest range's chunks.
     unsafe { launch.launch(cfg) }?;
     Ok(())

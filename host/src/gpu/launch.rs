@@ -5,8 +5,7 @@ use std::ffi::c_void;
 use std::marker::PhantomData;
 
 use cudarc::driver::{
-    sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    SyncOnDrop,
+    sys, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop,
 };
 
 use super::cache::DeviceElement;
@@ -129,7 +128,7 @@ impl<'a> OverlappedLaunch<'a> {
     }
 
     /// Appends a buffer argument (the kernel reads or writes through it).
-    pub(crate) fn buf<T>(&mut self, slice: &'a CudaSlice<T>) -> &mut Self {
+    pub(crate) fn buf<T>(&mut self, slice: &'a impl DevicePtr<T>) -> &mut Self {
         // With tracking, this enqueues the wait for the buffer's last write; its guard records
         // the read after the launch.
         let (ptr, guard) = slice.device_ptr(self.stream);
@@ -139,7 +138,7 @@ impl<'a> OverlappedLaunch<'a> {
     }
 
     /// Appends a buffer argument the kernel writes through.
-    pub(crate) fn buf_mut<T>(&mut self, slice: &'a mut CudaSlice<T>) -> &mut Self {
+    pub(crate) fn buf_mut<T>(&mut self, slice: &'a mut impl DevicePtrMut<T>) -> &mut Self {
         // With tracking, this enqueues the wait for the buffer's last read and write; its guard
         // records the write after the launch.
         let (ptr, guard) = slice.device_ptr_mut(self.stream);

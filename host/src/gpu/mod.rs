@@ -16,6 +16,7 @@ mod select;
 mod step;
 mod table_sync;
 mod tensor_map;
+mod tokens;
 
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 pub use context::{driver_present, GpuContext, KernelResources};
@@ -35,3 +36,4 @@ pub use select::{
     score_pages, select_pages, select_top_k, upload_key_stats, SelectWorkspace, SelectionState,
 };
 pub use step::{DecodeStep, PlannedStep};
+pub use tokens::{Tokens, TokensMut};

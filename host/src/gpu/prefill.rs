@@ -13,6 +13,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use lserve_abi::decode::HEAD_STREAMING;
+use lserve_abi::layout::TokenStrides;
 use lserve_abi::prefill::{
     mask_words_per_row, prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_Q,
     MASKED_TILE_Q_BLOCKS, PREFILL_THREADS, TILE_Q_BLOCKS,
@@ -21,6 +22,7 @@ use lserve_abi::prefill::{
 use super::cache::{DeviceElement, DeviceKvCache};
 use super::kv_write::{pool_key_stats, write_kv_rows, DeviceKvWritePlan};
 use super::launch::{ByValue, LaunchParams};
+use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::block_iter::{num_blocks, BlockMask};
 use crate::error::invalid;
@@ -271,6 +273,8 @@ impl PrefillPlan {
             local_tokens: args.local_tokens as u32,
             scale_log2: scale * std::f32::consts::LOG2_E,
             has_mask: args.block_masks.is_some() as u32,
+            // Set per run from the tensors' views.
+            strides: TokenStrides::packed(args.q_heads as u32, args.kv_heads as u32),
         };
         let stream = gpu.stream();
         Ok(Self {
@@ -294,20 +298,43 @@ impl PrefillPlan {
         self.params.items as usize
     }
 
-    /// Launches the attention: `out = attention(q, k, v)` for the planned batch. Enqueued on the
-    /// context's stream; allocates nothing and does not synchronize.
+    /// Launches the attention: `out = attention(q, k, v)` for the planned batch. Each tensor is
+    /// a `&CudaSlice` (packed rows) or a [`Tokens`] / [`TokensMut`] view with its token stride
+    /// (e.g. into a fused QKV buffer); `k` and `v` share one stride. Enqueued on the context's
+    /// stream; allocates nothing and does not synchronize.
     ///
-    /// Errors: `ShapeMismatch` if a tensor's length is not the planned shape; driver errors.
-    pub fn run<E: DeviceElement>(
+    /// Errors (nothing launched): `ShapeMismatch` if a tensor holds fewer than the planned
+    /// tokens, `InvalidArgument` for a stride [`Tokens`] does not accept or different strides of
+    /// `k` and `v`; driver errors.
+    pub fn run<'t, E: DeviceElement>(
         &self,
         gpu: &GpuContext,
-        q: &CudaSlice<E>,
-        k: &CudaSlice<E>,
-        v: &CudaSlice<E>,
-        out: &mut CudaSlice<E>,
+        q: impl Into<Tokens<'t, E>>,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
     ) -> Result<()> {
-        self.check_tensors(q, k, v, out)?;
-        let (p, d) = (&self.params, self.head_dim);
+        let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
+        let strides = self.check_tensors(gpu, &q, &k, &v, &out)?;
+        self.launch(gpu, strides, &q, &k, &v, &mut out)
+    }
+
+    /// Enqueues the kernel on tensors [`check_tensors`](Self::check_tensors) accepted with
+    /// `strides`.
+    fn launch<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        strides: TokenStrides,
+        q: &Tokens<'_, E>,
+        k: &Tokens<'_, E>,
+        v: &Tokens<'_, E>,
+        out: &mut TokensMut<'_, E>,
+    ) -> Result<()> {
+        let d = self.head_dim;
+        let p = &PrefillParams {
+            strides,
+            ..self.params
+        };
         // The schedule was built for the kernel that matches `has_mask`.
         let masked = p.has_mask != 0;
         let smem = prefill_smem_bytes(d as u32, tile_q_blocks(masked));
@@ -325,15 +352,15 @@ impl PrefillPlan {
             .arg(&self.items)
             .arg(&self.head_map)
             .arg(&self.mask)
-            .arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(out);
+            .arg(q.view())
+            .arg(k.view())
+            .arg(v.view())
+            .arg(out.view_mut());
         // SAFETY: the argument list matches `prefill_{masked_,}attention_{bf16,f16}_d{64,128}`
         // (kernels-gpu/src/prefill/mod.rs): `PrefillParams` by value, the work items, head map,
         // mask words, then q, k, v, out. The plan was validated: every work item's sequence lies
-        // inside `T` tokens, which the tensors hold exactly (checked above, `CudaSlice`s are
-        // 256-byte aligned, rows of `D` elements are 16-byte multiples); `head_map` has
+        // inside `T` tokens, which the tensors hold at their strides (`check_tensors`: views
+        // 16-byte aligned, strides whole heads of `D` elements, 16-byte multiples); `head_map` has
         // `kv_heads` entries and `group = q_heads / kv_heads`; the work items are tiles of the
         // chosen kernel's query blocks (`tile_q_blocks(masked)`, built by `schedule` from the
         // same `block_masks`); with a mask (the masked kernel), every item's row offset plus
@@ -346,32 +373,28 @@ impl PrefillPlan {
 }
 
 impl PrefillPlan {
-    /// Checks that `q`, `k`, `v`, `out` have exactly the planned lengths (`ShapeMismatch`).
+    /// Checks that `q`, `k`, `v`, `out` hold the planned tokens by [`Tokens`]' rule and that `k`
+    /// and `v` share a stride; returns the strides.
     fn check_tensors<E: DeviceElement>(
         &self,
-        q: &CudaSlice<E>,
-        k: &CudaSlice<E>,
-        v: &CudaSlice<E>,
-        out: &CudaSlice<E>,
-    ) -> Result<()> {
+        gpu: &GpuContext,
+        q: &Tokens<'_, E>,
+        k: &Tokens<'_, E>,
+        v: &Tokens<'_, E>,
+        out: &TokensMut<'_, E>,
+    ) -> Result<TokenStrides> {
         let p = &self.params;
-        let q_len = self.tokens * p.q_heads as usize * self.head_dim;
-        let kv_len = self.tokens * p.kv_heads as usize * self.head_dim;
-        for (what, expected, actual) in [
-            ("q", q_len, q.len()),
-            ("k", kv_len, k.len()),
-            ("v", kv_len, v.len()),
-            ("out", q_len, out.len()),
-        ] {
-            if expected != actual {
-                return Err(LserveError::ShapeMismatch {
-                    what,
-                    expected,
-                    actual,
-                });
-            }
-        }
-        Ok(())
+        let (t, hq, hkv, d) = (
+            self.tokens,
+            p.q_heads as usize,
+            p.kv_heads as usize,
+            self.head_dim,
+        );
+        Ok(TokenStrides {
+            q: q.heads_stride(gpu, "q", t, hq, d)?,
+            kv: kv_stride(gpu, k, v, t, hkv, d)?,
+            out: out.heads_stride(gpu, "out", t, hq, d)?,
+        })
     }
 }
 
@@ -397,13 +420,13 @@ impl PrefillPlan {
 /// prefill_attention(&gpu, &args, &q, &k, &v, &mut out)?;
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
-pub fn prefill_attention<E: DeviceElement>(
+pub fn prefill_attention<'t, E: DeviceElement>(
     gpu: &GpuContext,
     args: &PrefillArgs<'_>,
-    q: &CudaSlice<E>,
-    k: &CudaSlice<E>,
-    v: &CudaSlice<E>,
-    out: &mut CudaSlice<E>,
+    q: impl Into<Tokens<'t, E>>,
+    k: impl Into<Tokens<'t, E>>,
+    v: impl Into<Tokens<'t, E>>,
+    out: impl Into<TokensMut<'t, E>>,
 ) -> Result<()> {
     PrefillPlan::new(gpu, args)?.run(gpu, q, k, v, out)
 }
@@ -416,7 +439,8 @@ pub fn prefill_attention<E: DeviceElement>(
 ///
 /// `kv_plan` lists the prompts (each range `0..len`: the attention sees only the batch's own
 /// tokens); `q [T][Hq][D]`, `k`, `v [T][Hkv][D]`, `out [T][Hq][D]` with `T = kv_plan.rows()`, the
-/// tokens of each range in order. `block_masks` as [`PrefillArgs::block_masks`].
+/// tokens of each range in order, each a `&CudaSlice` or a [`Tokens`] / [`TokensMut`] view (as
+/// [`PrefillPlan::run`]). `block_masks` as [`PrefillArgs::block_masks`].
 ///
 /// Errors (nothing launched): `StaleTables` for a plan uploaded for another cache or made
 /// against block-table rows the cache no longer holds; `InvalidArgument` for a range that does
@@ -424,17 +448,18 @@ pub fn prefill_attention<E: DeviceElement>(
 /// [`write_kv_rows`]. Enqueued on the context's stream; the plan of the attention is allocated
 /// here (use [`PrefillPlan`] and the two write calls directly to reuse one across layers).
 #[allow(clippy::too_many_arguments)]
-pub fn prefill_into_cache<E: DeviceElement>(
+pub fn prefill_into_cache<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     kv_plan: &DeviceKvWritePlan,
     block_masks: Option<&[BlockMask]>,
-    q: &CudaSlice<E>,
-    k: &CudaSlice<E>,
-    v: &CudaSlice<E>,
-    out: &mut CudaSlice<E>,
+    q: impl Into<Tokens<'t, E>>,
+    k: impl Into<Tokens<'t, E>>,
+    v: impl Into<Tokens<'t, E>>,
+    out: impl Into<TokensMut<'t, E>>,
 ) -> Result<()> {
+    let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
     kv_plan.check_current(cache)?;
     let pattern = cache.pattern();
     if layer >= pattern.geometry().layers() {
@@ -475,10 +500,10 @@ pub fn prefill_into_cache<E: DeviceElement>(
     // Every check before the first launch: the attention's plan and tensors, then the writes
     // (which check the cache and `k`, `v` before launching).
     let plan = PrefillPlan::new(gpu, &args)?;
-    plan.check_tensors(q, k, v, out)?;
-    write_kv_rows(gpu, cache, layer, kv_plan, k, v)?;
+    let strides = plan.check_tensors(gpu, &q, &k, &v, &out)?;
+    write_kv_rows(gpu, cache, layer, kv_plan, k.reborrow(), v.reborrow())?;
     pool_key_stats(gpu, cache, layer, kv_plan)?;
-    plan.run(gpu, q, k, v, out)
+    plan.launch(gpu, strides, &q, &k, &v, &mut out)
 }
 
 #[cfg(test)]

@@ -48,6 +48,7 @@
 //! ```
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use lserve_abi::layout::TokenStrides;
 use lserve_abi::select::{
     SelectParams, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS, SELECT_SMEM_BYTES, SELECT_THREADS,
     STEP_THREADS,
@@ -55,6 +56,7 @@ use lserve_abi::select::{
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
 use super::launch::{check_shape, ByValue, LaunchParams, OverlappedLaunch};
+use super::tokens::Tokens;
 use super::GpuContext;
 use crate::config::GqaAggregation;
 use crate::dtype::DType;
@@ -183,6 +185,11 @@ fn select_params<E: DeviceElement>(
             GqaAggregation::Mean => AGGREGATE_MEAN,
         },
         paged: layer.paged,
+        // The scorer's are set from its `q` (`SelectLaunch::check`); the top-K reads none.
+        strides: TokenStrides::packed(
+            cache.pattern().geometry().q_heads() as u32,
+            cache.pattern().geometry().kv_heads() as u32,
+        ),
     })
 }
 
@@ -294,6 +301,8 @@ impl TopKLaunch {
 pub(crate) struct SelectLaunch {
     /// The scorer for the model's element type, head dim and group.
     scorer: CudaFunction,
+    /// The token strides of the `q` the launch was checked with.
+    strides: TokenStrides,
     /// The top-K half, whose checks are a part of the scorer's.
     top_k: TopKLaunch,
 }
@@ -306,22 +315,20 @@ impl SelectLaunch {
         cache: &DeviceKvCache<E>,
         layer: usize,
         batch: &DecodeBatch,
-        q: &CudaSlice<E>,
+        q: &Tokens<'_, E>,
         ws: &SelectWorkspace,
     ) -> Result<Self> {
         let geometry = *cache.pattern().geometry();
         let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
         let name = score_kernel_name(E::DTYPE, d, group)?;
         let top_k = TopKLaunch::check(gpu, cache, layer, batch, ws)?;
-        if q.len() < batch.len() * hq * d {
-            return Err(LserveError::ShapeMismatch {
-                what: "q",
-                expected: batch.len() * hq * d,
-                actual: q.len(),
-            });
-        }
+        let strides = TokenStrides {
+            q: q.heads_stride(gpu, "q", batch.len(), hq, d)?,
+            ..top_k.params.strides
+        };
         Ok(Self {
             scorer: gpu.function(&name)?,
+            strides,
             top_k,
         })
     }
@@ -334,7 +341,7 @@ impl SelectLaunch {
         cache: &mut DeviceKvCache<E>,
         layer: usize,
         batch: &DecodeBatch,
-        q: &CudaSlice<E>,
+        q: &Tokens<'_, E>,
         ws: &mut SelectWorkspace,
     ) -> Result<()> {
         self.score(gpu, cache, layer, batch, q, ws)?;
@@ -349,14 +356,17 @@ impl SelectLaunch {
         cache: &DeviceKvCache<E>,
         layer: usize,
         batch: &DecodeBatch,
-        q: &CudaSlice<E>,
+        q: &Tokens<'_, E>,
         ws: &mut SelectWorkspace,
     ) -> Result<()> {
         let pairs = self.top_k.pairs;
         if pairs == 0 {
             return Ok(()); // no dense heads in this layer
         }
-        let params = ByValue(self.top_k.params);
+        let params = ByValue(SelectParams {
+            strides: self.strides,
+            ..self.top_k.params
+        });
         let l = cache.layer(layer)?;
         let d = cache.pattern().geometry().head_dim();
         let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
@@ -371,7 +381,7 @@ impl SelectLaunch {
         let mut launch = OverlappedLaunch::new(gpu, &self.scorer);
         launch
             .value(&params)
-            .buf(q)
+            .buf(q.view())
             .buf(&l.kmin)
             .buf(&l.kmax)
             .buf(&cache.block_tables)
@@ -395,21 +405,23 @@ impl SelectLaunch {
 }
 
 /// Scores the physical pages of every (sequence, dense KV head) pair of `layer` whose selection
-/// is due on this step, into `ws` (`q` is `[B][Hq][D]`). Pairs that are not due (dense decode,
+/// is due on this step, into `ws` (`q` is `[B][Hq][D]`: a `&CudaSlice` or a [`Tokens`](super::Tokens)
+/// view with its token stride). Pairs that are not due (dense decode,
 /// or reusing their held selection) are skipped. Enqueued on the context's stream; allocates
 /// nothing and does not synchronize.
 ///
 /// Errors: `Empty` for an empty batch; `ShapeMismatch` for a short `q`; `InvalidArgument` for a
 /// bad layer or a workspace sized for less.
-pub fn score_pages<E: DeviceElement>(
+pub fn score_pages<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &CudaSlice<E>,
+    q: impl Into<Tokens<'t, E>>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    SelectLaunch::check(gpu, cache, layer, batch, q, ws)?.score(gpu, cache, layer, batch, q, ws)
+    let q = q.into();
+    SelectLaunch::check(gpu, cache, layer, batch, &q, ws)?.score(gpu, cache, layer, batch, &q, ws)
 }
 
 /// Runs the top-K selection of every due pair of `layer` from the scores in `ws` (written by
@@ -436,15 +448,16 @@ pub fn select_top_k<E: DeviceElement>(
 /// Page selection of `layer` for `batch`: [`score_pages`] then [`select_top_k`]. After it, the
 /// layer's index tables hold every selecting pair's pages for this step. Every check runs before
 /// the first launch.
-pub fn select_pages<E: DeviceElement>(
+pub fn select_pages<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &CudaSlice<E>,
+    q: impl Into<Tokens<'t, E>>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    SelectLaunch::check(gpu, cache, layer, batch, q, ws)?.launch(gpu, cache, layer, batch, q, ws)
+    let q = q.into();
+    SelectLaunch::check(gpu, cache, layer, batch, &q, ws)?.launch(gpu, cache, layer, batch, &q, ws)
 }
 
 /// Advances the device's decode step counter of every sequence of `batch` by one: call once per

@@ -21,11 +21,10 @@
 //! Lengths may grow between replays (the kernels read them, and every split takes a share of the
 //! rows found on the device); a different batch size needs another capture.
 
-use cudarc::driver::CudaSlice;
-
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 use super::decode::{AppendAttend, AppendLaunch, DecodeWorkspace};
 use super::select::{advance_decode_steps, SelectLaunch, SelectWorkspace};
+use super::tokens::{Tokens, TokensMut};
 use super::GpuContext;
 use crate::paging::{KvCacheManager, SeqId};
 use crate::Result;
@@ -301,16 +300,20 @@ impl PlannedStep<'_> {
     /// [`DecodeStep::with_append_launch`]). Every launch is checked before the first is
     /// enqueued: an error (`StaleTables` for a cache this step was not planned against, or that
     /// took other tables since) leaves the cache unchanged.
+    ///
+    /// Each tensor is a `&CudaSlice` (packed rows) or a [`Tokens`] / [`TokensMut`] view with
+    /// its token stride (e.g. into a fused QKV buffer; `k` and `v` share one stride), under
+    /// [`Tokens`]' length rule.
     #[allow(clippy::too_many_arguments)]
-    pub fn layer<E: DeviceElement>(
+    pub fn layer<'t, E: DeviceElement>(
         &mut self,
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
         layer: usize,
-        q: &CudaSlice<E>,
-        k: &CudaSlice<E>,
-        v: &CudaSlice<E>,
-        out: &mut CudaSlice<E>,
+        q: impl Into<Tokens<'t, E>>,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
     ) -> Result<()> {
         let selects = self.selects;
         self.layer_with_selector(selects, gpu, cache, layer, q, k, v, out)
@@ -360,17 +363,19 @@ impl PlannedStep<'_> {
     /// # Ok::<(), lserve::LserveError>(())
     /// ```
     #[allow(clippy::too_many_arguments)]
-    pub fn layer_with_selector<E: DeviceElement>(
+    pub fn layer_with_selector<'t, E: DeviceElement>(
         &mut self,
         selects: bool,
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
         layer: usize,
-        q: &CudaSlice<E>,
-        k: &CudaSlice<E>,
-        v: &CudaSlice<E>,
-        out: &mut CudaSlice<E>,
+        q: impl Into<Tokens<'t, E>>,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
     ) -> Result<()> {
+        let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
+        let (q, k, v) = (&q, &k, &v);
         let step = &mut *self.step;
         let batch = &step.batch;
         // Every launch is checked before the first is enqueued (the batch against the cache's
@@ -384,7 +389,7 @@ impl PlannedStep<'_> {
             batch,
             q,
             (k, v),
-            out,
+            &out,
             &step.attention,
         )?;
         let select = selects
@@ -405,7 +410,7 @@ impl PlannedStep<'_> {
             batch,
             q,
             (k, v),
-            out,
+            &mut out,
             &mut step.attention,
         )
     }

@@ -191,8 +191,10 @@ unsafe fn combine<E: Half16>(
             total += unsafe { *sums.add(k * d_stride + d) };
             k += 1;
         }
-        // SAFETY: `out` is `[batch][q_heads][head_dim]`.
-        unsafe { *out.add(row as usize * d_stride + d) = E::from_f32(total / den) };
+        // SAFETY: `out` holds `batch` rows of `q_heads x head_dim` elements, `strides.out` heads
+        // apart.
+        let at = (b * p.strides.out + q_head) as usize * d_stride + d;
+        unsafe { *out.add(at) = E::from_f32(total / den) };
     }
 }
 

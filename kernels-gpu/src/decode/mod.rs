@@ -245,12 +245,13 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
         && (newest_tile - first) % WARPS == warp;
     let (newest, stats) = if holds_newest {
         let target = newest::target(p, &inputs, &src);
-        // SAFETY: the activations are `[batch][kv_heads][D]`, written before the kernel before
-        // completed (waited for above). `target` is the pair's row (and statistics row) of the
+        // SAFETY: the activations hold `batch` rows of `kv_heads x D` elements, `p.strides.kv`
+        // heads apart, written before the kernel before completed (waited for above). `target` is the pair's row (and statistics row) of the
         // token at `len - 1`, inside the buffers by their layouts; this warp alone holds the
         // pair's newest row, so it is the only writer of both.
         unsafe {
-            let row = NewestRow::load::<D>(new, pair, src.newest_row, lane);
+            let at_row = (b * p.strides.kv + kv_head) as usize * D;
+            let row = NewestRow::load::<D>(new, at_row, src.newest_row, lane);
             row.store_row::<D>(&p.cache_layout(), new, target, inputs.slot, lane);
             let stats = StatsUpdate::start::<D>(p, new, target, inputs.len, lane);
             (row, stats)
@@ -258,14 +259,14 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
     } else {
         (NewestRow::NONE, None)
     };
-    // SAFETY: `q` is `[batch][q_heads][D]` and pair `(b, kv_head)`'s query heads are the `G`
-    // consecutive rows from `pair * G`, `G <= MAX_GROUP`; `first + count <= tiles`; the stages
-    // are unused so far.
+    // SAFETY: `q` holds `batch` rows of `q_heads x D` elements, `p.strides.q` heads apart, and pair
+    // `(b, kv_head)`'s query heads are the `G` consecutive heads from `kv_head * G` of row `b`,
+    // `G <= MAX_GROUP`; `first + count <= tiles`; the stages are unused so far.
     let state = unsafe {
         attend_tiles::<E, D, C, APPEND>(
             p,
             &src,
-            q.add(pair as usize * p.group as usize * D),
+            q.add((b * p.strides.q + kv_head * p.group) as usize * D),
             first,
             count,
             warp,

@@ -64,16 +64,18 @@ impl NewestRow {
         self.tile != NO_ROW
     }
 
-    /// The lane's chunks of pair `pair`'s token, which is row `row` of the pair's rows.
+    /// The lane's chunks of a pair's token, whose `D` elements start at element `at_row` of
+    /// `new.k` and of `new.v`, and which is row `row` of the pair's rows.
     ///
     /// # Safety
-    /// `new.k` and `new.v` are `[batch][kv_heads][D]` with `pair < batch * kv_heads`, written
-    /// before the kernel before completed (the caller waited for it).
+    /// `at_row + D` is inside `new.k` and `new.v` (the pair's sequence's row, at its token
+    /// stride, plus its KV head's offset), written before the kernel before completed (the
+    /// caller waited for it).
     #[inline(always)]
-    pub unsafe fn load<const D: usize>(new: &NewToken, pair: u32, row: u32, lane: u32) -> Self {
+    pub unsafe fn load<const D: usize>(new: &NewToken, at_row: usize, row: u32, lane: u32) -> Self {
         let (mut key, mut value) = (Vec16([0; 4]), Vec16([0; 4]));
         if lane < D as u32 / 8 {
-            let at = pair as usize * D + 8 * lane as usize;
+            let at = at_row + 8 * lane as usize;
             // SAFETY: chunk `lane < D / 8` of the pair's row; rows are 16-byte aligned
             // (`D % 8 == 0`, the buffers are).
             unsafe { (key, value) = (load(new.k.add(at)), load(new.v.add(at))) };

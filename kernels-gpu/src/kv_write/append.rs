@@ -76,13 +76,10 @@ pub unsafe fn append_kv<E: Half16>(
     // SAFETY: before this thread's first access of anything a kernel before it reads or writes
     // (everything above is host copies).
     unsafe { crate::sync::overlapped_entry() };
-    // SAFETY: activation chunk `i` is inside `[batch][kv_heads][head_dim]`.
-    let (key, value) = unsafe {
-        (
-            load(k.add((i * CHUNK_ELEMS) as usize)),
-            load(v.add((i * CHUNK_ELEMS) as usize)),
-        )
-    };
+    // SAFETY: `k` and `v` hold `batch` rows of `kv_heads x head_dim` elements, `strides.kv`
+    // heads apart: chunk `in_token` of row `b` is inside them.
+    let at = (b * p.strides.kv * c.paged.head_dim + in_token * CHUNK_ELEMS) as usize;
+    let (key, value) = unsafe { (load(k.add(at)), load(v.add(at))) };
     // SAFETY: `target` is this sequence's, `chunk < D / 8`.
     unsafe { write_chunk(c, bufs, target, slot, chunk, key, value) };
 

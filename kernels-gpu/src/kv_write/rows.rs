@@ -39,8 +39,8 @@ pub unsafe fn write_kv_rows(
     let chunks_per_head = c.paged.head_dim / CHUNK_ELEMS;
     let (kv_head, chunk) = (in_token / chunks_per_head, in_token % chunks_per_head);
     let pos = r.start + t;
-    let src = ((r.first_row + t) as usize * per_token as usize + in_token as usize)
-        * CHUNK_ELEMS as usize;
+    let src = (r.first_row + t) as usize * (p.strides.kv * c.paged.head_dim) as usize
+        + (in_token * CHUNK_ELEMS) as usize;
     // SAFETY: `kv_head < kv_heads`, `pos < end <= len`, the block table maps `pos`'s page.
     let target = unsafe { RowTarget::of(c, bufs, kv_head, r.slot, pos, r.len) };
     if let RowTarget::Nowhere = target {

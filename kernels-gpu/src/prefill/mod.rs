@@ -215,7 +215,7 @@ unsafe fn prefill_attention<
     let q_first = item.q_block * BLOCK_Q;
     // Query blocks of the tile that exist (the last tile of a sequence may be short).
     let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(ROW_TILES as u32);
-    let (q_stride, kv_stride) = (p.q_heads as usize * D, p.kv_heads as usize * D);
+    let (q_stride, kv_stride) = (p.strides.q as usize * D, p.strides.kv as usize * D);
 
     // The query tile, into shared memory (its own `cp.async` group).
     let q_rows = (seq_len - q_first).min(tile_rows);
@@ -363,7 +363,9 @@ unsafe fn prefill_attention<
     unsafe { M::new(mask).walk(&item, head, window, tile_blocks, my_block, start, step) };
     wait_all();
 
-    // O / l, rows that exist only.
+    // O / l, rows that exist only. The output's stride is read here, opaque to LLVM, so that
+    // nothing derived from it is kept live across the walk (the D 128 kernel spilled with it).
+    let out_stride = opaque_u32(p.strides.out) as usize * D;
     let (group, quad) = (lane / 4, lane % 4);
     crate::unroll8!(m in 0..ROW_TILES => {
         // SAFETY: the whole warp.
@@ -371,7 +373,7 @@ unsafe fn prefill_attention<
         crate::unroll8!(half in 0..2 => {
             let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
             if row < seq_len {
-                let base = (seq_start + row as usize) * q_stride + head as usize * D;
+                let base = (seq_start + row as usize) * out_stride + head as usize * D;
                 crate::unroll16!(n in 0..Tile::<D>::O_TILES => {
                     let c = &o[m][n].regs[2 * half..2 * half + 2];
                     let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);

@@ -81,21 +81,23 @@ unsafe fn kv_head_of(head_map: *const u32, kv_heads: u32, dense_head: u32) -> u3
 /// This lane's 8 dimensions of every query head of the group, split by sign: `(q⁺, q⁻)`.
 ///
 /// # Safety
-/// `q` is `[B][kv_heads * G][D]` with 16-byte aligned rows; `b < B`, `kv_head < kv_heads`.
+/// `q` holds `B` rows of `kv_heads * G * D` elements, `q_stride` heads apart, 16-byte aligned;
+/// `b < B`, `kv_head < kv_heads`.
 #[inline(always)]
 unsafe fn query_halves<E: Half16, const D: usize, const G: usize>(
     q: *const u16,
     b: u32,
     kv_head: u32,
-    kv_heads: u32,
+    q_stride: u32,
     col: u32,
 ) -> ([[f32; 8]; G], [[f32; 8]; G]) {
     let mut pos = [[0.0f32; 8]; G];
     let mut neg = [[0.0f32; 8]; G];
     unroll8!(g in 0..G => {
-        let head = (b * kv_heads + kv_head) * G as u32 + g as u32;
+        let head = kv_head * G as u32 + g as u32;
+        let at = (b * q_stride + head) as usize * D + col as usize * 8;
         // SAFETY: inside `q` by the caller's contract; rows are 16-byte aligned.
-        let raw = unsafe { *(q.add(head as usize * D + col as usize * 8) as *const Vec16) };
+        let raw = unsafe { *(q.add(at) as *const Vec16) };
         let x = raw.to_f32::<E>();
         let mut i = 0;
         while i < 8 {
@@ -180,7 +182,7 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(
     let lanes = Rows::<D, G>::LANES;
     let col = lane() % lanes;
     // SAFETY: `b < batch`, `kv_head < kv_heads`.
-    let (pos, neg) = unsafe { query_halves::<E, D, G>(bufs.q, b, kv_head, p.kv_heads, col) };
+    let (pos, neg) = unsafe { query_halves::<E, D, G>(bufs.q, b, kv_head, p.strides.q, col) };
     let mean = p.aggregation == AGGREGATE_MEAN;
 
     let per_page = p.paged.logical_per_page();
