@@ -469,3 +469,34 @@ fn bad_softmax_scales_are_errors() {
     };
     assert!(prefill_layer(&pattern, &config, 0, &[0, 3], &q, &q, &q, None).is_ok());
 }
+
+/// A layer out of range is `InvalidArgument` (not an index panic), from the pattern helper and
+/// from the layer entry point; neither the pattern nor the config changes.
+#[test]
+fn layer_out_of_range_is_an_error() {
+    use half::f16;
+    use lserve::config::SparsityConfig;
+    use lserve::geometry::ModelGeometry;
+    use lserve::head_pattern::{HeadKind, HeadPattern};
+    use lserve::reference::prefill::{layer_token_patterns, prefill_layer};
+
+    let g = ModelGeometry::new(2, 2, 2, 64).unwrap();
+    let kinds = vec![vec![HeadKind::Dense, HeadKind::Streaming]; 2];
+    let pattern = HeadPattern::from_kinds(g, kinds).unwrap();
+    let config = SparsityConfig::default();
+    let (pattern_before, config_before) = (pattern.clone(), config);
+    assert_eq!(layer_token_patterns(&pattern, &config, 1).unwrap().len(), 2);
+    for layer in [2, usize::MAX] {
+        assert!(matches!(
+            layer_token_patterns(&pattern, &config, layer),
+            Err(LserveError::InvalidArgument { what: "layer", .. })
+        ));
+        let x = vec![f16::from_f32(0.5); 3 * 2 * 64];
+        assert!(matches!(
+            prefill_layer(&pattern, &config, layer, &[0, 3], &x, &x, &x, None),
+            Err(LserveError::InvalidArgument { what: "layer", .. })
+        ));
+    }
+    assert_eq!(pattern, pattern_before);
+    assert_eq!(config, config_before);
+}

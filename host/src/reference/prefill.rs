@@ -197,12 +197,37 @@ pub fn prefill_attention(input: &PrefillInput<'_>) -> Result<PrefillOutput> {
 
 /// The token patterns of `layer`'s KV heads: [`TokenPattern::Causal`] for dense heads, the Λ
 /// mask with the config's sink and local tokens for streaming heads.
+///
+/// Errors: `InvalidArgument` for a layer out of range.
+///
+/// ```
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::head_pattern::{HeadKind, HeadPattern};
+/// use lserve::reference::prefill::layer_token_patterns;
+/// use lserve::reference::TokenPattern;
+///
+/// let g = ModelGeometry::new(1, 2, 2, 64)?;
+/// let pattern = HeadPattern::from_kinds(g, vec![vec![HeadKind::Dense, HeadKind::Streaming]])?;
+/// let config = SparsityConfig::default();
+/// let lambda = TokenPattern::Lambda { sink_tokens: 64, local_tokens: 256 };
+/// assert_eq!(layer_token_patterns(&pattern, &config, 0)?, [TokenPattern::Causal, lambda]);
+/// assert!(layer_token_patterns(&pattern, &config, 1).is_err()); // one layer only
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
 pub fn layer_token_patterns(
     pattern: &HeadPattern,
     config: &SparsityConfig,
     layer: usize,
-) -> Vec<TokenPattern> {
-    pattern
+) -> Result<Vec<TokenPattern>> {
+    let layers = pattern.geometry().layers();
+    if layer >= layers {
+        return Err(LserveError::InvalidArgument {
+            what: "layer",
+            reason: format!("{layer} is not below {layers}"),
+        });
+    }
+    Ok(pattern
         .layer_kinds(layer)
         .iter()
         .map(|kind| match kind {
@@ -212,7 +237,7 @@ pub fn layer_token_patterns(
                 local_tokens: config.local_tokens,
             },
         })
-        .collect()
+        .collect())
 }
 
 /// Prefill attention of `layer` on the GPU path's types: `q [T][Hq][D]`, `k`, `v [T][Hkv][D]`
@@ -250,12 +275,7 @@ pub fn prefill_layer<E: Element>(
     block_masks: Option<&[BlockMask]>,
 ) -> Result<PrefillOutput> {
     let g = *pattern.geometry();
-    if layer >= g.layers() {
-        return Err(LserveError::InvalidArgument {
-            what: "layer",
-            reason: format!("{layer} is not below {}", g.layers()),
-        });
-    }
+    let patterns = layer_token_patterns(pattern, config, layer)?;
     if let Some(masks) = block_masks {
         if masks.len() + 1 != cu_seqlens.len() {
             return Err(LserveError::InvalidArgument {
@@ -277,7 +297,6 @@ pub fn prefill_layer<E: Element>(
             .get(c.q_head, c.q_block, c.kv_block)
             .expect("shape checked")
     };
-    let patterns = layer_token_patterns(pattern, config, layer);
     let (q, k, v) = (to_f32(q), to_f32(k), to_f32(v));
     prefill_attention(&PrefillInput {
         cu_seqlens,
