@@ -198,7 +198,8 @@ pub fn prefill_attention(input: &PrefillInput<'_>) -> Result<PrefillOutput> {
 /// The token patterns of `layer`'s KV heads: [`TokenPattern::Causal`] for dense heads, the Λ
 /// mask with the config's sink and local tokens for streaming heads.
 ///
-/// Errors: `InvalidArgument` for a layer out of range.
+/// Errors: `InvalidConfig` for a config [`SparsityConfig::validate`] rejects; `InvalidArgument`
+/// for a layer out of range.
 ///
 /// ```
 /// use lserve::config::SparsityConfig;
@@ -220,6 +221,7 @@ pub fn layer_token_patterns(
     config: &SparsityConfig,
     layer: usize,
 ) -> Result<Vec<TokenPattern>> {
+    config.validate()?;
     let layers = pattern.geometry().layers();
     if layer >= layers {
         return Err(LserveError::InvalidArgument {
@@ -245,8 +247,9 @@ pub fn layer_token_patterns(
 /// scale from `config`, and optionally one caller [`BlockMask`] per sequence. Converts to `f32`
 /// and runs [`prefill_attention`].
 ///
-/// Errors: `InvalidArgument` for a layer out of range or a block-mask list of the wrong count;
-/// a block mask whose shape does not fit its sequence; [`prefill_attention`]'s errors.
+/// Errors: `InvalidConfig` for a config [`SparsityConfig::validate`] rejects (checked first);
+/// `InvalidArgument` for a layer out of range or a block-mask list of the wrong count; a block
+/// mask whose shape does not fit its sequence; [`prefill_attention`]'s errors.
 ///
 /// ```
 /// use half::f16;
