@@ -535,3 +535,64 @@ fn key_stats_of_a_layer_out_of_range_are_errors() {
     pool_key_stats(&mut cache, 1, &view, 0..6).unwrap();
     update_key_stats(&mut cache, 1, &view, 5).unwrap();
 }
+
+/// A Λ mask with no local tokens is one rule everywhere: the decode token set, prefill attention,
+/// the streaming decode iterator and the config all answer `InvalidConfig { local_tokens }` (the
+/// decode reference used to return the sinks alone). All of them are pure: nothing to change.
+#[test]
+fn lambda_without_local_tokens_is_rejected_in_decode_as_in_prefill() {
+    use lserve::block_iter::streaming_decode_tokens;
+    use lserve::reference::decode::decode_tokens;
+    use lserve::reference::prefill::{prefill_attention, PrefillInput};
+    use lserve::reference::TokenPattern;
+
+    let is_local_tokens = |r: Result<(), LserveError>| {
+        matches!(
+            r,
+            Err(LserveError::InvalidConfig {
+                field: "local_tokens",
+                ..
+            })
+        )
+    };
+    let x = [1.0f32; 4];
+    for sink in [0, 3] {
+        let lambda = |local_tokens| TokenPattern::Lambda {
+            sink_tokens: sink,
+            local_tokens,
+        };
+        let prefill = |p: TokenPattern| {
+            prefill_attention(&PrefillInput {
+                cu_seqlens: &[0, 4],
+                q: &x,
+                k: &x,
+                v: &x,
+                q_heads: 1,
+                kv_heads: 1,
+                head_dim: 1,
+                patterns: &[p],
+                block_mask: None,
+                scale: 1.0,
+            })
+            .map(|_| ())
+        };
+        for len in [0, 1, 10] {
+            assert!(is_local_tokens(decode_tokens(lambda(0), len).map(|_| ())));
+            assert_eq!(
+                decode_tokens(lambda(1), len).unwrap().last(),
+                len.checked_sub(1).as_ref()
+            );
+        }
+        assert!(is_local_tokens(prefill(lambda(0))));
+        prefill(lambda(1)).unwrap();
+        assert!(is_local_tokens(
+            streaming_decode_tokens(10, sink, 0).map(|_| ())
+        ));
+        let config = SparsityConfig {
+            sink_tokens: sink,
+            local_tokens: 0,
+            ..Default::default()
+        };
+        assert!(is_local_tokens(config.validate()));
+    }
+}

@@ -107,15 +107,7 @@ impl PrefillInput<'_> {
         check_scale(self.scale)?;
         check_len("patterns", self.kv_heads, self.patterns.len())?;
         for p in self.patterns {
-            if let TokenPattern::Lambda {
-                local_tokens: 0, ..
-            } = p
-            {
-                return Err(invalid(
-                    "patterns",
-                    "a streaming head needs local_tokens >= 1",
-                ));
-            }
+            p.validate()?;
         }
         if self.cu_seqlens.len() < 2 {
             return Err(LserveError::Empty("batch"));
@@ -146,9 +138,10 @@ impl PrefillInput<'_> {
 /// to the keys of its own sequence; accumulation in `f64`.
 ///
 /// Errors: `InvalidArgument` for bad head counts, `head_dim == 0`, a scale that is not finite
-/// and positive, a streaming pattern with no local tokens, `cu_seqlens` not starting at 0, or
-/// buffer sizes that overflow; `Empty` for an empty batch or a sequence of no tokens;
-/// `ShapeMismatch` for buffers of the wrong size.
+/// and positive, `cu_seqlens` not starting at 0, or buffer sizes that overflow;
+/// `InvalidConfig` for a streaming pattern with no local tokens ([`TokenPattern::validate`]);
+/// `Empty` for an empty batch or a sequence of no tokens; `ShapeMismatch` for buffers of the
+/// wrong size.
 ///
 /// ```
 /// use lserve::reference::prefill::{prefill_attention, PrefillInput};
