@@ -490,7 +490,13 @@ fn a_failing_step_changes_nothing() {
         &k,
         &v,
     );
-    assert!(err.is_err(), "the step should not fit the tables");
+    assert!(
+        matches!(
+            err,
+            Err(LserveError::InvalidArgument { what: "tables", .. })
+        ),
+        "the step should not fit the tables: {err:?}"
+    );
     assert!(
         cache == cache_before && tables == tables_before,
         "a failed step wrote something"
