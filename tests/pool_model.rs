@@ -502,6 +502,39 @@ fn constructor_and_sequence_errors() {
     assert_eq!(mgr.max_pages_per_seq(), 3);
 }
 
+/// A reservation whose new length overflows `usize` is an error naming the real request (the
+/// current length and the tokens asked for), not a saturated length, and changes nothing; the
+/// same for `reserve_each`.
+#[test]
+fn reservation_overflowing_usize_reports_the_request() {
+    let (g, pattern, config) = small_setup();
+    let mut mgr = KvCacheManager::new(g, pattern, config, 4, 2, 20).unwrap();
+    let a = mgr.add_sequence().unwrap();
+    mgr.reserve(a, 5).unwrap();
+    let before = mgr.clone();
+    let n = usize::MAX - 1;
+    for r in [mgr.reserve(a, n).map(|_| ()), mgr.reserve_each(&[a], n)] {
+        match r {
+            Err(LserveError::InvalidArgument { what, reason }) => {
+                assert_eq!(what, "n_tokens");
+                assert!(reason.contains(&n.to_string()), "{reason}");
+                assert!(reason.contains(" 5 "), "{reason}");
+            }
+            other => panic!("expected InvalidArgument for n_tokens, got {other:?}"),
+        }
+        assert!(mgr == before, "a failed reservation changed the manager");
+    }
+    // Not overflowing but too long: the length it would reach.
+    assert!(matches!(
+        mgr.reserve(a, usize::MAX - 5),
+        Err(LserveError::SequenceTooLong {
+            len: usize::MAX,
+            max: 20
+        })
+    ));
+    assert!(mgr == before);
+}
+
 /// The ring at token level, for f16: after a long sequence is written token by token (decode
 /// style), a streaming head holds exactly the sinks and the last `local_tokens`.
 #[test]

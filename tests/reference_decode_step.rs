@@ -490,7 +490,13 @@ fn a_failing_step_changes_nothing() {
         &k,
         &v,
     );
-    assert!(err.is_err(), "the step should not fit the tables");
+    assert!(
+        matches!(
+            err,
+            Err(LserveError::InvalidArgument { what: "tables", .. })
+        ),
+        "the step should not fit the tables: {err:?}"
+    );
     assert!(
         cache == cache_before && tables == tables_before,
         "a failed step wrote something"
@@ -534,4 +540,343 @@ fn key_stats_of_a_layer_out_of_range_are_errors() {
     assert!(cache == before, "a failed call wrote something");
     pool_key_stats(&mut cache, 1, &view, 0..6).unwrap();
     update_key_stats(&mut cache, 1, &view, 5).unwrap();
+}
+
+/// A Λ mask with no local tokens is one rule everywhere: the decode token set, prefill attention,
+/// the streaming decode iterator and the config all answer `InvalidConfig { local_tokens }` (the
+/// decode reference used to return the sinks alone). All of them are pure: nothing to change.
+#[test]
+fn lambda_without_local_tokens_is_rejected_in_decode_as_in_prefill() {
+    use lserve::block_iter::streaming_decode_tokens;
+    use lserve::reference::decode::decode_tokens;
+    use lserve::reference::prefill::{prefill_attention, PrefillInput};
+    use lserve::reference::TokenPattern;
+
+    let is_local_tokens = |r: Result<(), LserveError>| {
+        matches!(
+            r,
+            Err(LserveError::InvalidConfig {
+                field: "local_tokens",
+                ..
+            })
+        )
+    };
+    let x = [1.0f32; 4];
+    for sink in [0, 3] {
+        let lambda = |local_tokens| TokenPattern::Lambda {
+            sink_tokens: sink,
+            local_tokens,
+        };
+        let prefill = |p: TokenPattern| {
+            prefill_attention(&PrefillInput {
+                cu_seqlens: &[0, 4],
+                q: &x,
+                k: &x,
+                v: &x,
+                q_heads: 1,
+                kv_heads: 1,
+                head_dim: 1,
+                patterns: &[p],
+                block_mask: None,
+                scale: 1.0,
+            })
+            .map(|_| ())
+        };
+        for len in [0, 1, 10] {
+            assert!(is_local_tokens(decode_tokens(lambda(0), len).map(|_| ())));
+            assert_eq!(
+                decode_tokens(lambda(1), len).unwrap().last(),
+                len.checked_sub(1).as_ref()
+            );
+        }
+        assert!(is_local_tokens(prefill(lambda(0))));
+        prefill(lambda(1)).unwrap();
+        assert!(is_local_tokens(
+            streaming_decode_tokens(10, sink, 0).map(|_| ())
+        ));
+        let config = SparsityConfig {
+            sink_tokens: sink,
+            local_tokens: 0,
+            ..Default::default()
+        };
+        assert!(is_local_tokens(config.validate()));
+    }
+}
+
+/// The geometry, pattern and config of the partial-change tests: one layer, a dense and a
+/// streaming KV head (two query heads each), 16-token pages, selection past 20 tokens.
+fn small_step_setup() -> (ModelGeometry, HeadPattern, SparsityConfig) {
+    let g = ModelGeometry::new(1, 4, 2, D).unwrap();
+    let pattern =
+        HeadPattern::from_kinds(g, vec![vec![HeadKind::Dense, HeadKind::Streaming]]).unwrap();
+    let config = SparsityConfig {
+        sink_tokens: 4,
+        local_tokens: 8,
+        page_tokens: 16,
+        logical_page_tokens: 4,
+        token_budget: 16,
+        dynamic_min_len: 20,
+        reuse_interval: 4,
+        ..Default::default()
+    };
+    (g, pattern, config)
+}
+
+/// One decode step's activations for `batch` sequences: `q [B][4][D]`, `k`, `v [B][2][D]`.
+fn step_inputs(rng: &mut StdRng, batch: usize) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
+    (
+        random_row::<bf16>(rng, batch * 4 * D),
+        random_row::<bf16>(rng, batch * 2 * D),
+        random_row::<bf16>(rng, batch * 2 * D),
+    )
+}
+
+/// A batch whose second sequence has a page past a cache sized for a smaller pool fails with
+/// `PageOutOfRange` before the first sequence's token (K/V, key statistics) is written.
+#[test]
+fn a_step_past_the_cache_capacity_changes_nothing() {
+    let (g, pattern, config) = small_step_setup();
+    let mut mgr = KvCacheManager::new(g, pattern.clone(), config, 8, 2, 100).unwrap();
+    let (a, b) = (mgr.add_sequence().unwrap(), mgr.add_sequence().unwrap());
+    mgr.reserve(a, 10).unwrap();
+    mgr.reserve(b, 10).unwrap();
+    let (page_a, page_b) = (
+        mgr.block_table(a).unwrap().physical(0).unwrap(),
+        mgr.block_table(b).unwrap().physical(0).unwrap(),
+    );
+    // A cache that holds a's page and not b's.
+    let capacity = page_a as usize + 1;
+    assert!(page_b as usize >= capacity, "pages {page_a}, {page_b}");
+    let mut cache = HostKvCache::<bf16>::new(&pattern, &config, capacity, 2).unwrap();
+    let mut tables = IndexTables::for_manager(&mgr).unwrap();
+    let mut reuse = ReuseState::new(config.reuse_interval).unwrap();
+    let mut rng = StdRng::seed_from_u64(11);
+    let (q, k, v) = step_inputs(&mut rng, 2);
+    let before = (cache.clone(), tables.clone(), reuse.clone());
+    let r = decode_step(
+        &mgr,
+        &mut cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[a, b],
+        &q,
+        &k,
+        &v,
+    );
+    assert!(
+        matches!(r, Err(LserveError::PageOutOfRange { page, capacity: c })
+            if page == page_b && c as usize == capacity),
+        "{r:?}"
+    );
+    assert!(
+        (cache.clone(), tables.clone(), reuse.clone()) == before,
+        "a failed step wrote something"
+    );
+    // The same batch without b runs.
+    let (q, k, v) = step_inputs(&mut rng, 1);
+    decode_step(
+        &mgr,
+        &mut cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[a],
+        &q,
+        &k,
+        &v,
+    )
+    .unwrap();
+}
+
+/// Index tables sized for a smaller pool than a selecting sequence's pages fail with
+/// `PageOutOfRange` before the token, the key statistics, the held selection or an entry is
+/// written.
+#[test]
+fn a_step_past_the_tables_pool_changes_nothing() {
+    let (g, pattern, config) = small_step_setup();
+    let mut mgr = KvCacheManager::new(g, pattern.clone(), config, 8, 1, 100).unwrap();
+    let seq = mgr.add_sequence().unwrap();
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut cache = HostKvCache::<bf16>::for_manager(&mgr).unwrap();
+    let range = mgr.reserve(seq, 40).unwrap();
+    let kv = random_row::<bf16>(&mut rng, 40 * 2 * D);
+    write_tokens(
+        &mut cache,
+        0,
+        &mgr.view(seq).unwrap(),
+        range.start,
+        &kv,
+        &kv,
+    )
+    .unwrap();
+    mgr.reserve(seq, 1).unwrap(); // L = 41 > dynamic_min_len: selection is due
+    let pages = mgr.block_table(seq).unwrap().pages().to_vec();
+    let top = *pages.iter().max().unwrap();
+    let full = IndexTables::for_manager(&mgr).unwrap();
+    let cap = full.layer(0).unwrap().entry_capacity();
+    let mut tables = IndexTables::new(&pattern, 1, cap, top as usize).unwrap();
+    let mut reuse = ReuseState::new(config.reuse_interval).unwrap();
+    let (q, k, v) = step_inputs(&mut rng, 1);
+    let before = (cache.clone(), tables.clone(), reuse.clone());
+    let r = decode_step(
+        &mgr,
+        &mut cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[seq],
+        &q,
+        &k,
+        &v,
+    );
+    assert!(
+        matches!(r, Err(LserveError::PageOutOfRange { page, capacity }) if page == top && capacity == top),
+        "{r:?}"
+    );
+    assert!(
+        (cache.clone(), tables.clone(), reuse.clone()) == before,
+        "a failed step wrote something"
+    );
+    let mut tables = full;
+    let o = decode_step(
+        &mgr,
+        &mut cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[seq],
+        &q,
+        &k,
+        &v,
+    )
+    .unwrap();
+    assert!(matches!(
+        o.visits[0][0],
+        HeadVisit::Selected {
+            selected_now: true,
+            ..
+        }
+    ));
+}
+
+/// A held selection that does not fit the sequence (from a longer sequence of another manager
+/// with the same id) is `InvalidArgument` on a reusing step, before anything is written.
+#[test]
+fn a_step_reusing_a_foreign_selection_changes_nothing() {
+    let (g, pattern, config) = small_step_setup();
+    let mut rng = StdRng::seed_from_u64(13);
+    let prefill_step = |mgr: &mut KvCacheManager, rng: &mut StdRng, len: usize| {
+        let seq = mgr.add_sequence().unwrap();
+        let mut cache = HostKvCache::<bf16>::for_manager(mgr).unwrap();
+        let range = mgr.reserve(seq, len).unwrap();
+        let kv = random_row::<bf16>(rng, len * 2 * D);
+        write_tokens(
+            &mut cache,
+            0,
+            &mgr.view(seq).unwrap(),
+            range.start,
+            &kv,
+            &kv,
+        )
+        .unwrap();
+        mgr.reserve(seq, 1).unwrap();
+        (seq, cache)
+    };
+    // A long sequence selects on its step 0; its selection includes its newest page, 6.
+    let mut long = KvCacheManager::new(g, pattern.clone(), config, 8, 1, 200).unwrap();
+    let (seq, mut long_cache) = prefill_step(&mut long, &mut rng, 100);
+    let mut tables = IndexTables::for_manager(&long).unwrap();
+    let mut reuse = ReuseState::new(config.reuse_interval).unwrap();
+    let (q, k, v) = step_inputs(&mut rng, 1);
+    decode_step(
+        &long,
+        &mut long_cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[seq],
+        &q,
+        &k,
+        &v,
+    )
+    .unwrap();
+    // A short sequence of the same id at step 1 (not due) would reuse it.
+    let mut short = KvCacheManager::new(g, pattern.clone(), config, 8, 1, 200).unwrap();
+    let (short_seq, mut cache) = prefill_step(&mut short, &mut rng, 40);
+    assert_eq!(short_seq, seq);
+    short.advance_decode_step(seq).unwrap();
+    let mut tables = IndexTables::for_manager(&short).unwrap();
+    let before = (cache.clone(), tables.clone(), reuse.clone());
+    let r = decode_step(
+        &short,
+        &mut cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[seq],
+        &q,
+        &k,
+        &v,
+    );
+    assert!(
+        matches!(r, Err(LserveError::InvalidArgument { what: "reuse", .. })),
+        "{r:?}"
+    );
+    assert!(
+        (cache.clone(), tables.clone(), reuse.clone()) == before,
+        "a failed step wrote something"
+    );
+    // With a fresh reuse state the short sequence selects instead.
+    let mut reuse = ReuseState::new(config.reuse_interval).unwrap();
+    decode_step(
+        &short,
+        &mut cache,
+        &mut tables,
+        &mut reuse,
+        0,
+        &[seq],
+        &q,
+        &k,
+        &v,
+    )
+    .unwrap();
+}
+
+/// `write_tokens` over pages past a cache sized for a smaller pool fails with `PageOutOfRange`
+/// before the tokens on pages it holds are written; `pool_key_stats` likewise before the pages
+/// it holds are pooled.
+#[test]
+fn kv_writes_past_the_cache_capacity_change_nothing() {
+    let (g, pattern, config) = small_step_setup();
+    let mut mgr = KvCacheManager::new(g, pattern.clone(), config, 8, 1, 100).unwrap();
+    let seq = mgr.add_sequence().unwrap();
+    mgr.reserve(seq, 40).unwrap(); // three pages
+    let view = mgr.view(seq).unwrap();
+    let pages = view.block_table.pages().to_vec();
+    let capacity = pages[0].max(pages[1]) as usize + 1;
+    assert!(pages[2] as usize >= capacity, "{pages:?}");
+    let mut cache = HostKvCache::<bf16>::new(&pattern, &config, capacity, 1).unwrap();
+    let mut rng = StdRng::seed_from_u64(14);
+    let kv = random_row::<bf16>(&mut rng, 40 * 2 * D);
+    let before = cache.clone();
+    let out_of_range = |r: Result<(), LserveError>| {
+        matches!(r, Err(LserveError::PageOutOfRange { page, capacity: c })
+            if page == pages[2] && c as usize == capacity)
+    };
+    assert!(out_of_range(write_tokens(
+        &mut cache, 0, &view, 0, &kv, &kv
+    )));
+    assert!(cache == before, "a failed write_tokens wrote something");
+    // The two pages the cache holds: written token by token, statistics not yet pooled.
+    let row = 2 * D;
+    for pos in 0..32 {
+        let src = &kv[pos * row..][..row];
+        cache.write_token(0, &view, pos, src, src).unwrap();
+    }
+    let unpooled = cache.clone();
+    assert!(out_of_range(pool_key_stats(&mut cache, 0, &view, 0..40)));
+    assert!(cache == unpooled, "a failed pooling wrote something");
+    pool_key_stats(&mut cache, 0, &view, 0..32).unwrap();
+    assert!(cache != unpooled);
 }

@@ -422,8 +422,8 @@ fn overflowing_batch_sizes_are_errors() {
     assert!(prefill_attention(&fits).is_ok());
 }
 
-/// A softmax scale that is NaN, infinite, zero or negative is `InvalidArgument`, on plain
-/// slices and through a layer's config.
+/// A softmax scale that is NaN, infinite, zero or negative is `InvalidArgument` on plain slices,
+/// and the config's `InvalidConfig` through a layer's config.
 #[test]
 fn bad_softmax_scales_are_errors() {
     use half::f16;
@@ -460,7 +460,10 @@ fn bad_softmax_scales_are_errors() {
         };
         assert!(matches!(
             prefill_layer(&pattern, &config, 0, &[0, 3], &q, &q, &q, None),
-            Err(LserveError::InvalidArgument { what: "scale", .. })
+            Err(LserveError::InvalidConfig {
+                field: "softmax_scale",
+                ..
+            })
         ));
     }
     let config = SparsityConfig {
@@ -468,4 +471,102 @@ fn bad_softmax_scales_are_errors() {
         ..Default::default()
     };
     assert!(prefill_layer(&pattern, &config, 0, &[0, 3], &q, &q, &q, None).is_ok());
+}
+
+/// A layer out of range is `InvalidArgument` (not an index panic), from the pattern helper and
+/// from the layer entry point (both borrow their inputs immutably and hold no state).
+#[test]
+fn layer_out_of_range_is_an_error() {
+    use half::f16;
+    use lserve::config::SparsityConfig;
+    use lserve::geometry::ModelGeometry;
+    use lserve::head_pattern::{HeadKind, HeadPattern};
+    use lserve::reference::prefill::{layer_token_patterns, prefill_layer};
+
+    let g = ModelGeometry::new(2, 2, 2, 64).unwrap();
+    let kinds = vec![vec![HeadKind::Dense, HeadKind::Streaming]; 2];
+    let pattern = HeadPattern::from_kinds(g, kinds).unwrap();
+    let config = SparsityConfig::default();
+    assert_eq!(layer_token_patterns(&pattern, &config, 1).unwrap().len(), 2);
+    for layer in [2, usize::MAX] {
+        assert!(matches!(
+            layer_token_patterns(&pattern, &config, layer),
+            Err(LserveError::InvalidArgument { what: "layer", .. })
+        ));
+        let x = vec![f16::from_f32(0.5); 3 * 2 * 64];
+        assert!(matches!(
+            prefill_layer(&pattern, &config, layer, &[0, 3], &x, &x, &x, None),
+            Err(LserveError::InvalidArgument { what: "layer", .. })
+        ));
+    }
+}
+
+/// `prefill_layer` validates its config before anything else: every rule of
+/// `SparsityConfig::validate` is `InvalidConfig`, also the ones prefill itself does not read
+/// (page sizes, budget, reuse interval) and a streaming head with no local tokens. (It holds no
+/// state and borrows its inputs immutably: nothing to leave unchanged.)
+#[test]
+fn prefill_layer_validates_its_config() {
+    use half::f16;
+    use lserve::config::SparsityConfig;
+    use lserve::geometry::ModelGeometry;
+    use lserve::head_pattern::{HeadKind, HeadPattern};
+    use lserve::reference::prefill::prefill_layer;
+
+    let g = ModelGeometry::new(1, 2, 2, 64).unwrap();
+    let pattern =
+        HeadPattern::from_kinds(g, vec![vec![HeadKind::Dense, HeadKind::Streaming]]).unwrap();
+    let x = vec![f16::from_f32(0.5); 3 * 2 * 64];
+    let d = SparsityConfig::default();
+    prefill_layer(&pattern, &d, 0, &[0, 3], &x, &x, &x, None).unwrap();
+    let cases = [
+        (
+            SparsityConfig {
+                token_budget: 100,
+                ..d
+            },
+            "token_budget",
+        ),
+        (
+            SparsityConfig {
+                page_tokens: 0,
+                ..d
+            },
+            "page_tokens",
+        ),
+        (
+            SparsityConfig {
+                logical_page_tokens: 24,
+                ..d
+            },
+            "logical_page_tokens",
+        ),
+        (
+            SparsityConfig {
+                reuse_interval: 0,
+                ..d
+            },
+            "reuse_interval",
+        ),
+        (
+            SparsityConfig {
+                local_tokens: 0,
+                ..d
+            },
+            "local_tokens",
+        ),
+        (
+            SparsityConfig {
+                sink_tokens: usize::MAX,
+                ..d
+            },
+            "sink_tokens",
+        ),
+    ];
+    for (config, field) in cases {
+        match prefill_layer(&pattern, &config, 0, &[0, 3], &x, &x, &x, None) {
+            Err(LserveError::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{field}: expected InvalidConfig, got {other:?}"),
+        }
+    }
 }

@@ -284,3 +284,51 @@ fn geometry_accepts_groups_one_to_eight_only() {
         }
     }
 }
+
+/// The size helpers are callable on a config `validate` rejects (their sums would overflow):
+/// they saturate at `usize::MAX` instead of panicking, `validate` names the field, and what
+/// sizes index tables from a config (`IndexTables::entry_capacity_for`) stays bounded.
+#[test]
+fn helpers_on_unvalidated_configs_saturate() {
+    use lserve::index_table::IndexTables;
+
+    let d = SparsityConfig::default();
+    let huge_budget = SparsityConfig {
+        token_budget: usize::MAX,
+        page_tokens: 1,
+        logical_page_tokens: 1,
+        ..d
+    };
+    assert_eq!(field_of(huge_budget.validate()), "token_budget");
+    assert_eq!(huge_budget.pages_per_selection(), usize::MAX);
+    assert_eq!(huge_budget.held_selection_pages(), usize::MAX);
+    assert_eq!(huge_budget.selection_entry_pages(), usize::MAX);
+    assert_eq!(IndexTables::entry_capacity_for(&huge_budget, 100), 100);
+    let near = SparsityConfig {
+        token_budget: usize::MAX - 1,
+        ..huge_budget
+    };
+    assert_eq!(near.held_selection_pages(), usize::MAX);
+    assert_eq!(near.selection_entry_pages(), usize::MAX);
+    for (sink, local, field) in [
+        (usize::MAX, 1, "sink_tokens"),
+        (1, usize::MAX, "local_tokens"),
+        (usize::MAX, usize::MAX, "sink_tokens"),
+    ] {
+        let c = SparsityConfig {
+            sink_tokens: sink,
+            local_tokens: local,
+            ..d
+        };
+        assert_eq!(c.streaming_rows(), usize::MAX);
+        assert_eq!(field_of(c.validate()), field);
+    }
+    // The sum past u32 with both parts fitting is the sum's own rule.
+    let c = SparsityConfig {
+        sink_tokens: u32::MAX as usize,
+        local_tokens: 1,
+        ..d
+    };
+    assert_eq!(c.streaming_rows(), u32::MAX as usize + 1);
+    assert_eq!(field_of(c.validate()), "sink_tokens + local_tokens");
+}

@@ -124,10 +124,7 @@ impl SparsityConfig {
         if self.local_tokens == 0 {
             return Err(invalid("local_tokens", "must be > 0".into()));
         }
-        fits(
-            "sink_tokens + local_tokens",
-            self.sink_tokens + self.local_tokens,
-        )?;
+        fits("sink_tokens + local_tokens", self.streaming_rows())?;
         if self.reuse_interval == 0 {
             return Err(invalid("reuse_interval", "must be >= 1".into()));
         }
@@ -156,6 +153,9 @@ impl SparsityConfig {
     /// Pages a held selection holds at most: the `K` selected, the first page (when always
     /// included) and the newest page at selection time (`K + 2`).
     ///
+    /// Saturates at `usize::MAX` for a `K` so large (a config `validate` rejects) that `K + 2`
+    /// overflows.
+    ///
     /// ```
     /// use lserve::config::SparsityConfig;
     /// let c = SparsityConfig::default(); // budget 4096, 64-token pages: K = 64
@@ -163,13 +163,15 @@ impl SparsityConfig {
     /// assert_eq!(c.selection_entry_pages(), 67);
     /// ```
     pub const fn held_selection_pages(&self) -> usize {
-        self.pages_per_selection() + 2
+        self.pages_per_selection().saturating_add(2)
     }
 
     /// Pages an index-table entry lists at most in selection mode: the held selection and, on a
     /// reused step, a newer newest page (`K + 3`).
+    ///
+    /// Saturates at `usize::MAX`, as [`held_selection_pages`](Self::held_selection_pages).
     pub const fn selection_entry_pages(&self) -> usize {
-        self.held_selection_pages() + 1
+        self.held_selection_pages().saturating_add(1)
     }
 
     /// Logical pages per physical page (`g = N_P / N_L`).
@@ -183,8 +185,11 @@ impl SparsityConfig {
     }
 
     /// Rows a streaming head keeps per sequence (`sink_tokens + local_tokens`).
+    ///
+    /// Saturates at `usize::MAX` for a sum that overflows (a config `validate` rejects: the sum
+    /// must fit `u32`).
     pub const fn streaming_rows(&self) -> usize {
-        self.sink_tokens + self.local_tokens
+        self.sink_tokens.saturating_add(self.local_tokens)
     }
 
     /// Physical pages a sequence of `len` tokens occupies (`ceil(len / page_tokens)`).

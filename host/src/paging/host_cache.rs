@@ -463,6 +463,39 @@ impl<E: Element> HostKvCache<E> {
         }
     }
 
+    /// Checks what [`write_token`](Self::write_token) checks, writing nothing: a caller that
+    /// writes several tokens checks them all first, so that its failure changes nothing.
+    pub(crate) fn check_write(
+        &self,
+        layer: usize,
+        view: &SequenceView<'_>,
+        pos: usize,
+    ) -> Result<()> {
+        check_index("layer", layer, self.dense.len())?;
+        self.dense_page_of(layer, view, pos)?;
+        self.streaming_row_of(layer, view, pos)?;
+        Ok(())
+    }
+
+    /// Checks that layer `layer` holds everything of a sequence a decode step reads or writes:
+    /// every page of its block table below the dense pool's capacity (if the layer has dense
+    /// heads: `PageOutOfRange`) and its slot below the streaming store's (if it has streaming
+    /// heads: `InvalidArgument`).
+    pub(crate) fn check_sequence(&self, layer: usize, view: &SequenceView<'_>) -> Result<()> {
+        check_index("layer", layer, self.dense.len())?;
+        if self.pattern.dense_heads(layer) > 0 {
+            let capacity = self.dense[layer].layout.capacity;
+            if let Some(&page) = view.block_table.pages().iter().find(|&&p| p >= capacity) {
+                return Err(LserveError::PageOutOfRange { page, capacity });
+            }
+        }
+        let layout = self.streaming[layer].layout;
+        if layout.heads > 0 {
+            check_index("slot", view.slot as usize, layout.slots as usize)?;
+        }
+        Ok(())
+    }
+
     /// The checked physical page of `pos` if `layer` has dense heads (`None` otherwise).
     fn dense_page_of(
         &self,

@@ -276,8 +276,8 @@ impl KvCacheManager {
     /// Grows `seq` by `n_tokens`, allocating the pages it needs, and returns the new positions.
     ///
     /// All-or-nothing: `Empty` for 0 tokens, `SequenceTooLong` past `max_seq_len`,
-    /// `PoolExhausted` if the pool lacks pages, `UnknownSequence` for a dead id; on error nothing
-    /// changes.
+    /// `InvalidArgument` if the length plus `n_tokens` overflows `usize`, `PoolExhausted` if the
+    /// pool lacks pages, `UnknownSequence` for a dead id; on error nothing changes.
     pub fn reserve(&mut self, seq: SeqId, n_tokens: usize) -> Result<Range<usize>> {
         if n_tokens == 0 {
             return Err(LserveError::Empty("reservation (0 tokens)"));
@@ -287,13 +287,7 @@ impl KvCacheManager {
             .get(&seq)
             .ok_or(LserveError::UnknownSequence(seq.0))?;
         let old_len = state.len;
-        let new_len = old_len.saturating_add(n_tokens);
-        if new_len > self.max_seq_len {
-            return Err(LserveError::SequenceTooLong {
-                len: new_len,
-                max: self.max_seq_len,
-            });
-        }
+        let new_len = self.grown_len(old_len, n_tokens)?;
         let needed = self.config.pages_for_len(new_len) - state.block_table.len();
         let pages = self.pool.alloc(needed)?;
         let state = self.sequences.get_mut(&seq).expect("checked above");
@@ -341,13 +335,7 @@ impl KvCacheManager {
                 });
             }
             let state = self.state(seq)?;
-            let new_len = state.len.saturating_add(n_tokens);
-            if new_len > self.max_seq_len {
-                return Err(LserveError::SequenceTooLong {
-                    len: new_len,
-                    max: self.max_seq_len,
-                });
-            }
+            let new_len = self.grown_len(state.len, n_tokens)?;
             needed += self.config.pages_for_len(new_len) - state.block_table.len();
         }
         if needed > self.pool.free_pages() {
@@ -385,6 +373,23 @@ impl KvCacheManager {
         self.owners[state.slot as usize] = None;
         self.changed_row(state.slot);
         Ok(())
+    }
+
+    /// The length a sequence of `len` tokens reaches with `n_tokens` more: `SequenceTooLong`
+    /// past `max_seq_len`, or `InvalidArgument` naming both numbers when their sum overflows
+    /// `usize` (no length to report).
+    fn grown_len(&self, len: usize, n_tokens: usize) -> Result<usize> {
+        let max = self.max_seq_len;
+        match len.checked_add(n_tokens) {
+            Some(new_len) if new_len <= max => Ok(new_len),
+            Some(new_len) => Err(LserveError::SequenceTooLong { len: new_len, max }),
+            None => Err(LserveError::InvalidArgument {
+                what: "n_tokens",
+                reason: format!(
+                    "{n_tokens} more tokens on a sequence of {len} overflow usize (at most {max})"
+                ),
+            }),
+        }
     }
 
     fn state(&self, seq: SeqId) -> Result<&SequenceState> {

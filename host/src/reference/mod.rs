@@ -97,6 +97,30 @@ impl TokenPattern {
     }
 }
 
+impl TokenPattern {
+    /// Checks the pattern's one rule, the same for prefill and decode (and as
+    /// [`SparsityConfig::validate`](crate::config::SparsityConfig::validate) and the GPU paths
+    /// check it): a Λ mask keeps at least one local token (the query itself), so
+    /// `local_tokens == 0` is `InvalidConfig { field: "local_tokens" }`.
+    ///
+    /// ```
+    /// use lserve::reference::TokenPattern;
+    /// assert!(TokenPattern::Lambda { sink_tokens: 4, local_tokens: 1 }.validate().is_ok());
+    /// assert!(TokenPattern::Lambda { sink_tokens: 4, local_tokens: 0 }.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<()> {
+        match *self {
+            TokenPattern::Lambda {
+                local_tokens: 0, ..
+            } => Err(LserveError::InvalidConfig {
+                field: "local_tokens",
+                reason: "a streaming head needs local_tokens >= 1".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Elements of the cache or the activations as `f32` (exact for bf16 and f16).
 pub(crate) fn to_f32<E: Element>(xs: &[E]) -> Vec<f32> {
     xs.iter().map(|x| x.to_f32()).collect()

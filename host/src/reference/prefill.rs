@@ -107,15 +107,7 @@ impl PrefillInput<'_> {
         check_scale(self.scale)?;
         check_len("patterns", self.kv_heads, self.patterns.len())?;
         for p in self.patterns {
-            if let TokenPattern::Lambda {
-                local_tokens: 0, ..
-            } = p
-            {
-                return Err(invalid(
-                    "patterns",
-                    "a streaming head needs local_tokens >= 1",
-                ));
-            }
+            p.validate()?;
         }
         if self.cu_seqlens.len() < 2 {
             return Err(LserveError::Empty("batch"));
@@ -146,9 +138,10 @@ impl PrefillInput<'_> {
 /// to the keys of its own sequence; accumulation in `f64`.
 ///
 /// Errors: `InvalidArgument` for bad head counts, `head_dim == 0`, a scale that is not finite
-/// and positive, a streaming pattern with no local tokens, `cu_seqlens` not starting at 0, or
-/// buffer sizes that overflow; `Empty` for an empty batch or a sequence of no tokens;
-/// `ShapeMismatch` for buffers of the wrong size.
+/// and positive, `cu_seqlens` not starting at 0, or buffer sizes that overflow;
+/// `InvalidConfig` for a streaming pattern with no local tokens ([`TokenPattern::validate`]);
+/// `Empty` for an empty batch or a sequence of no tokens; `ShapeMismatch` for buffers of the
+/// wrong size.
 ///
 /// ```
 /// use lserve::reference::prefill::{prefill_attention, PrefillInput};
@@ -197,12 +190,39 @@ pub fn prefill_attention(input: &PrefillInput<'_>) -> Result<PrefillOutput> {
 
 /// The token patterns of `layer`'s KV heads: [`TokenPattern::Causal`] for dense heads, the Λ
 /// mask with the config's sink and local tokens for streaming heads.
+///
+/// Errors: `InvalidConfig` for a config [`SparsityConfig::validate`] rejects; `InvalidArgument`
+/// for a layer out of range.
+///
+/// ```
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::head_pattern::{HeadKind, HeadPattern};
+/// use lserve::reference::prefill::layer_token_patterns;
+/// use lserve::reference::TokenPattern;
+///
+/// let g = ModelGeometry::new(1, 2, 2, 64)?;
+/// let pattern = HeadPattern::from_kinds(g, vec![vec![HeadKind::Dense, HeadKind::Streaming]])?;
+/// let config = SparsityConfig::default();
+/// let lambda = TokenPattern::Lambda { sink_tokens: 64, local_tokens: 256 };
+/// assert_eq!(layer_token_patterns(&pattern, &config, 0)?, [TokenPattern::Causal, lambda]);
+/// assert!(layer_token_patterns(&pattern, &config, 1).is_err()); // one layer only
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
 pub fn layer_token_patterns(
     pattern: &HeadPattern,
     config: &SparsityConfig,
     layer: usize,
-) -> Vec<TokenPattern> {
-    pattern
+) -> Result<Vec<TokenPattern>> {
+    config.validate()?;
+    let layers = pattern.geometry().layers();
+    if layer >= layers {
+        return Err(LserveError::InvalidArgument {
+            what: "layer",
+            reason: format!("{layer} is not below {layers}"),
+        });
+    }
+    Ok(pattern
         .layer_kinds(layer)
         .iter()
         .map(|kind| match kind {
@@ -212,7 +232,7 @@ pub fn layer_token_patterns(
                 local_tokens: config.local_tokens,
             },
         })
-        .collect()
+        .collect())
 }
 
 /// Prefill attention of `layer` on the GPU path's types: `q [T][Hq][D]`, `k`, `v [T][Hkv][D]`
@@ -220,8 +240,9 @@ pub fn layer_token_patterns(
 /// scale from `config`, and optionally one caller [`BlockMask`] per sequence. Converts to `f32`
 /// and runs [`prefill_attention`].
 ///
-/// Errors: `InvalidArgument` for a layer out of range or a block-mask list of the wrong count;
-/// a block mask whose shape does not fit its sequence; [`prefill_attention`]'s errors.
+/// Errors: `InvalidConfig` for a config [`SparsityConfig::validate`] rejects (checked first);
+/// `InvalidArgument` for a layer out of range or a block-mask list of the wrong count; a block
+/// mask whose shape does not fit its sequence; [`prefill_attention`]'s errors.
 ///
 /// ```
 /// use half::f16;
@@ -250,12 +271,7 @@ pub fn prefill_layer<E: Element>(
     block_masks: Option<&[BlockMask]>,
 ) -> Result<PrefillOutput> {
     let g = *pattern.geometry();
-    if layer >= g.layers() {
-        return Err(LserveError::InvalidArgument {
-            what: "layer",
-            reason: format!("{layer} is not below {}", g.layers()),
-        });
-    }
+    let patterns = layer_token_patterns(pattern, config, layer)?;
     if let Some(masks) = block_masks {
         if masks.len() + 1 != cu_seqlens.len() {
             return Err(LserveError::InvalidArgument {
@@ -277,7 +293,6 @@ pub fn prefill_layer<E: Element>(
             .get(c.q_head, c.q_block, c.kv_block)
             .expect("shape checked")
     };
-    let patterns = layer_token_patterns(pattern, config, layer);
     let (q, k, v) = (to_f32(q), to_f32(k), to_f32(v));
     prefill_attention(&PrefillInput {
         cu_seqlens,

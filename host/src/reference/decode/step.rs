@@ -58,8 +58,11 @@ impl DecodeStepOutput {
 ///
 /// It does not advance the decode step counters (a model step runs every layer first).
 ///
-/// Errors: as [`decode_attention_tables`], plus `ShapeMismatch` for `k`/`v`; the batch, shape
-/// and layer checks run before anything is written.
+/// Errors: as [`decode_attention_tables`], plus `ShapeMismatch` for `k`/`v`; `PageOutOfRange`
+/// for a cache or index tables sized for a smaller pool than a sequence's pages;
+/// `InvalidArgument` for tables too small (entries, slots, dense heads) or a held selection
+/// (`reuse`) that does not fit the sequence. Every check runs before anything is written: on
+/// error the cache, the tables and the reuse state are unchanged.
 ///
 /// ```
 /// use half::bf16;
@@ -111,13 +114,42 @@ pub fn decode_step<E: Element>(
     check_len("k", seqs.len() * hkv * d, k.len())?;
     check_len("v", seqs.len() * hkv * d, v.len())?;
     let config = *mgr.config();
+    let pattern = mgr.pattern();
     // Every check before the first write: a step that fails changes nothing.
-    let capacity = tables.layer(layer)?.entry_capacity();
-    for view in &views {
-        let pages = view.block_table.len();
+    let table = tables.layer(layer)?;
+    let capacity = table.entry_capacity();
+    let dense_heads = pattern.dense_heads(layer);
+    if dense_heads > 0 && table.heads() != dense_heads {
+        return Err(LserveError::InvalidArgument {
+            what: "tables",
+            reason: format!(
+                "{} dense heads in layer {layer}, the pattern has {dense_heads}",
+                table.heads()
+            ),
+        });
+    }
+    for (view, &seq) in views.iter().zip(seqs) {
+        cache.check_sequence(layer, view)?;
+        if dense_heads == 0 {
+            continue;
+        }
+        if view.slot as usize >= table.slots() {
+            return Err(LserveError::InvalidArgument {
+                what: "tables",
+                reason: format!("slot {} is not below {}", view.slot, table.slots()),
+            });
+        }
+        let pool_capacity = tables.pool_capacity();
+        let pages = view.block_table.pages();
+        if let Some(&page) = pages.iter().find(|&&p| p as usize >= pool_capacity) {
+            return Err(LserveError::PageOutOfRange {
+                page,
+                capacity: pool_capacity as u32,
+            });
+        }
         let needed = match config.uses_page_selection(view.len) {
-            true => pages.min(config.selection_entry_pages()),
-            false => pages,
+            true => pages.len().min(config.selection_entry_pages()),
+            false => pages.len(),
         };
         if needed > capacity {
             return Err(LserveError::InvalidArgument {
@@ -125,8 +157,10 @@ pub fn decode_step<E: Element>(
                 reason: format!("an entry may need {needed} pages, the tables hold {capacity}"),
             });
         }
+        if config.uses_page_selection(view.len) {
+            check_held_selections(mgr, reuse, layer, seq, pages.len(), capacity)?;
+        }
     }
-    let pattern = mgr.pattern();
     let group = g.group();
     let mut visits = Vec::with_capacity(seqs.len());
     for (b, (view, &seq)) in views.iter().zip(seqs).enumerate() {
@@ -180,4 +214,53 @@ pub fn decode_step<E: Element>(
     }
     let out = decode_attention_tables(mgr, cache, tables, layer, seqs, q)?;
     Ok(DecodeStepOutput { out, visits })
+}
+
+/// Checks that the selections `reuse` holds for `seq`'s dense heads of `layer` that a step
+/// reuses (selection not due) fit a sequence of `pages` pages and an entry of `capacity`: a
+/// held selection from another run (another manager, a freed sequence's id) is an error before
+/// the step writes anything.
+fn check_held_selections(
+    mgr: &KvCacheManager,
+    reuse: &ReuseState,
+    layer: usize,
+    seq: SeqId,
+    pages: usize,
+    capacity: usize,
+) -> Result<()> {
+    let step = mgr.decode_step(seq)?;
+    for kv_head in 0..mgr.geometry().kv_heads() {
+        if mgr.pattern().kind(layer, kv_head) != HeadKind::Dense {
+            continue;
+        }
+        let key = ReuseKey {
+            seq: seq.get(),
+            layer,
+            kv_head,
+        };
+        let held = match reuse.selection_due(key, step) {
+            true => continue,
+            false => reuse.held(key).unwrap_or_default(),
+        };
+        if let Some(&page) = held.iter().find(|&&p| p as usize >= pages) {
+            return Err(LserveError::InvalidArgument {
+                what: "reuse",
+                reason: format!(
+                    "the held selection of KV head {kv_head} lists logical page {page}, the \
+                     sequence has {pages}"
+                ),
+            });
+        }
+        if held.len() + 1 > capacity {
+            return Err(LserveError::InvalidArgument {
+                what: "reuse",
+                reason: format!(
+                    "the held selection of KV head {kv_head} has {} pages, the tables hold \
+                     {capacity} per entry",
+                    held.len()
+                ),
+            });
+        }
+    }
+    Ok(())
 }

@@ -13,8 +13,9 @@ use crate::reference::to_f32;
 /// over the page's tokens that exist (below `view.len`). Call after writing those tokens (e.g.
 /// after prefill).
 ///
-/// Errors: `InvalidArgument` for a layer out of range; `TokenNotStored` if `tokens` reaches
-/// past `view.len`; the cache's errors for a bad block table or page.
+/// Errors (nothing written): `InvalidArgument` for a layer out of range or a block table that
+/// lacks a page; `TokenNotStored` if `tokens` reaches past `view.len`; `PageOutOfRange` for a
+/// page past the cache's capacity. Every page is checked before the first is pooled.
 pub fn pool_key_stats<E: Element>(
     cache: &mut HostKvCache<E>,
     layer: usize,
@@ -34,9 +35,21 @@ pub fn pool_key_stats<E: Element>(
     let config = *cache.config();
     let (n_p, n_l) = (config.page_tokens, config.logical_page_tokens);
     let dense = cache.pattern().dense_heads(layer);
+    if dense == 0 {
+        return Ok(());
+    }
     let d = cache.pattern().geometry().head_dim();
+    let logical_pages = tokens.start / n_l..=(tokens.end - 1) / n_l;
+    // Every page checked before the first write: a failed pooling changes nothing.
+    let capacity = cache.dense(layer)?.layout().capacity;
+    for logical in logical_pages.clone() {
+        let page = view.block_table.physical(logical * n_l / n_p)?;
+        if page >= capacity {
+            return Err(LserveError::PageOutOfRange { page, capacity });
+        }
+    }
     for head in 0..dense {
-        for logical in tokens.start / n_l..=(tokens.end - 1) / n_l {
+        for logical in logical_pages.clone() {
             let rows = logical * n_l..((logical + 1) * n_l).min(view.len);
             let page = view.block_table.physical(rows.start / n_p)?;
             let pool = cache.dense(layer)?;

@@ -11,6 +11,11 @@ use crate::reference::check_len;
 /// `[n][Hkv][D]`) and pools the dense heads' key statistics over them: what prefill does to
 /// the cache. The tokens must have been reserved (`first + n <= view.len`).
 ///
+/// Errors (nothing written): `ShapeMismatch` for `k`/`v`; `TokenNotStored` past `view.len`;
+/// `InvalidArgument` if `first + n` overflows; any token's
+/// [`HostKvCache::write_token`] error (e.g. `PageOutOfRange` for a cache sized for a smaller
+/// pool), every token checked before the first is written.
+///
 /// ```
 /// use half::bf16;
 /// use lserve::config::SparsityConfig;
@@ -46,11 +51,21 @@ pub fn write_tokens<E: Element>(
     check_len("k", k.len() / row * row, k.len())?;
     check_len("v", k.len(), v.len())?;
     let n = k.len() / row;
-    if first + n > view.len {
+    let end = first
+        .checked_add(n)
+        .ok_or_else(|| LserveError::InvalidArgument {
+            what: "first",
+            reason: format!("{first} + {n} tokens overflows usize"),
+        })?;
+    if end > view.len {
         return Err(LserveError::TokenNotStored {
-            position: first + n - 1,
+            position: end - 1,
             len: view.len,
         });
+    }
+    // Every token checked before the first write: a failed call changes nothing.
+    for pos in first..end {
+        cache.check_write(layer, view, pos)?;
     }
     for i in 0..n {
         cache.write_token(

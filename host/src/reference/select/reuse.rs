@@ -40,7 +40,7 @@ pub struct ReuseKey {
 /// let other = ReuseKey { kv_head: 0, ..key };
 /// assert!(reuse.selection_due(other, 3) && !reuse.selection_due(key, 3));
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReuseState {
     interval: u64,
     held: BTreeMap<ReuseKey, Vec<u32>>,
