@@ -58,7 +58,9 @@ pub fn run(root: &Path) -> Result<(), String> {
         }
         let status = Command::new("tar")
             .current_dir(&package_dir)
-            .args(["-xzf", &format!("{krate}-{version}.crate")])
+            // `-m`: the files get the time of unpacking (the archive's are fixed), so builds
+            // that depend on the unpacked crates see them change.
+            .args(["-xmzf", &format!("{krate}-{version}.crate")])
             .status()
             .map_err(|e| format!("running tar: {e}"))?;
         if !status.success() {
