@@ -13,32 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
-
-crate=integrations/candle-check
-cuda_dir="$crate/target/cuda-pypi"
-cuda_packages=(
-    'nvidia-cuda-nvcc==13.0.*'
-    'nvidia-cuda-crt==13.0.*'
-    'nvidia-nvvm==13.0.*'
-    'nvidia-cuda-runtime==13.0.*'
-    'nvidia-cuda-cccl==13.0.*'
-)
-
-step "toolchains"
-rustup toolchain install            # reads rust-toolchain.toml: lserve's build script needs it
-rustup toolchain list | grep -q '^stable' || rustup toolchain install stable --profile minimal
-
-step "CUDA 13.0 compiler and headers (PyPI, into $cuda_dir)"
-if [ ! -x "$cuda_dir/nvidia/cu13/bin/nvcc" ]; then
-    python3 -m pip install --quiet --disable-pip-version-check --target "$cuda_dir" \
-        "${cuda_packages[@]}"
-fi
-CUDA_ROOT="$(cd "$cuda_dir/nvidia/cu13" && pwd)"
-export CUDA_ROOT CUDA_HOME="$CUDA_ROOT"
-export PATH="$CUDA_ROOT/bin:$PATH"
-export CUDA_COMPUTE_CAP=90
-nvcc --version | tail -n 2
+# shellcheck source=scripts/candle_cuda_env.sh
+source scripts/candle_cuda_env.sh
 
 step "cargo +stable check (lserve beside candle-core with cuda)"
 export CARGO_TERM_COLOR=never

@@ -22,45 +22,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
-
 out_dir="${1:-gpu-candle}"
 profile="${CANDLE_GPU_PROFILE:-dev}"
-crate=integrations/candle-check
-cuda_dir="$crate/target/cuda-pypi"
+# shellcheck source=scripts/candle_cuda_env.sh
+source scripts/candle_cuda_env.sh
+
 libs_dir="$crate/target/cuda-libs-pypi"
 link_root="$crate/target/cuda-link"
 cudarc_sys="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.10 | head -n 1)/src/driver/sys/mod.rs"
-compiler_packages=(
-    'nvidia-cuda-nvcc==13.0.*'
-    'nvidia-cuda-crt==13.0.*'
-    'nvidia-nvvm==13.0.*'
-    'nvidia-cuda-runtime==13.0.*'
-    'nvidia-cuda-cccl==13.0.*'
-)
 library_packages=(
     'nvidia-cublas==13.0.*'
     'nvidia-curand==10.4.0.*'
     'nvidia-cuda-nvrtc==13.0.*'
 )
-pip_install() {
-    python3 -m pip install --quiet --disable-pip-version-check --target "$@"
-}
-
-step "toolchains"
-rustup toolchain install            # reads rust-toolchain.toml: lserve's build script needs it
-rustup toolchain list | grep -q '^stable' || rustup toolchain install stable --profile minimal
-
-step "CUDA 13.0 compiler and headers (PyPI, into $cuda_dir)"
-[ -x "$cuda_dir/nvidia/cu13/bin/nvcc" ] || pip_install "$cuda_dir" "${compiler_packages[@]}"
-CUDA_ROOT="$(cd "$cuda_dir/nvidia/cu13" && pwd)"
-export CUDA_ROOT CUDA_HOME="$CUDA_ROOT"
-export PATH="$CUDA_ROOT/bin:$PATH"
-export CUDA_COMPUTE_CAP=90
-nvcc --version | tail -n 2
 
 step "CUDA 13.0 cuBLAS, cuRAND, NVRTC for the link (PyPI, into $libs_dir)"
-[ -e "$libs_dir/nvidia/cu13/lib/libcublas.so.13" ] || pip_install "$libs_dir" "${library_packages[@]}"
+if [ ! -e "$libs_dir/nvidia/cu13/lib/libcublas.so.13" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$libs_dir" \
+        "${library_packages[@]}"
+fi
 libs="$(cd "$libs_dir/nvidia/cu13/lib" && pwd)"
 
 step "link folder $link_root/lib: unversioned names, stub libcuda.so (SONAME libcuda.so.1)"
