@@ -29,6 +29,7 @@ source scripts/candle_cuda_env.sh
 
 libs_dir="$crate/target/cuda-libs-pypi"
 link_root="$crate/target/cuda-link"
+(cd "$crate" && cargo +stable fetch --locked)   # cudarc's sources, for the stub below
 cudarc_sys="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.10 | head -n 1)/src/driver/sys/mod.rs"
 library_packages=(
     'nvidia-cublas==13.0.*'

@@ -7,8 +7,9 @@
 //! [`DECODE_TILE_ROWS`]; split `s` of `splits` takes a contiguous run of tiles and writes a
 //! partial softmax state, which [`CombineParams`]' kernel merges into the output.
 
-use crate::kv_write::CacheLayout;
-use crate::layout::{PagedLayout, StreamingLayout, TokenStrides};
+use crate::buffers::{BatchPtrs, CachePtrs, SelectionPtrs};
+use crate::layout::{CacheLayout, PagedLayout, SelectionLayout, StreamingLayout, TokenStrides};
+use crate::ptr::{GlobalPtr, GlobalPtrMut};
 
 /// Threads per block of the decode attention kernel (4 warps).
 pub const DECODE_THREADS: u32 = 128;
@@ -127,64 +128,56 @@ pub const fn stream_tensor_dims(s: &StreamingLayout) -> [u64; 3] {
     ]
 }
 
-/// Scalars of one decode attention launch (by value).
+/// Scalars of one decode attention launch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodeParams {
-    /// Sequences in the batch (`B`).
+    /// Sequences in the batch (`B`); `grid.y = batch * cache.kv_heads`.
     pub batch: u32,
-    /// KV heads of the model (`Hkv`); `grid.y = batch * kv_heads`.
-    pub kv_heads: u32,
     /// Query heads per KV head (`G`, 1 to [`MAX_GROUP`]): a block's query heads, the first `G`
     /// rows of its `mma` products.
     pub group: u32,
     /// Splits per (sequence, KV head) (`grid.x`).
     pub splits: u32,
-    /// Row stride of the block tables (`[slots][max_pages]`).
-    pub max_pages: u32,
-    /// Row stride of the index tables (`[slots][dense_heads][max_selected]`).
-    pub max_selected: u32,
-    /// Row stride of the held selections (`[slots][dense_heads][held_capacity]`); the last word
-    /// of a row is the held selection's newest page ([`crate::select::held_newest_at`]).
-    pub held_capacity: u32,
     /// A sequence of at most this many tokens attends to all its pages (block table).
     pub dynamic_min_len: u32,
     /// Softmax scale times `log2(e)` (the kernel works in base 2).
     pub scale_log2: f32,
-    /// The layer's dense pool.
-    pub paged: PagedLayout,
-    /// The layer's streaming store.
-    pub streaming: StreamingLayout,
+    /// The layer's cache: KV heads, block-table stride, dense pool and streaming store.
+    pub cache: CacheLayout,
+    /// The selection state's row strides.
+    pub selection: SelectionLayout,
     /// Token strides of `q` (`batch` rows of `q_heads` heads) and of the new token's `k`/`v`
     /// (rows of `kv_heads` heads); `out` is unused (the combine writes the output).
     pub strides: TokenStrides,
 }
 
-impl DecodeParams {
-    /// The cache as the write kernels address it (a launch that appends writes through it).
-    ///
-    /// ```
-    /// use lserve_abi::decode::DecodeParams;
-    /// use lserve_abi::layout::{PagedLayout, StreamingLayout, TokenStrides};
-    /// let paged = PagedLayout { capacity: 4, heads: 1, page_tokens: 64, logical_tokens: 16, head_dim: 128 };
-    /// let streaming =
-    ///     StreamingLayout { slots: 1, heads: 1, sink_tokens: 64, local_tokens: 256, head_dim: 128 };
-    /// let p = DecodeParams {
-    ///     batch: 1, kv_heads: 2, group: 4, splits: 1, max_pages: 4, max_selected: 4, held_capacity: 4,
-    ///     dynamic_min_len: 0, scale_log2: 0.1275, paged, streaming,
-    ///     strides: TokenStrides::packed(8, 2),
-    /// };
-    /// let c = p.cache_layout();
-    /// assert_eq!((c.kv_heads, c.max_pages, c.paged, c.streaming), (2, 4, paged, streaming));
-    /// ```
-    pub const fn cache_layout(&self) -> CacheLayout {
-        CacheLayout {
-            kv_heads: self.kv_heads,
-            max_pages: self.max_pages,
-            paged: self.paged,
-            streaming: self.streaming,
-        }
-    }
+/// The one argument of a decode attention launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeArgs {
+    /// Scalars.
+    pub params: DecodeParams,
+    /// `[batch]` rows of `[q_heads][D]` queries, `params.strides.q` heads apart.
+    pub q: GlobalPtr<u16>,
+    /// The step's keys, `[batch]` rows of `[kv_heads][D]` (read by the appending kernels only).
+    pub k_new: GlobalPtr<u16>,
+    /// The step's values, as `k_new`.
+    pub v_new: GlobalPtr<u16>,
+    /// The layer's cache (written by the appending kernels only).
+    pub cache: CachePtrs,
+    /// The layer's [`DECODE_TENSOR_MAPS`] tensor maps of the pool's and the store's K and V
+    /// (read by the bulk-copy kernels).
+    pub tensor_maps: GlobalPtr<u8>,
+    /// The layer's selection state: index entries and held selections read; the appending
+    /// kernels write the entries' tails.
+    pub selection: SelectionPtrs,
+    /// The batch's lengths (after the step's token) and slots.
+    pub batch: BatchPtrs,
+    /// `[pairs][splits][G][D]` partial outputs (`pairs = batch * kv_heads`).
+    pub part_acc: GlobalPtrMut<f32>,
+    /// `[pairs][splits][G][2]` partial maxima and denominators.
+    pub part_ml: GlobalPtrMut<f32>,
 }
 
 /// Scalars of one combine launch (by value): grid `batch * q_heads`, [`COMBINE_THREADS`] threads.
@@ -203,4 +196,18 @@ pub struct CombineParams {
     pub splits: u32,
     /// Token strides; `out` (`batch` rows of `q_heads` heads) is the one the combine uses.
     pub strides: TokenStrides,
+}
+
+/// The one argument of a combine launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CombineArgs {
+    /// Scalars.
+    pub params: CombineParams,
+    /// The attention launch's partial outputs (`DecodeArgs::part_acc`).
+    pub part_acc: GlobalPtr<f32>,
+    /// Its partial maxima and denominators (`DecodeArgs::part_ml`).
+    pub part_ml: GlobalPtr<f32>,
+    /// `[batch]` rows of `[q_heads][D]` outputs, `params.strides.out` heads apart.
+    pub out: GlobalPtrMut<u16>,
 }

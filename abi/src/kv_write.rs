@@ -5,43 +5,15 @@
 //! the unit of work of one thread, so a launch is a flat range of chunks cut into blocks of
 //! [`KV_WRITE_THREADS`] threads. `head_dim` must be a multiple of 8.
 
-use crate::layout::{PagedLayout, StreamingLayout, TokenStrides};
+use crate::buffers::{BatchPtrs, CachePtrs, SelectionPtrs};
+use crate::layout::{CacheLayout, SelectionLayout, TokenStrides};
+use crate::ptr::{GlobalPtr, GlobalPtrMut};
 
 /// Threads per block of every kernel in this module.
 pub const KV_WRITE_THREADS: u32 = 128;
 
 /// Elements one thread moves (16 bytes of a 16-bit type).
 pub const CHUNK_ELEMS: u32 = 8;
-
-/// The cache a write kernel addresses: one layer's dense pool and streaming store, and the block
-/// tables shared by all layers.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CacheLayout {
-    /// KV heads of the model (`Hkv`): the activations are `[rows][kv_heads][head_dim]`.
-    pub kv_heads: u32,
-    /// Row stride of the block tables (`[slots][max_pages]`).
-    pub max_pages: u32,
-    /// The layer's dense pool.
-    pub paged: PagedLayout,
-    /// The layer's streaming store.
-    pub streaming: StreamingLayout,
-}
-
-impl CacheLayout {
-    /// Chunks of one activation row (`kv_heads * head_dim / 8`).
-    #[inline(always)]
-    pub const fn chunks_per_token(&self) -> u32 {
-        self.kv_heads * (self.paged.head_dim / CHUNK_ELEMS)
-    }
-
-    /// Whether position `pos` of a sequence of length `len` is held by a streaming head: a sink
-    /// token, or one of the last `local_tokens` (`StreamingStore::is_resident`).
-    #[inline(always)]
-    pub const fn streaming_resident(&self, pos: u32, len: u32) -> bool {
-        pos < len && (pos < self.streaming.sink_tokens || pos + self.streaming.local_tokens >= len)
-    }
-}
 
 /// Scalars of one `append_kv_*` launch: grid `ceil(batch * chunks_per_token / KV_WRITE_THREADS)`.
 #[repr(C)]
@@ -56,11 +28,28 @@ pub struct AppendParams {
     /// it), so a step that reuses its selection needs no selector launch. Equal to the layer's
     /// `SelectParams::dynamic_min_len`.
     pub dynamic_min_len: u32,
-    /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`). Equal to
-    /// `SelectParams::entry_capacity`; every held selection is shorter.
-    pub entry_capacity: u32,
+    /// The selection state's row strides (every held selection is shorter than an entry).
+    pub selection: SelectionLayout,
     /// Token strides; `kv` (the batch's `k`/`v` rows) is the one the append uses.
     pub strides: TokenStrides,
+}
+
+/// The one argument of an `append_kv_*` launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AppendArgs {
+    /// Scalars.
+    pub params: AppendParams,
+    /// `[batch]` rows of `[kv_heads][head_dim]` keys, `params.strides.kv` heads apart.
+    pub k: GlobalPtr<u16>,
+    /// The values, as `k`.
+    pub v: GlobalPtr<u16>,
+    /// Where rows go (the statistics of the token's logical page are updated).
+    pub cache: CachePtrs,
+    /// The entries the append keeps: reads `held_lens`, writes `index_pages` and `index_lens`.
+    pub selection: SelectionPtrs,
+    /// The batch's lengths (after the token) and slots.
+    pub batch: BatchPtrs,
 }
 
 /// One sequence's token range for `write_kv_rows_*` and `pool_key_stats_*`: positions
@@ -94,6 +83,22 @@ pub struct WriteRowsParams {
     pub strides: TokenStrides,
 }
 
+/// The one argument of a `write_kv_rows_*` launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WriteRowsArgs {
+    /// Scalars.
+    pub params: WriteRowsParams,
+    /// `[sequences]` token ranges.
+    pub ranges: GlobalPtr<SeqRange>,
+    /// Activation rows of `[kv_heads][head_dim]` keys, `params.strides.kv` heads apart.
+    pub k: GlobalPtr<u16>,
+    /// The values, as `k`.
+    pub v: GlobalPtr<u16>,
+    /// Where rows go (`kmin`/`kmax` are not touched: `pool_key_stats_*` computes them).
+    pub cache: CachePtrs,
+}
+
 /// Scalars of one `pool_key_stats_*` launch: grid `(ceil(max_logical_pages /
 /// pool_pages_per_block(head_dim)), dense_heads, sequences)`.
 #[repr(C)]
@@ -103,6 +108,19 @@ pub struct PoolParams {
     pub sequences: u32,
     /// Where the keys and statistics are.
     pub cache: CacheLayout,
+}
+
+/// The one argument of a `pool_key_stats_*` launch: reads `cache.k_pool` and the block tables,
+/// writes `cache.kmin` and `cache.kmax`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PoolArgs {
+    /// Scalars.
+    pub params: PoolParams,
+    /// `[sequences]` token ranges.
+    pub ranges: GlobalPtr<SeqRange>,
+    /// The layer's cache.
+    pub cache: CachePtrs,
 }
 
 /// Logical pages one `pool_key_stats_*` block pools: each takes `head_dim / 8` threads.
@@ -151,9 +169,20 @@ pub struct FillParams {
     pub seed: u64,
 }
 
+/// The one argument of a `fill_random_*` launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FillArgs {
+    /// Scalars.
+    pub params: FillParams,
+    /// `params.len` elements to write.
+    pub out: GlobalPtrMut<u16>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::{PagedLayout, StreamingLayout};
 
     #[test]
     fn logical_pages_cover_the_range() {

@@ -38,6 +38,49 @@ impl TokenStrides {
     }
 }
 
+/// One layer's cache as the kernels address it: its dense pool and streaming store, and the
+/// block tables shared by all layers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// KV heads of the model (`Hkv`): the activations are `[rows][kv_heads][head_dim]`.
+    pub kv_heads: u32,
+    /// Row stride of the block tables (`[slots][max_pages]`).
+    pub max_pages: u32,
+    /// The layer's dense pool.
+    pub paged: PagedLayout,
+    /// The layer's streaming store.
+    pub streaming: StreamingLayout,
+}
+
+impl CacheLayout {
+    /// Chunks of one activation row (`kv_heads * head_dim / 8`).
+    #[inline(always)]
+    pub const fn chunks_per_token(&self) -> u32 {
+        self.kv_heads * (self.paged.head_dim / crate::kv_write::CHUNK_ELEMS)
+    }
+
+    /// Whether position `pos` of a sequence of length `len` is held by a streaming head: a sink
+    /// token, or one of the last `local_tokens` (`StreamingStore::is_resident`).
+    #[inline(always)]
+    pub const fn streaming_resident(&self, pos: u32, len: u32) -> bool {
+        pos < len && (pos < self.streaming.sink_tokens || pos + self.streaming.local_tokens >= len)
+    }
+}
+
+/// Row strides of a layer's page selection state (`buffers::SelectionPtrs`), per (slot, dense
+/// head) pair.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelectionLayout {
+    /// Pages of one index-table entry (`[slots][dense_heads][entry_capacity]`): a held selection
+    /// and the newest page.
+    pub entry_capacity: u32,
+    /// Words of one held selection row (`[slots][dense_heads][held_capacity]`); the last word is
+    /// the selection's newest page (`select::held_newest_at`).
+    pub held_capacity: u32,
+}
+
 /// One layer's dense page pool: `K`, `V` are `[capacity][heads][page_tokens][head_dim]`, the key
 /// statistics `kmin`, `kmax` are `[capacity][heads][page_tokens / logical_tokens][head_dim]`.
 #[repr(C)]

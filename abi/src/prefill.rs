@@ -94,3 +94,25 @@ pub struct PrefillParams {
     /// Token strides of `q`, `k`/`v` and `out`.
     pub strides: crate::layout::TokenStrides,
 }
+
+/// The one argument of a prefill launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillArgs {
+    /// Scalars.
+    pub params: PrefillParams,
+    /// `[items]` work items.
+    pub items: crate::ptr::GlobalPtr<PrefillWorkItem>,
+    /// `[kv_heads]` head map (`decode::HEAD_STREAMING` marks a streaming head).
+    pub head_map: crate::ptr::GlobalPtr<u32>,
+    /// The caller's block mask (`params.has_mask == 1`), else unused.
+    pub mask: crate::ptr::GlobalPtr<u32>,
+    /// `[tokens]` rows of `[q_heads][D]` queries, `params.strides.q` heads apart.
+    pub q: crate::ptr::GlobalPtr<u16>,
+    /// `[tokens]` rows of `[kv_heads][D]` keys, `params.strides.kv` heads apart.
+    pub k: crate::ptr::GlobalPtr<u16>,
+    /// The values, as `k`.
+    pub v: crate::ptr::GlobalPtr<u16>,
+    /// `[tokens]` rows of `[q_heads][D]` outputs, `params.strides.out` heads apart.
+    pub out: crate::ptr::GlobalPtrMut<u16>,
+}

@@ -13,7 +13,9 @@
 //!
 //! Both decide "due" with [`selection_due`] on the same state, so they agree.
 
-use crate::layout::{PagedLayout, TokenStrides};
+use crate::buffers::{BatchPtrs, SelectionPtrs};
+use crate::layout::{CacheLayout, SelectionLayout, TokenStrides};
+use crate::ptr::{GlobalPtr, GlobalPtrMut};
 
 /// Threads per block of the scorer (8 warps).
 pub const SCORE_THREADS: u32 = 256;
@@ -33,20 +35,17 @@ pub const AGGREGATE_MAX: u32 = 0;
 /// [`SelectParams::aggregation`]: mean over the group's query heads.
 pub const AGGREGATE_MEAN: u32 = 1;
 
-/// Scalars of one scorer or selector launch (by value; both kernels take the same struct).
+/// Scalars of one scorer or selector launch (both kernels take the same struct).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SelectParams {
     /// Sequences in the batch (`B`).
     pub batch: u32,
-    /// KV heads of the model (`Hkv`); the query heads are `[B][kv_heads * G][D]`.
-    pub kv_heads: u32,
-    /// Row stride of the block tables (`[slots][max_pages]`) and of the score workspace.
-    pub max_pages: u32,
-    /// Row stride of the held selections (`[slots][dense_heads][held_capacity]`).
-    pub held_capacity: u32,
-    /// Row stride of the index tables (`[slots][dense_heads][entry_capacity]`).
-    pub entry_capacity: u32,
+    /// The layer's cache: KV heads (the query heads are `[B][kv_heads * G][D]`), the block-table
+    /// stride (also the score workspace's), the dense pool's statistics layout.
+    pub cache: CacheLayout,
+    /// The selection state's row strides.
+    pub selection: SelectionLayout,
     /// Sequences of at most this many tokens attend densely: no selection, tables untouched.
     pub dynamic_min_len: u32,
     /// Reuse interval `C` (at least 1).
@@ -57,10 +56,64 @@ pub struct SelectParams {
     pub always_include_first: u32,
     /// [`AGGREGATE_MAX`] or [`AGGREGATE_MEAN`].
     pub aggregation: u32,
-    /// The layer's dense pool (`heads` is `dense_heads`; statistics layout).
-    pub paged: PagedLayout,
     /// Token strides; `q` (the batch's query rows) is the one the scorer uses.
     pub strides: TokenStrides,
+}
+
+/// The one argument of a scorer launch (`score_pages_*`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScoreArgs {
+    /// Scalars.
+    pub params: SelectParams,
+    /// `[B]` rows of `[q_heads][D]` queries, `params.strides.q` heads apart.
+    pub q: GlobalPtr<u16>,
+    /// The layer's `kmin` (`[capacity][dense_heads][N_P / N_L][D]`).
+    pub kmin: GlobalPtr<u16>,
+    /// The layer's `kmax`, as `kmin`.
+    pub kmax: GlobalPtr<u16>,
+    /// `[slots][max_pages]` physical page ids.
+    pub block_tables: GlobalPtr<u32>,
+    /// `[kv_heads]` head map of the layer (`buffers::CachePtrs::head_map`).
+    pub head_map: GlobalPtr<u32>,
+    /// The batch's lengths (after this step's token) and slots.
+    pub batch: BatchPtrs,
+    /// `[slots]` decode step counters.
+    pub decode_steps: GlobalPtr<u32>,
+    /// `[slots][dense_heads]` held selection lengths.
+    pub held_lens: GlobalPtr<u32>,
+    /// `[B][dense_heads][max_pages]` physical-page scores (written for due pairs only).
+    pub scores: GlobalPtrMut<f32>,
+}
+
+/// The one argument of a selector launch (`select_pages`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelectArgs {
+    /// Scalars.
+    pub params: SelectParams,
+    /// `[B][dense_heads][max_pages]` physical-page scores (from the scorer).
+    pub scores: GlobalPtr<f32>,
+    /// `[slots][max_pages]` physical page ids.
+    pub block_tables: GlobalPtr<u32>,
+    /// The batch's lengths (after this step's token) and slots.
+    pub batch: BatchPtrs,
+    /// `[slots]` decode step counters.
+    pub decode_steps: GlobalPtr<u32>,
+    /// The layer's selection state: the due pairs' held selections and index entries written.
+    pub selection: SelectionPtrs,
+}
+
+/// The one argument of an `advance_decode_steps` launch: grid `ceil(batch / STEP_THREADS)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepArgs {
+    /// Sequences in the batch.
+    pub batch: u32,
+    /// `[batch]` sequence slots.
+    pub seq_slot: GlobalPtr<u32>,
+    /// `[slots]` decode step counters, each of the batch's slots incremented.
+    pub decode_steps: GlobalPtrMut<u32>,
 }
 
 /// Position, in a held-selection row of `held_capacity` words, of the selection's newest page

@@ -18,9 +18,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use lserve_abi::buffers::{BatchPtrs, CachePtrs, SelectionPtrs};
 use lserve_abi::decode::HEAD_STREAMING;
-use lserve_abi::{PagedLayout, StreamingLayout};
+use lserve_abi::ptr::{GlobalPtr, GlobalPtrMut};
+use lserve_abi::{CacheLayout, PagedLayout, SelectionLayout, StreamingLayout};
 
+use super::launch::Launch;
 use super::table_sync::{RowCopy, TableMirror};
 use super::GpuContext;
 use crate::dtype::Element;
@@ -61,6 +64,99 @@ pub struct DeviceLayer<E> {
     pub(crate) held_pages: CudaSlice<u32>,
     /// `[slots][dense_heads]` pages in the held selection (0: nothing held).
     pub(crate) held_lens: CudaSlice<u32>,
+}
+
+impl<E: DeviceElement> DeviceLayer<E> {
+    /// The layer as the kernels' argument structs address it (`kv_heads` of the model,
+    /// `max_pages` the block tables' row stride).
+    pub(crate) fn layout(&self, kv_heads: usize, max_pages: u32) -> CacheLayout {
+        CacheLayout {
+            kv_heads: kv_heads as u32,
+            max_pages,
+            paged: self.paged,
+            streaming: self.streaming,
+        }
+    }
+
+    /// The layer's cache and selection buffers for a kernel that only reads them, registered
+    /// with `launch` as read. (The pointers are `GlobalPtrMut` because the argument structs are
+    /// shared with the kernels that write them; a launch given these must not write.)
+    pub(crate) fn ptrs<'a>(
+        &'a self,
+        launch: &mut Launch<'a>,
+        block_tables: &'a CudaSlice<u32>,
+    ) -> (CachePtrs, SelectionPtrs) {
+        let writable = |p: GlobalPtr<E>| GlobalPtrMut::<u16>::from_addr(p.addr());
+        let writable_u32 = |p: GlobalPtr<u32>| GlobalPtrMut::<u32>::from_addr(p.addr());
+        let cache = CachePtrs {
+            k_pool: writable(launch.read(&self.k_pool)),
+            v_pool: writable(launch.read(&self.v_pool)),
+            kmin: writable(launch.read(&self.kmin)),
+            kmax: writable(launch.read(&self.kmax)),
+            k_stream: writable(launch.read(&self.k_stream)),
+            v_stream: writable(launch.read(&self.v_stream)),
+            block_tables: launch.read(block_tables),
+            head_map: launch.read(&self.head_map),
+        };
+        let selection = SelectionPtrs {
+            held_pages: writable_u32(launch.read(&self.held_pages)),
+            held_lens: writable_u32(launch.read(&self.held_lens)),
+            index_pages: writable_u32(launch.read(&self.index_pages)),
+            index_lens: writable_u32(launch.read(&self.index_lens)),
+        };
+        (cache, selection)
+    }
+
+    /// The layer's selection buffers for a kernel that writes them (the selector), registered
+    /// with `launch` as written.
+    pub(crate) fn selection_mut<'a>(&'a mut self, launch: &mut Launch<'a>) -> SelectionPtrs {
+        SelectionPtrs {
+            held_pages: launch.write(&mut self.held_pages),
+            held_lens: launch.write(&mut self.held_lens),
+            index_pages: launch.write(&mut self.index_pages),
+            index_lens: launch.write(&mut self.index_lens),
+        }
+    }
+
+    /// The layer's cache and selection buffers for a kernel that writes them, registered with
+    /// `launch` as written (the block tables and the head map as read).
+    pub(crate) fn ptrs_mut<'a>(
+        &'a mut self,
+        launch: &mut Launch<'a>,
+        block_tables: &'a CudaSlice<u32>,
+    ) -> (CachePtrs, SelectionPtrs) {
+        let DeviceLayer {
+            k_pool,
+            v_pool,
+            kmin,
+            kmax,
+            k_stream,
+            v_stream,
+            head_map,
+            index_pages,
+            index_lens,
+            held_pages,
+            held_lens,
+            ..
+        } = self;
+        let cache = CachePtrs {
+            k_pool: launch.write(k_pool).cast(),
+            v_pool: launch.write(v_pool).cast(),
+            kmin: launch.write(kmin).cast(),
+            kmax: launch.write(kmax).cast(),
+            k_stream: launch.write(k_stream).cast(),
+            v_stream: launch.write(v_stream).cast(),
+            block_tables: launch.read(block_tables),
+            head_map: launch.read(head_map),
+        };
+        let selection = SelectionPtrs {
+            held_pages: launch.write(held_pages),
+            held_lens: launch.write(held_lens),
+            index_pages: launch.write(index_pages),
+            index_lens: launch.write(index_lens),
+        };
+        (cache, selection)
+    }
 }
 
 /// The paged KV cache of every layer on the device.
@@ -552,6 +648,14 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             .ok_or_else(|| layer_out_of_range(layer, n))
     }
 
+    /// The selection state's row strides, as the kernels' argument structs hold them.
+    pub(crate) fn selection_layout(&self) -> SelectionLayout {
+        SelectionLayout {
+            entry_capacity: self.entry_capacity,
+            held_capacity: self.held_capacity,
+        }
+    }
+
     /// Layer `layer`'s buffers, mutable.
     pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<&mut DeviceLayer<E>> {
         self.layer_parts_mut(layer).map(|(l, _, _)| l)
@@ -640,6 +744,14 @@ pub struct DecodeBatch {
 }
 
 impl DecodeBatch {
+    /// The batch's lengths and slots for a kernel, registered with `launch` as read.
+    pub(crate) fn ptrs<'a>(&'a self, launch: &mut Launch<'a>) -> BatchPtrs {
+        BatchPtrs {
+            seq_len: launch.read(&self.seq_len),
+            seq_slot: launch.read(&self.seq_slot),
+        }
+    }
+
     /// Room for `max_batch` sequences.
     pub fn new(gpu: &GpuContext, max_batch: usize) -> Result<Self> {
         if max_batch == 0 {

@@ -3,14 +3,14 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::decode::{
-    combine_smem_bytes, decode_smem_bytes, CombineParams, DecodeParams, COMBINE_THREADS,
-    DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
+    combine_smem_bytes, decode_smem_bytes, CombineArgs, CombineParams, DecodeArgs, DecodeParams,
+    COMBINE_THREADS, DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 use lserve_abi::layout::TokenStrides;
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 use super::kv_write::append_rows;
-use super::launch::{check_shape, kernel_of, ByValue, OverlappedLaunch};
+use super::launch::{check_shape, kernel_of, Launch};
 use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::dtype::DType;
@@ -610,90 +610,78 @@ fn launch_attention<E: DeviceElement>(
     );
     let (b, l) = (batch.len(), cache.layer(layer)?);
     let (pairs, splits) = (b * hkv, plan.splits);
-    let params = ByValue(DecodeParams {
+    let params = DecodeParams {
         batch: b as u32,
-        kv_heads: hkv as u32,
         group: group as u32,
         splits,
-        max_pages: cache.max_pages,
-        max_selected: cache.entry_capacity,
-        held_capacity: cache.held_capacity,
         dynamic_min_len: cache.dynamic_min_len,
         scale_log2: cache.softmax_scale * std::f32::consts::LOG2_E,
-        paged: l.paged,
-        streaming: l.streaming,
+        cache: l.layout(hkv, cache.max_pages),
+        selection: cache.selection_layout(),
         strides: plan.strides,
-    });
+    };
     let cfg = LaunchConfig {
         grid_dim: (splits, pairs as u32, 1),
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: decode_smem_bytes(d as u32),
     };
-    let mut launch = OverlappedLaunch::new(gpu, &kernels.attention);
+    let mut launch = Launch::overlapped(gpu, &kernels.attention);
     // Without a token the kernel reads `k_new`/`v_new` never: `q` stands in for them.
     let (k_new, v_new) = new.unwrap_or((q, q));
-    launch
-        .value(&params)
-        .buf(q.view())
-        .buf(k_new.view())
-        .buf(v_new.view())
-        .buf(&l.k_pool)
-        .buf(&l.v_pool)
-        .buf(&l.kmin)
-        .buf(&l.kmax)
-        .buf(&l.k_stream)
-        .buf(&l.v_stream)
-        .buf(&l.tensor_maps)
-        .buf(&cache.block_tables)
-        .buf(&l.held_pages)
-        .buf(&l.held_lens)
-        .buf(&l.index_pages)
-        .buf(&l.index_lens)
-        .buf(&batch.seq_len)
-        .buf(&batch.seq_slot)
-        .buf(&l.head_map)
-        .buf_mut(&mut ws.part_acc)
-        .buf_mut(&mut ws.part_ml);
-    // SAFETY: the argument list matches the kernel's signature (kernels-gpu/src/decode/mod.rs):
-    // `DecodeParams` by value, then the buffers in order. The grid is `(splits, B * Hkv)` with
-    // `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`, so partial states stay inside the
-    // workspace; the cache's buffers have the layouts in `params` (built from them),
-    // `batch` holds slots and lengths checked against this cache (`check_batch`), the tensor maps
-    // describe the layer's K/V buffers (encoded from them when the cache was built), and the tables
-    // hold page ids below the pool's capacity (the manager and the selection kernels write only
-    // those). With `new` the kernel writes the cache as `append_kv` does (that function's
-    // contract: `k`, `v` hold `B * Hkv * D` elements, checked; distinct live slots; held
-    // selections shorter than the index capacity) and the caller holds the cache mutably
-    // (`append_and_attend`); without it the kernel writes only the workspace.
+    let (cache_ptrs, selection) = l.ptrs(&mut launch, &cache.block_tables);
+    let args = DecodeArgs {
+        params,
+        q: launch.read(q.view()).cast(),
+        k_new: launch.read(k_new.view()).cast(),
+        v_new: launch.read(v_new.view()).cast(),
+        cache: cache_ptrs,
+        tensor_maps: launch.read(&l.tensor_maps),
+        selection,
+        batch: batch.ptrs(&mut launch),
+        part_acc: launch.write(&mut ws.part_acc),
+        part_ml: launch.write(&mut ws.part_ml),
+    };
+    // SAFETY: `args` is `decode_attention_*`'s argument struct, of the buffers registered above.
+    // The grid is `(splits, B * Hkv)` with `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`,
+    // so partial states stay inside the workspace; the cache's buffers have the layouts in
+    // `params` (built from them), `batch` holds slots and lengths checked against this cache
+    // (`check_batch`), the tensor maps describe the layer's K/V buffers (encoded from them when
+    // the cache was built), and the tables hold page ids below the pool's capacity (the manager
+    // and the selection kernels write only those). With `new` the kernel writes the cache as
+    // `append_kv` does (that function's contract: `k`, `v` hold `B * Hkv * D` elements,
+    // checked; distinct live slots; held selections shorter than the index capacity) and the
+    // caller holds the cache mutably (`append_and_attend`); without it the kernel writes only
+    // the workspace.
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(cfg, &args) }?;
 
-    let combine = ByValue(CombineParams {
+    let params = CombineParams {
         batch: b as u32,
         q_heads: hq as u32,
         group: group as u32,
         head_dim: d as u32,
         splits,
         strides: plan.strides,
-    });
+    };
     let cfg = LaunchConfig {
         grid_dim: ((b * hq) as u32, 1, 1),
         block_dim: (COMBINE_THREADS, 1, 1),
         shared_mem_bytes: combine_smem_bytes(),
     };
-    let mut launch = OverlappedLaunch::new(gpu, &kernels.combine);
-    launch
-        .value(&combine)
-        .buf(&ws.part_acc)
-        .buf(&ws.part_ml)
-        .buf_mut(out.view_mut());
-    // SAFETY: matches `decode_combine_*(CombineParams, *const f32, *const f32, *mut u16)`; the
+    let mut launch = Launch::overlapped(gpu, &kernels.combine);
+    let args = CombineArgs {
+        params,
+        part_acc: launch.read(&ws.part_acc),
+        part_ml: launch.read(&ws.part_ml),
+        out: launch.write(out.view_mut()).cast(),
+    };
+    // SAFETY: `decode_combine_*`'s argument struct, of the buffers registered above; the
     // partial states were written for this batch and split count just above, on this stream;
     // `out` holds `B` rows of `Hq * D` elements at its stride (checked).
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(cfg, &args) }?;
     Ok(())
 }
 

@@ -44,25 +44,20 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use lserve_abi::kv_write::{
-    logical_pages_of, pool_pages_per_block, AppendParams, CacheLayout, FillParams, PoolParams,
-    SeqRange, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
+    logical_pages_of, pool_pages_per_block, AppendArgs, AppendParams, FillArgs, FillParams,
+    PoolArgs, PoolParams, SeqRange, WriteRowsArgs, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
 };
 use lserve_abi::layout::TokenStrides;
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{kernel_of, ByValue, LaunchParams, OverlappedLaunch};
+use super::launch::{kernel_of, Launch};
 use super::tokens::{kv_stride, Tokens};
 use super::GpuContext;
 use crate::error::invalid;
 use crate::paging::{KvCacheManager, SeqId};
 use crate::{LserveError, Result};
-
-impl LaunchParams for AppendParams {}
-impl LaunchParams for WriteRowsParams {}
-impl LaunchParams for PoolParams {}
-impl LaunchParams for FillParams {}
 
 /// `u32` words of one [`SeqRange`] as the kernels read it (`#[repr(C)]`, five `u32`).
 const RANGE_WORDS: usize = 5;
@@ -72,16 +67,6 @@ const _: () = assert!(std::mem::size_of::<SeqRange>() == RANGE_WORDS * 4);
 const MAX_GRID_YZ: usize = 65_535;
 /// The largest `gridDim.x`.
 const MAX_GRID_X: usize = (1 << 31) - 1;
-
-/// One layer's cache as the write kernels address it.
-fn cache_layout<E>(l: &DeviceLayer<E>, kv_heads: usize, max_pages: u32) -> CacheLayout {
-    CacheLayout {
-        kv_heads: kv_heads as u32,
-        max_pages,
-        paged: l.paged,
-        streaming: l.streaming,
-    }
-}
 
 /// Blocks covering `chunks` chunks, one per thread.
 fn blocks_for(chunks: usize) -> Result<u32> {
@@ -139,52 +124,44 @@ pub(crate) fn append_rows<E: DeviceElement>(
     cache.check_batch(batch)?;
     let b = batch.len();
     let kv = kv_stride(gpu, k, v, b, hkv, d)?;
-    let max_pages = cache.max_pages;
-    let (dynamic_min_len, entry_capacity) = (cache.dynamic_min_len, cache.entry_capacity);
+    let (max_pages, dynamic_min_len) = (cache.max_pages, cache.dynamic_min_len);
+    let selection_layout = cache.selection_layout();
     let (l, tables, _) = cache.layer_parts_mut(layer)?;
-    let params = ByValue(AppendParams {
+    let params = AppendParams {
         batch: b as u32,
-        cache: cache_layout(l, hkv, max_pages),
+        cache: l.layout(hkv, max_pages),
         dynamic_min_len,
-        entry_capacity,
+        selection: selection_layout,
         strides: TokenStrides {
             kv,
             ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
         },
-    });
+    };
     let f = gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(b * hkv * d / CHUNK_ELEMS as usize)?, 1, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = OverlappedLaunch::new(gpu, &f);
-    launch
-        .value(&params)
-        .buf(k.view())
-        .buf(v.view())
-        .buf_mut(&mut l.k_pool)
-        .buf_mut(&mut l.v_pool)
-        .buf_mut(&mut l.kmin)
-        .buf_mut(&mut l.kmax)
-        .buf_mut(&mut l.k_stream)
-        .buf_mut(&mut l.v_stream)
-        .buf(tables)
-        .buf(&l.head_map)
-        .buf(&batch.seq_slot)
-        .buf(&batch.seq_len)
-        .buf(&l.held_lens)
-        .buf_mut(&mut l.index_pages)
-        .buf_mut(&mut l.index_lens);
-    // SAFETY: the arguments match `append_kv_*` (kernels-gpu/src/kv_write/mod.rs) in order and
-    // type. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
+    let mut launch = Launch::overlapped(gpu, &f);
+    let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
+    let (cache_ptrs, selection) = l.ptrs_mut(&mut launch, tables);
+    let args = AppendArgs {
+        params,
+        k,
+        v,
+        cache: cache_ptrs,
+        selection,
+        batch: batch.ptrs(&mut launch),
+    };
+    // SAFETY: `append_kv_*`'s argument struct, of the buffers registered above. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
     // elements (checked), the cache buffers have the layouts in `params` (taken from them; the
     // held selections, written by the selector, are shorter than `entry_capacity`), the
     // batch holds distinct live slots of lengths in `1..=max_pages * N_P` (checked; the manager
     // set them), and the block tables hold page ids below the capacity (the manager's).
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(cfg, &args) }?;
     Ok(())
 }
 
@@ -514,39 +491,38 @@ pub fn write_kv_rows<'t, E: DeviceElement>(
     if chunks == 0 {
         return Ok(());
     }
-    let params = ByValue(WriteRowsParams {
+    let params = WriteRowsParams {
         sequences: host.ranges.len() as u32,
-        cache: cache_layout(l, hkv, max_pages),
+        cache: l.layout(hkv, max_pages),
         strides: TokenStrides {
             kv,
             ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
         },
-    });
+    };
     let f = gpu.function(kernel_of::<E>("write_kv_rows_bf16", "write_kv_rows_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(chunks)?, host.ranges.len() as u32, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.stream().launch_builder(&f);
-    launch
-        .arg(&params)
-        .arg(&plan.ranges)
-        .arg(k.view())
-        .arg(v.view())
-        .arg(&mut l.k_pool)
-        .arg(&mut l.v_pool)
-        .arg(&mut l.k_stream)
-        .arg(&mut l.v_stream)
-        .arg(tables)
-        .arg(&l.head_map);
-    // SAFETY: the arguments match `write_kv_rows_*` in order and type; `plan.ranges` holds
+    let mut launch = Launch::new(gpu, &f);
+    let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
+    let ranges = launch.read(&plan.ranges).cast();
+    let (cache_ptrs, _) = l.ptrs_mut(&mut launch, tables);
+    let args = WriteRowsArgs {
+        params,
+        ranges,
+        k,
+        v,
+        cache: cache_ptrs,
+    };
+    // SAFETY: `write_kv_rows_*`'s argument struct, of the buffers registered above; `plan.ranges` holds
     // `sequences` `SeqRange`s (five `u32` each, `#[repr(C)]`) that the manager validated
     // (`start <= end <= len`, distinct live slots) for a cache of this shape (checked), so their
     // block-table rows map every page below `len`; `k`/`v` hold `T` rows of `Hkv * D` elements at
     // their stride (checked);
     // the grid covers the longest range's chunks.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(cfg, &args) }?;
     Ok(())
 }
 
@@ -577,10 +553,10 @@ pub fn pool_key_stats<E: DeviceElement>(
     if dense_heads > MAX_GRID_YZ {
         return Err(invalid("layer", "more dense heads than one launch covers"));
     }
-    let params = ByValue(PoolParams {
+    let params = PoolParams {
         sequences: host.ranges.len() as u32,
-        cache: cache_layout(l, hkv, max_pages),
-    });
+        cache: l.layout(hkv, max_pages),
+    };
     let f = gpu.function(kernel_of::<E>("pool_key_stats_bf16", "pool_key_stats_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -591,18 +567,18 @@ pub fn pool_key_stats<E: DeviceElement>(
         block_dim: (KV_WRITE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.stream().launch_builder(&f);
-    launch
-        .arg(&params)
-        .arg(&plan.ranges)
-        .arg(&l.k_pool)
-        .arg(&mut l.kmin)
-        .arg(&mut l.kmax)
-        .arg(tables);
-    // SAFETY: the arguments match `pool_key_stats_*` in order and type; the ranges are valid for
+    let mut launch = Launch::new(gpu, &f);
+    let ranges = launch.read(&plan.ranges).cast();
+    let (cache_ptrs, _) = l.ptrs_mut(&mut launch, tables);
+    let args = PoolArgs {
+        params,
+        ranges,
+        cache: cache_ptrs,
+    };
+    // SAFETY: `pool_key_stats_*`'s argument struct, of the buffers registered above; the ranges are valid for
     // a cache of this shape (checked, see `write_kv_rows`); the grid is `(logical page blocks,
     // dense heads, ranges)` as the kernel expects.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(cfg, &args) }?;
     Ok(())
 }
 
@@ -632,20 +608,23 @@ pub fn fill_random<E: DeviceElement>(
     if len == 0 {
         return Ok(());
     }
-    let params = ByValue(FillParams {
+    let params = FillParams {
         len: len as u64,
         seed,
-    });
+    };
     let f = gpu.function(kernel_of::<E>("fill_random_bf16", "fill_random_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(len.div_ceil(CHUNK_ELEMS as usize))?, 1, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.stream().launch_builder(&f);
-    launch.arg(&params).arg(buf);
-    // SAFETY: matches `fill_random_*(FillParams, *mut u16)`; `buf` holds `len` elements of a
+    let mut launch = Launch::new(gpu, &f);
+    let args = FillArgs {
+        params,
+        out: launch.write(buf).cast(),
+    };
+    // SAFETY: `fill_random_*`'s argument struct, of the buffer registered above; `buf` holds `len` elements of a
     // 16-bit type, allocated by the driver (16-byte aligned); the grid covers `len / 8` chunks.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(cfg, &args) }?;
     Ok(())
 }

@@ -1,12 +1,12 @@
-//! Kernel launches: `lserve-abi` parameter structs passed by value, and launches that overlap
-//! the previous kernel's end ([`OverlappedLaunch`]).
+//! Kernel launches ([`Launch`]): a kernel's buffers registered with the stream, then its one
+//! `lserve-abi` argument struct passed by value, optionally overlapping the previous kernel's end.
 
 use std::ffi::c_void;
-use std::marker::PhantomData;
 
 use cudarc::driver::{
-    sys, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop,
+    sys, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop,
 };
+use lserve_abi::ptr::{GlobalPtr, GlobalPtrMut};
 
 use super::cache::DeviceElement;
 use super::GpuContext;
@@ -57,27 +57,48 @@ pub(crate) fn ptx_has_kernel(name: &str) -> bool {
     names.iter().all(|module| module.iter().any(|n| n == name))
 }
 
-/// A launch-parameter struct from `lserve-abi`, passed to a kernel by value.
+/// A kernel's argument struct from `lserve-abi`: every production kernel takes exactly one,
+/// by value (`.param .align 8 .b8 [size]`, C layout on both sides from the one definition).
 ///
-/// cudarc copies a kernel argument's bytes into the launch's parameter buffer; the kernels take
-/// these structs as `.param .align 4 .b8 [size]` in C layout (`#[repr(C)]` on both sides, the
-/// same definition compiled for host and device), so the bytes line up.
-#[repr(transparent)]
-pub(crate) struct ByValue<T>(pub T);
+/// Implemented for the argument structs only: `#[repr(C)]`, `Copy`, scalars and
+/// [`GlobalPtr`]/[`GlobalPtrMut`] device addresses, no padding the kernel reads.
+pub(crate) trait KernelArgs: Copy + sealed::Sealed {}
 
-/// The parameter structs that may cross the launch by value: `#[repr(C)]`, `Copy`, no pointers
-/// the kernel would dereference without the launcher's checks, no padding the kernel reads.
-pub(crate) trait LaunchParams: Copy {}
+mod sealed {
+    pub trait Sealed {}
+}
 
-impl LaunchParams for lserve_abi::decode::DecodeParams {}
-impl LaunchParams for lserve_abi::decode::CombineParams {}
+macro_rules! kernel_args {
+    ($($t:path),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        impl KernelArgs for $t {}
+    )*};
+}
 
-// SAFETY: `ByValue<T>` is `repr(transparent)` over a `#[repr(C)]` plain-data struct shared with
-// the kernel crate (see `LaunchParams`); its bytes are exactly what the kernel reads.
-unsafe impl<T: LaunchParams> DeviceRepr for ByValue<T> {}
+kernel_args!(
+    lserve_abi::decode::DecodeArgs,
+    lserve_abi::decode::CombineArgs,
+    lserve_abi::kv_write::AppendArgs,
+    lserve_abi::kv_write::WriteRowsArgs,
+    lserve_abi::kv_write::PoolArgs,
+    lserve_abi::kv_write::FillArgs,
+    lserve_abi::select::ScoreArgs,
+    lserve_abi::select::SelectArgs,
+    lserve_abi::select::StepArgs,
+    lserve_abi::prefill::PrefillArgs,
+);
 
-/// A kernel launch that may overlap the end of the previous kernel on the stream (Hopper's
-/// *programmatic dependent launch*): the launch carries
+/// One kernel launch: its buffers are registered first ([`read`](Self::read),
+/// [`write`](Self::write)), which gives their addresses for the kernel's argument struct; then
+/// [`launch`](Self::launch) enqueues the kernel with that struct, the one parameter.
+///
+/// Buffers take part in cudarc's event tracking as with cudarc's `LaunchArgs` (where the
+/// context manages stream synchronization, see `GpuContext`): registering one makes the stream
+/// wait for the buffer's last write (and, for a written buffer, its last read), and the buffer's
+/// read or write event is recorded after the launch is enqueued.
+///
+/// An [`overlapped`](Self::overlapped) launch may overlap the end of the previous kernel on the
+/// stream (Hopper's *programmatic dependent launch*): it carries
 /// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, so the driver may start its blocks
 /// once every block of the previous kernel has signalled (`griddepcontrol.launch_dependents`) or
 /// exited, instead of after that kernel's completion. The kernel's blocks then wait
@@ -85,93 +106,70 @@ unsafe impl<T: LaunchParams> DeviceRepr for ByValue<T> {}
 /// kernel has completed and its writes are visible before they touch memory that a kernel may
 /// write (some first read what only host copies write: batch lengths and slots, head map, block
 /// tables); what overlaps is the launch itself (block scheduling, parameter loads) and those
-/// reads, which is most of a small kernel's cost.
-/// The decode step's kernels are launched this way; the ordering is the stream's, as before.
-///
-/// The builder mirrors cudarc's `LaunchArgs`: arguments in kernel-signature order, then
-/// [`launch`](Self::launch), which consumes it. Buffers take part in cudarc's event tracking as
-/// with `LaunchArgs` (where the context manages stream synchronization, see `GpuContext`):
-/// adding one makes the stream wait for the buffer's last write (and, for a written buffer, its
-/// last read), and the buffer's read or write event is recorded after the launch is enqueued.
-pub(crate) struct OverlappedLaunch<'a> {
+/// reads, which is most of a small kernel's cost. The decode step's kernels are launched this
+/// way; the ordering is the stream's, as before.
+pub(crate) struct Launch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
-    args: Vec<Arg<'a>>,
-    /// Whether the loaded module's kernels wait for the previous kernel themselves (the sm_90
-    /// build's `griddepcontrol.wait`): only then may the launch overlap it.
+    /// Whether to overlap the previous kernel: only where the loaded module's kernels wait for it
+    /// themselves (the sm_90 build's `griddepcontrol.wait`).
     overlap: bool,
-    /// cudarc's guards of the buffer arguments: dropping one records the buffer's read or write
-    /// event on the stream (when the context tracks events), so they are dropped only after
-    /// the launch is enqueued.
+    /// cudarc's guards of the registered buffers: dropping one records the buffer's read or
+    /// write event on the stream (when the context tracks events), so they are dropped only
+    /// after the launch is enqueued.
     guards: Vec<SyncOnDrop<'a>>,
 }
 
-/// One kernel argument: a device pointer (held here, so the parameter array can point at it) or
-/// a borrowed value.
-enum Arg<'a> {
-    Pointer(sys::CUdeviceptr),
-    Value(*const c_void, PhantomData<&'a ()>),
-}
-
-impl<'a> OverlappedLaunch<'a> {
-    /// A launch of `func` on `gpu`'s stream, overlapped with the previous kernel where `gpu`'s
-    /// module supports it ([`KernelPtx::is_hopper`](super::KernelPtx::is_hopper)); a plain
-    /// launch otherwise.
+impl<'a> Launch<'a> {
+    /// A launch of `func` on `gpu`'s stream that waits for the previous kernel's completion.
     pub(crate) fn new(gpu: &'a GpuContext, func: &'a CudaFunction) -> Self {
         Self {
             stream: gpu.stream(),
             func,
-            args: Vec::with_capacity(16),
-            overlap: gpu.ptx().is_hopper(),
-            guards: Vec::with_capacity(16),
+            overlap: false,
+            guards: Vec::with_capacity(24),
         }
     }
 
-    /// Appends a buffer argument (the kernel reads or writes through it).
-    pub(crate) fn buf<T>(&mut self, slice: &'a impl DevicePtr<T>) -> &mut Self {
+    /// A launch of `func` on `gpu`'s stream overlapped with the previous kernel where `gpu`'s
+    /// module supports it ([`KernelPtx::is_hopper`](super::KernelPtx::is_hopper)); as
+    /// [`new`](Self::new) otherwise. The kernel must wait (`overlapped_entry`) before touching
+    /// what the kernel before may write.
+    pub(crate) fn overlapped(gpu: &'a GpuContext, func: &'a CudaFunction) -> Self {
+        Self {
+            overlap: gpu.ptx().is_hopper(),
+            ..Self::new(gpu, func)
+        }
+    }
+
+    /// Registers a buffer the kernel reads; its address.
+    pub(crate) fn read<T>(&mut self, buf: &'a impl DevicePtr<T>) -> GlobalPtr<T> {
         // With tracking, this enqueues the wait for the buffer's last write; its guard records
         // the read after the launch.
-        let (ptr, guard) = slice.device_ptr(self.stream);
-        self.args.push(Arg::Pointer(ptr));
+        let (ptr, guard) = buf.device_ptr(self.stream);
         self.guards.push(guard);
-        self
+        GlobalPtr::from_addr(ptr)
     }
 
-    /// Appends a buffer argument the kernel writes through.
-    pub(crate) fn buf_mut<T>(&mut self, slice: &'a mut impl DevicePtrMut<T>) -> &mut Self {
+    /// Registers a buffer the kernel writes (and may read); its address.
+    pub(crate) fn write<T>(&mut self, buf: &'a mut impl DevicePtrMut<T>) -> GlobalPtrMut<T> {
         // With tracking, this enqueues the wait for the buffer's last read and write; its guard
         // records the write after the launch.
-        let (ptr, guard) = slice.device_ptr_mut(self.stream);
-        self.args.push(Arg::Pointer(ptr));
+        let (ptr, guard) = buf.device_ptr_mut(self.stream);
         self.guards.push(guard);
-        self
+        GlobalPtrMut::from_addr(ptr)
     }
 
-    /// Appends a by-value argument (a parameter struct or a scalar).
-    pub(crate) fn value<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
-        self.args
-            .push(Arg::Value(value as *const T as *const c_void, PhantomData));
-        self
-    }
-
-    /// Enqueues the launch, then records the buffers' events (see the type's docs).
+    /// Enqueues the launch with its one argument `args`, then records the buffers' events (see
+    /// the type's docs).
     ///
     /// # Safety
-    /// As cudarc's `LaunchArgs::launch`: the arguments match the kernel's signature in order and
-    /// type, and the grid and the buffers satisfy the kernel's contract. The kernel waits for
-    /// the previous kernel on the stream (`grid_dependency_wait`) before its first memory access
-    /// that could depend on it.
-    pub(crate) unsafe fn launch(self, cfg: LaunchConfig) -> Result<()> {
-        // Pointers into `self.args` (not moved or resized from here to the call, which copies
-        // the parameters).
-        let mut params: Vec<*mut c_void> = self
-            .args
-            .iter()
-            .map(|a| match a {
-                Arg::Pointer(p) => p as *const sys::CUdeviceptr as *mut c_void,
-                Arg::Value(v, _) => *v as *mut c_void,
-            })
-            .collect();
+    /// `args` is the argument struct of `func`'s kernel, its addresses are the registered
+    /// buffers' (or never dereferenced by the kernel), and the grid and the buffers satisfy the
+    /// kernel's contract. An overlapped kernel waits for the previous kernel on the stream
+    /// (`overlapped_entry`) before its first memory access that could depend on it.
+    pub(crate) unsafe fn launch<A: KernelArgs>(self, cfg: LaunchConfig, args: &A) -> Result<()> {
+        let mut params = [args as *const A as *mut c_void];
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -191,9 +189,9 @@ impl<'a> OverlappedLaunch<'a> {
             numAttrs: u32::from(self.overlap),
         };
         self.stream.context().bind_to_thread()?;
-        // SAFETY: `config` and `attr` live across the call; `params` holds one pointer per kernel
-        // parameter, each to memory alive for the call (the caller's values, this builder's
-        // pointers); the caller guarantees the signature and the kernel's contract.
+        // SAFETY: `config` and `attr` live across the call; `params` holds the kernel's one
+        // parameter, a pointer to `args` (alive for the call, which copies it); the caller
+        // guarantees it is the kernel's argument struct and the kernel's contract.
         let launched = unsafe {
             sys::cuLaunchKernelEx(
                 &config,

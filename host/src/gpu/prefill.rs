@@ -11,17 +11,17 @@
 //! t - j < local)`, a caller block mask (blocks of 64 queries x 64 keys) is intersected with
 //! that, the diagonal block always kept.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::layout::TokenStrides;
 use lserve_abi::prefill::{
-    mask_words_per_row, prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_Q,
-    MASKED_TILE_Q_BLOCKS, PREFILL_THREADS, TILE_Q_BLOCKS,
+    mask_words_per_row, prefill_smem_bytes, PrefillArgs as KernelArgs, PrefillParams,
+    PrefillWorkItem, BLOCK_Q, MASKED_TILE_Q_BLOCKS, PREFILL_THREADS, TILE_Q_BLOCKS,
 };
 
 use super::cache::{DeviceElement, DeviceKvCache};
 use super::kv_write::{pool_key_stats, write_kv_rows, DeviceKvWritePlan};
-use super::launch::{ByValue, LaunchParams};
+use super::launch::Launch;
 use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::block_iter::{num_blocks, BlockMask};
@@ -29,8 +29,6 @@ use crate::error::invalid;
 use crate::geometry::ModelGeometry;
 use crate::head_pattern::HeadKind;
 use crate::{LserveError, Result};
-
-impl LaunchParams for PrefillParams {}
 
 /// `u32` words of one [`PrefillWorkItem`] (the device array is a flat `u32` array).
 const ITEM_WORDS: usize = std::mem::size_of::<PrefillWorkItem>() / 4;
@@ -344,21 +342,19 @@ impl PrefillPlan {
             block_dim: (PREFILL_THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
-        let params = ByValue(*p);
-        let stream = gpu.stream();
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&params)
-            .arg(&self.items)
-            .arg(&self.head_map)
-            .arg(&self.mask)
-            .arg(q.view())
-            .arg(k.view())
-            .arg(v.view())
-            .arg(out.view_mut());
-        // SAFETY: the argument list matches `prefill_{masked_,}attention_{bf16,f16}_d{64,128}`
-        // (kernels-gpu/src/prefill/mod.rs): `PrefillParams` by value, the work items, head map,
-        // mask words, then q, k, v, out. The plan was validated: every work item's sequence lies
+        let mut launch = Launch::new(gpu, &f);
+        let args = KernelArgs {
+            params: *p,
+            items: launch.read(&self.items).cast(),
+            head_map: launch.read(&self.head_map),
+            mask: launch.read(&self.mask),
+            q: launch.read(q.view()).cast(),
+            k: launch.read(k.view()).cast(),
+            v: launch.read(v.view()).cast(),
+            out: launch.write(out.view_mut()).cast(),
+        };
+        // SAFETY: `args` is the argument struct of
+        // `prefill_{masked_,}attention_{bf16,f16}_d{64,128}`, of the buffers registered above. The plan was validated: every work item's sequence lies
         // inside `T` tokens, which the tensors hold at their strides (`check_tensors`: views
         // 16-byte aligned, strides whole heads of `D` elements, 16-byte multiples); `head_map` has
         // `kv_heads` entries and `group = q_heads / kv_heads`; the work items are tiles of the
@@ -367,7 +363,7 @@ impl PrefillPlan {
         // `mask_words_per_row(len)` words lies inside the uploaded mask words (each sequence's
         // mask was shape-checked: `[q_heads][q_blocks][words_per_row]`). The grid is
         // `(items, q_heads)`, the block and shared memory are what the kernel is written for.
-        unsafe { launch.launch(cfg) }?;
+        unsafe { launch.launch(cfg, &args) }?;
         Ok(())
     }
 }

@@ -50,20 +50,18 @@
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::layout::TokenStrides;
 use lserve_abi::select::{
-    SelectParams, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS, SELECT_SMEM_BYTES, SELECT_THREADS,
-    STEP_THREADS,
+    ScoreArgs, SelectArgs, SelectParams, StepArgs, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS,
+    SELECT_SMEM_BYTES, SELECT_THREADS, STEP_THREADS,
 };
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
-use super::launch::{check_shape, ByValue, LaunchParams, OverlappedLaunch};
+use super::launch::{check_shape, Launch};
 use super::tokens::Tokens;
 use super::GpuContext;
 use crate::config::GqaAggregation;
 use crate::dtype::DType;
 use crate::paging::HostKvCache;
 use crate::{LserveError, Result};
-
-impl LaunchParams for SelectParams {}
 
 /// Device scratch of page selection: the physical-page scores of every (sequence, dense KV
 /// head) pair, `[max_batch][dense heads][max_pages]` `f32` (for a layer with `Hd` dense heads
@@ -172,10 +170,8 @@ fn select_params<E: DeviceElement>(
     }
     Ok(SelectParams {
         batch: batch as u32,
-        kv_heads: cache.pattern().geometry().kv_heads() as u32,
-        max_pages: cache.max_pages,
-        held_capacity: cache.held_capacity,
-        entry_capacity: cache.entry_capacity,
+        cache: layer.layout(cache.pattern().geometry().kv_heads(), cache.max_pages),
+        selection: cache.selection_layout(),
         dynamic_min_len: cache.dynamic_min_len,
         reuse_interval,
         top_k: top_k as u32,
@@ -184,7 +180,6 @@ fn select_params<E: DeviceElement>(
             GqaAggregation::Max => AGGREGATE_MAX,
             GqaAggregation::Mean => AGGREGATE_MEAN,
         },
-        paged: layer.paged,
         // The scorer's are set from its `q` (`SelectLaunch::check`); the top-K reads none.
         strides: TokenStrides::packed(
             cache.pattern().geometry().q_heads() as u32,
@@ -260,26 +255,26 @@ impl TopKLaunch {
         if self.pairs == 0 {
             return Ok(());
         }
-        let params = ByValue(self.params);
         let cfg = LaunchConfig {
             grid_dim: (self.pairs as u32, 1, 1),
             block_dim: (SELECT_THREADS, 1, 1),
             shared_mem_bytes: SELECT_SMEM_BYTES,
         };
         let (l, block_tables, decode_steps) = cache.layer_parts_mut(layer)?;
-        let mut launch = OverlappedLaunch::new(gpu, &self.function);
-        launch
-            .value(&params)
-            .buf(&ws.scores)
-            .buf(block_tables)
-            .buf(&batch.seq_len)
-            .buf(&batch.seq_slot)
-            .buf(decode_steps)
-            .buf_mut(&mut l.held_pages)
-            .buf_mut(&mut l.held_lens)
-            .buf_mut(&mut l.index_pages)
-            .buf_mut(&mut l.index_lens);
-        // SAFETY: the arguments match `select_pages` (kernels-gpu/src/select/mod.rs). Grid
+        let mut launch = Launch::overlapped(gpu, &self.function);
+        let scores = launch.read(&ws.scores);
+        let block_tables = launch.read(block_tables);
+        let decode_steps = launch.read(decode_steps);
+        let selection = l.selection_mut(&mut launch);
+        let args = SelectArgs {
+            params: self.params,
+            scores,
+            block_tables,
+            batch: batch.ptrs(&mut launch),
+            decode_steps,
+            selection,
+        };
+        // SAFETY: `select_pages`'s argument struct, of the buffers registered above. Grid
         // `B * Hd`, `SELECT_THREADS` threads, `SELECT_SMEM_BYTES` of shared memory as the kernel
         // requires; the capacities were checked (`held_capacity >= K + 3`, `entry_capacity >=
         // min(K + 3, max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair
@@ -289,7 +284,7 @@ impl TopKLaunch {
         // for `max_batch`). Overlapped: the kernel reads `seq_len`, `seq_slot` and the block
         // tables (host copies, enqueued before the previous kernel) before it waits for the
         // previous kernel (`overlapped_entry`), everything else after.
-        unsafe { launch.launch(cfg) }?;
+        unsafe { launch.launch(cfg, &args) }?;
         Ok(())
     }
 }
@@ -363,10 +358,10 @@ impl SelectLaunch {
         if pairs == 0 {
             return Ok(()); // no dense heads in this layer
         }
-        let params = ByValue(SelectParams {
+        let params = SelectParams {
             strides: self.strides,
             ..self.top_k.params
-        });
+        };
         let l = cache.layer(layer)?;
         let d = cache.pattern().geometry().head_dim();
         let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
@@ -378,28 +373,27 @@ impl SelectLaunch {
             block_dim: (SCORE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = OverlappedLaunch::new(gpu, &self.scorer);
-        launch
-            .value(&params)
-            .buf(q.view())
-            .buf(&l.kmin)
-            .buf(&l.kmax)
-            .buf(&cache.block_tables)
-            .buf(&batch.seq_len)
-            .buf(&batch.seq_slot)
-            .buf(&l.head_map)
-            .buf(&cache.decode_steps)
-            .buf(&l.held_lens)
-            .buf_mut(&mut ws.scores);
-        // SAFETY: the arguments match `score_pages_*` (kernels-gpu/src/select/mod.rs): the params
-        // by value, then the buffers in order. Grid `(blocks, B * Hd)` with `SCORE_THREADS`
+        let mut launch = Launch::overlapped(gpu, &self.scorer);
+        let args = ScoreArgs {
+            params,
+            q: launch.read(q.view()).cast(),
+            kmin: launch.read(&l.kmin).cast(),
+            kmax: launch.read(&l.kmax).cast(),
+            block_tables: launch.read(&cache.block_tables),
+            head_map: launch.read(&l.head_map),
+            batch: batch.ptrs(&mut launch),
+            decode_steps: launch.read(&cache.decode_steps),
+            held_lens: launch.read(&l.held_lens),
+            scores: launch.write(&mut ws.scores),
+        };
+        // SAFETY: `score_pages_*`'s argument struct, of the buffers registered above. Grid `(blocks, B * Hd)` with `SCORE_THREADS`
         // threads as the kernel requires; `q` holds `B * Hq * D` elements (checked); the
-        // statistics have the layout in `params.paged` (built from this layer); the batch's slots
+        // statistics have the layout in `params.cache.paged` (built from this layer); the batch's slots
         // and lengths are live (validated by `DecodeBatch::set`) and their block tables hold pool
         // page ids; the workspace holds `B * Hd * max_pages` scores (checked). Overlapped: the
         // kernel waits for the previous one (`overlapped_entry`) before touching anything a
         // kernel writes.
-        unsafe { launch.launch(cfg) }?;
+        unsafe { launch.launch(cfg, &args) }?;
         Ok(())
     }
 }
@@ -478,18 +472,18 @@ pub fn advance_decode_steps<E: DeviceElement>(
         block_dim: (STEP_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let n = b as u32;
-    let mut launch = OverlappedLaunch::new(gpu, &f);
-    launch
-        .value(&n)
-        .buf(&batch.seq_slot)
-        .buf_mut(&mut cache.decode_steps);
-    // SAFETY: matches `advance_decode_steps(u32, *const u32, *mut u32)`; the grid covers `b`
+    let mut launch = Launch::overlapped(gpu, &f);
+    let args = StepArgs {
+        batch: b as u32,
+        seq_slot: launch.read(&batch.seq_slot),
+        decode_steps: launch.write(&mut cache.decode_steps),
+    };
+    // SAFETY: `advance_decode_steps`'s argument struct, of the buffers registered above; the grid covers `b`
     // threads; the batch's slots are distinct live slots below the cache's slot count
     // (`DecodeBatch::set`), each with one counter.
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(cfg, &args) }?;
     cache.mirror.advanced(&batch.host_slots);
     Ok(())
 }

@@ -10,7 +10,7 @@
 //! of `M` and the weights (at D 128 that is every split up to 64); further splits follow with
 //! eight loads in flight.
 
-use lserve_abi::decode::{CombineParams, COMBINE_THREADS, MAX_SPLITS};
+use lserve_abi::decode::{CombineArgs, CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
 use super::online_softmax::merge_weight;
 use crate::convert::{Bf16, Half16, F16};
@@ -203,16 +203,11 @@ unsafe fn combine<E: Half16>(
 /// # Safety
 /// As `combine`.
 #[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn decode_combine_bf16(
-    p: CombineParams,
-    part_acc: *const f32,
-    part_ml: *const f32,
-    out: *mut u16,
-) {
+pub unsafe extern "gpu-kernel" fn decode_combine_bf16(a: CombineArgs) {
     // SAFETY: first thing in the kernel; the host launches it overlapped.
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
-    unsafe { combine::<Bf16>(&p, part_acc, part_ml, out) }
+    unsafe { combine::<Bf16>(&a.params, a.part_acc.get(), a.part_ml.get(), a.out.get()) }
 }
 
 /// Combine entry point for f16 outputs.
@@ -220,14 +215,9 @@ pub unsafe extern "gpu-kernel" fn decode_combine_bf16(
 /// # Safety
 /// As `combine`.
 #[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn decode_combine_f16(
-    p: CombineParams,
-    part_acc: *const f32,
-    part_ml: *const f32,
-    out: *mut u16,
-) {
+pub unsafe extern "gpu-kernel" fn decode_combine_f16(a: CombineArgs) {
     // SAFETY: first thing in the kernel; the host launches it overlapped.
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
-    unsafe { combine::<F16>(&p, part_acc, part_ml, out) }
+    unsafe { combine::<F16>(&a.params, a.part_acc.get(), a.part_ml.get(), a.out.get()) }
 }

@@ -20,20 +20,18 @@ pub mod online_softmax;
 pub mod rows;
 pub mod tiles;
 
-use lserve_abi::decode::{DecodeParams, DECODE_STAGES, DECODE_TILE_ROWS};
+use lserve_abi::decode::{DecodeArgs, DecodeParams, DECODE_STAGES, DECODE_TILE_ROWS};
 
 use crate::convert::{Bf16, F16};
-use crate::kv_write::append::IndexEntries;
-use crate::kv_write::target::CacheBuffers as WriteBuffers;
 use crate::math::fma;
 use crate::mma::{mma_m16n8k16, FragC, MmaElement};
 use crate::smem::dynamic_smem;
 use crate::sync::{sync_threads, sync_warp};
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block};
 use crate::warp::quad_sum_f32;
-use newest::{NewToken, NewestRow, StatsUpdate};
+use newest::{NewestRow, StatsUpdate};
 use online_softmax::{merge_weight, HeadSoftmax};
-use rows::{CacheBuffers, PairInputs, RowSource, NO_ROW};
+use rows::{PairInputs, RowSource, NO_ROW};
 use tiles::{
     load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, patch_rows, AsyncCopy,
     LongSplitCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
@@ -185,33 +183,25 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, C: TileCopy, const APPEND:
 /// ([`newest`]); nothing else of the launch reads what it writes.
 ///
 /// # Safety
-/// Launched with grid `(p.splits, p.batch * p.kv_heads)`, `DECODE_THREADS` threads
+/// Launched with grid `(p.splits, p.batch * p.cache.kv_heads)`, `DECODE_THREADS` threads
 /// and `decode_smem_bytes(D)` bytes of dynamic shared memory; `1 <= p.group <= MAX_GROUP`
-/// (`lserve_abi::decode`); every pointer holds the layout the host-side launcher documents
-/// (with `APPEND`, `new` as `append_kv`'s contract asks);
+/// (`lserve_abi::decode`); every buffer of `a` holds the layout `DecodeArgs` documents (with
+/// `APPEND`, the cache and the selection state as `append_kv`'s contract asks);
 /// `seq_len`, `seq_slot`, `head_map` and the block tables are written by host copies enqueued
 /// before the previous kernel (not by a kernel): they are read before `overlapped_entry`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APPEND: bool>(
-    p: &DecodeParams,
-    q: *const u16,
-    bufs: &CacheBuffers,
-    new: &NewToken,
-    seq_len: *const u32,
-    seq_slot: *const u32,
-    head_map: *const u32,
-    part_acc: *mut f32,
-    part_ml: *mut f32,
+    a: &DecodeArgs,
 ) {
+    let p = &a.params;
+    let (part_acc, part_ml) = (a.part_acc.get(), a.part_ml.get());
     let split = block_idx_x();
     let pair = block_idx_y();
-    let (b, kv_head) = (pair / p.kv_heads, pair % p.kv_heads);
+    let (b, kv_head) = (pair / p.cache.kv_heads, pair % p.cache.kv_heads);
     // SAFETY: `b < batch`, `kv_head < kv_heads` by the grid; the slot and length are the
     // host's, validated against the tables (`check_batch`), so the newest page's block-table
     // entry exists.
-    let inputs =
-        unsafe { PairInputs::read(p, bufs, seq_len, seq_slot, head_map, b, kv_head, APPEND) };
+    let inputs = unsafe { PairInputs::read(a, b, kv_head, APPEND) };
     // Overlapped with the kernel before (the append, the selector, or the last kernel of the
     // layer before): the batch description, the head map and the block tables above are copies
     // from the host, complete before that kernel started; the selection state, the cache rows
@@ -220,7 +210,7 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
     // (everything above is host copies).
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: the host validated slot, lengths and tables.
-    let src = unsafe { RowSource::new(p, bufs, inputs, APPEND) };
+    let src = unsafe { RowSource::new(a, inputs, APPEND) };
 
     // This block's run of tiles.
     let tiles = src.tiles();
@@ -251,9 +241,9 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
         // pair's newest row, so it is the only writer of both.
         unsafe {
             let at_row = (b * p.strides.kv + kv_head) as usize * D;
-            let row = NewestRow::load::<D>(new, at_row, src.newest_row, lane);
-            row.store_row::<D>(&p.cache_layout(), new, target, inputs.slot, lane);
-            let stats = StatsUpdate::start::<D>(p, new, target, inputs.len, lane);
+            let row = NewestRow::load::<D>(a, at_row, src.newest_row, lane);
+            row.store_row::<D>(a, target, inputs.slot, lane);
+            let stats = StatsUpdate::start::<D>(a, target, inputs.len, lane);
             (row, stats)
         }
     } else {
@@ -266,7 +256,8 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
         attend_tiles::<E, D, C, APPEND>(
             p,
             &src,
-            q.add((b * p.strides.q + kv_head * p.group) as usize * D),
+            a.q.get()
+                .add((b * p.strides.q + kv_head * p.group) as usize * D),
             first,
             count,
             warp,
@@ -280,7 +271,7 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
                 update.finish::<E>(newest.key);
             }
             if lane == 0 {
-                newest::keep_entry_tail(p, new, src.entry, src.tail);
+                newest::keep_entry_tail(a, src.entry, src.tail);
             }
         }
     }
@@ -356,72 +347,14 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
 /// the tile copy `$copy`, appending the step's token or not (`$append`).
 macro_rules! decode_kernel {
     ($copy:ty, $append:literal, $name:ident: $elem:ty, $d:literal) => {
-        /// Decode attention entry point (see the module docs); pointers as `decode_attention`.
+        /// Decode attention entry point (see the module docs).
         ///
         /// # Safety
         /// As [`decode_attention`]'s: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
-            p: DecodeParams,
-            q: *const u16,
-            k_new: *const u16,
-            v_new: *const u16,
-            k_pool: *mut u16,
-            v_pool: *mut u16,
-            kmin: *mut u16,
-            kmax: *mut u16,
-            k_stream: *mut u16,
-            v_stream: *mut u16,
-            tensor_maps: *const u8,
-            block_tables: *const u32,
-            held_pages: *const u32,
-            held_lens: *const u32,
-            index_pages: *mut u32,
-            index_lens: *mut u32,
-            seq_len: *const u32,
-            seq_slot: *const u32,
-            head_map: *const u32,
-            part_acc: *mut f32,
-            part_ml: *mut f32,
-        ) {
-            let bufs = CacheBuffers {
-                k_pool,
-                v_pool,
-                k_stream,
-                v_stream,
-                tensor_maps,
-                block_tables,
-                index_tables: index_pages,
-                index_lens,
-                held_lens,
-                held_pages,
-            };
-            let new = NewToken {
-                k: k_new,
-                v: v_new,
-                cache: WriteBuffers {
-                    k_pool,
-                    v_pool,
-                    kmin,
-                    kmax,
-                    k_stream,
-                    v_stream,
-                    block_tables,
-                    head_map,
-                },
-                index: IndexEntries {
-                    held_lens,
-                    pages: index_pages,
-                    lens: index_lens,
-                },
-            };
+        pub unsafe extern "gpu-kernel" fn $name(a: DecodeArgs) {
             // SAFETY: forwarded launch contract (the body waits for the kernel before).
-            unsafe {
-                decode_attention::<$elem, $d, $copy, $append>(
-                    &p, q, &bufs, &new, seq_len, seq_slot, head_map, part_acc, part_ml,
-                )
-            }
+            unsafe { decode_attention::<$elem, $d, $copy, $append>(&a) }
         }
     };
 }

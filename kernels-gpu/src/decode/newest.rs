@@ -12,28 +12,13 @@
 //! cache: a step that uses these entry points needs no append launch (the host uses them where
 //! the attention is latency-bound, `fuses_append` in `host/src/gpu/decode.rs`).
 
-use lserve_abi::decode::{DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING};
-use lserve_abi::kv_write::CacheLayout;
+use lserve_abi::decode::{DecodeArgs, DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING};
 
 use super::rows::{PairInputs, RowSource, NO_ROW};
 use crate::convert::Half16;
-use crate::kv_write::append::IndexEntries;
 use crate::kv_write::stats::Bounds;
-use crate::kv_write::target::{chunk_at, load, store, write_chunk, CacheBuffers, RowTarget};
+use crate::kv_write::target::{chunk_at, load, store, write_chunk, RowTarget};
 use crate::math::Vec16;
-
-/// What a launch that appends the step's token reads and writes besides the attention's inputs.
-#[derive(Clone, Copy)]
-pub struct NewToken {
-    /// `[batch][kv_heads][D]` the token's keys.
-    pub k: *const u16,
-    /// `[batch][kv_heads][D]` the token's values.
-    pub v: *const u16,
-    /// The cache, writable (the buffers the attention reads).
-    pub cache: CacheBuffers,
-    /// The selection state the append keeps.
-    pub index: IndexEntries,
-}
 
 /// The newest row as one lane of the warp that holds it keeps it: lane `l < D / 8` holds chunk
 /// `l` (8 channels, 16 bytes) of the key and of the value; other lanes hold nothing.
@@ -65,20 +50,20 @@ impl NewestRow {
     }
 
     /// The lane's chunks of a pair's token, whose `D` elements start at element `at_row` of
-    /// `new.k` and of `new.v`, and which is row `row` of the pair's rows.
+    /// `a.k_new` and of `a.v_new`, and which is row `row` of the pair's rows.
     ///
     /// # Safety
-    /// `at_row + D` is inside `new.k` and `new.v` (the pair's sequence's row, at its token
+    /// `at_row + D` is inside `a.k_new` and `a.v_new` (the pair's sequence's row, at its token
     /// stride, plus its KV head's offset), written before the kernel before completed (the
     /// caller waited for it).
     #[inline(always)]
-    pub unsafe fn load<const D: usize>(new: &NewToken, at_row: usize, row: u32, lane: u32) -> Self {
+    pub unsafe fn load<const D: usize>(a: &DecodeArgs, at_row: usize, row: u32, lane: u32) -> Self {
         let (mut key, mut value) = (Vec16([0; 4]), Vec16([0; 4]));
         if lane < D as u32 / 8 {
             let at = at_row + 8 * lane as usize;
             // SAFETY: chunk `lane < D / 8` of the pair's row; rows are 16-byte aligned
             // (`D % 8 == 0`, the buffers are).
-            unsafe { (key, value) = (load(new.k.add(at)), load(new.v.add(at))) };
+            unsafe { (key, value) = (load(a.k_new.get().add(at)), load(a.v_new.get().add(at))) };
         }
         Self {
             tile: row / DECODE_TILE_ROWS,
@@ -96,15 +81,24 @@ impl NewestRow {
     #[inline(always)]
     pub unsafe fn store_row<const D: usize>(
         &self,
-        c: &CacheLayout,
-        new: &NewToken,
+        a: &DecodeArgs,
         target: RowTarget,
         slot: u32,
         lane: u32,
     ) {
         if lane < D as u32 / 8 {
             // SAFETY: forwarded; `lane < D / 8`.
-            unsafe { write_chunk(c, &new.cache, target, slot, lane, self.key, self.value) };
+            unsafe {
+                write_chunk(
+                    &a.params.cache,
+                    &a.cache,
+                    target,
+                    slot,
+                    lane,
+                    self.key,
+                    self.value,
+                )
+            };
         }
     }
 }
@@ -127,7 +121,7 @@ pub fn target(p: &DecodeParams, pair: &PairInputs, src: &RowSource) -> RowTarget
         RowTarget::Dense {
             page: pair.newest_page,
             head,
-            token: (pair.len - 1) % p.paged.page_tokens,
+            token: (pair.len - 1) % p.cache.paged.page_tokens,
         }
     }
 }
@@ -149,11 +143,10 @@ impl StatsUpdate {
     ///
     /// # Safety
     /// `target` is [`target`]'s for a pair whose sequence has length `len`; the statistics hold
-    /// the layout in `p.paged`; the kernel before completed (the caller waited for it).
+    /// the layout in `p.cache.paged`; the kernel before completed (the caller waited for it).
     #[inline(always)]
     pub unsafe fn start<const D: usize>(
-        p: &DecodeParams,
-        new: &NewToken,
+        a: &DecodeArgs,
         target: RowTarget,
         len: u32,
         lane: u32,
@@ -164,11 +157,17 @@ impl StatsUpdate {
         if lane >= D as u32 / 8 {
             return None;
         }
-        let n_l = p.paged.logical_tokens;
-        let offset = chunk_at(p.paged.stats_row(page, head, token / n_l), lane);
+        let paged = &a.params.cache.paged;
+        let n_l = paged.logical_tokens;
+        let offset = chunk_at(paged.stats_row(page, head, token / n_l), lane);
         let fresh = (len - 1) % n_l == 0;
         // SAFETY: the statistics row of the token's logical page, inside `kmin`/`kmax`.
-        let (lo, hi) = unsafe { (new.cache.kmin.add(offset), new.cache.kmax.add(offset)) };
+        let (lo, hi) = unsafe {
+            (
+                a.cache.kmin.get().add(offset),
+                a.cache.kmax.get().add(offset),
+            )
+        };
         let bounds = if fresh {
             Bounds {
                 lo: Vec16([0; 4]),
@@ -220,19 +219,21 @@ impl StatsUpdate {
 /// `entry < slots * dense_heads`; `tail` came from the pair's [`RowSource`]; only one thread
 /// per pair calls it.
 #[inline(always)]
-pub unsafe fn keep_entry_tail(p: &DecodeParams, new: &NewToken, entry: u32, tail: EntryTail) {
+pub unsafe fn keep_entry_tail(a: &DecodeArgs, entry: u32, tail: EntryTail) {
+    let capacity = a.params.selection.entry_capacity;
     if tail.held == 0 {
         return;
     }
     // SAFETY: the entry's own words: position `held < max_selected` (checked: a selection fills
     // the entry only if it covers every page, the newest included, and then nothing follows it).
     unsafe {
-        if tail.pages > tail.held && tail.held < p.max_selected {
-            *new.index
-                .pages
-                .add((entry * p.max_selected + tail.held) as usize) = tail.newest_page;
+        if tail.pages > tail.held && tail.held < capacity {
+            *a.selection
+                .index_pages
+                .get()
+                .add((entry * capacity + tail.held) as usize) = tail.newest_page;
         }
-        *new.index.lens.add(entry as usize) = tail.pages.min(p.max_selected);
+        *a.selection.index_lens.get().add(entry as usize) = tail.pages.min(capacity);
     }
 }
 

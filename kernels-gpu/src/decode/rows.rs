@@ -7,7 +7,7 @@
 //! pages) whose last entry is the newest, partially filled page.
 
 use lserve_abi::decode::{
-    DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING, TENSOR_MAP_BYTES, TENSOR_MAP_POOL,
+    DecodeArgs, DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING, TENSOR_MAP_BYTES, TENSOR_MAP_POOL,
     TENSOR_MAP_STREAM,
 };
 use lserve_abi::select::held_newest_at;
@@ -50,34 +50,6 @@ pub struct RowSource {
 /// [`RowSource::newest_row`] of a pair that does not hold the newest token.
 pub const NO_ROW: u32 = u32::MAX;
 
-/// Device buffers a decode launch reads its rows from.
-#[derive(Clone, Copy)]
-pub struct CacheBuffers {
-    /// Dense pool K/V of the layer (`PagedLayout`).
-    pub k_pool: *const u16,
-    /// See `k_pool`.
-    pub v_pool: *const u16,
-    /// Streaming store K/V of the layer (`StreamingLayout`).
-    pub k_stream: *const u16,
-    /// See `k_stream`.
-    pub v_stream: *const u16,
-    /// The layer's [`lserve_abi::decode::DECODE_TENSOR_MAPS`] tensor maps of the four buffers
-    /// above (pool K, pool V, streaming K, streaming V), in global memory.
-    pub tensor_maps: *const u8,
-    /// `[slots][max_pages]` physical page ids.
-    pub block_tables: *const u32,
-    /// `[slots][dense_heads][max_selected]` index tables: a held selection's physical page ids
-    /// (then, written by the append, the newest page unless the selection ends with it).
-    pub index_tables: *const u32,
-    /// `[slots][dense_heads]` index table lengths (read by launches that do not append).
-    pub index_lens: *const u32,
-    /// `[slots][dense_heads]` held selection lengths (0: nothing held).
-    pub held_lens: *const u32,
-    /// `[slots][dense_heads][held_capacity]` held selections; read here: the last word of a row,
-    /// the selection's newest page (`held_newest_at`).
-    pub held_pages: *const u32,
-}
-
 /// What a pair's rows depend on that the host wrote (read before the kernel waits for the
 /// kernel before it): the sequence's length and slot, the head map entry, and a dense head's
 /// newest physical page.
@@ -101,17 +73,10 @@ impl PairInputs {
     /// # Safety
     /// `b < batch`, `kv_head < kv_heads`; the slot and length are valid for the tables.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn read(
-        p: &DecodeParams,
-        bufs: &CacheBuffers,
-        seq_len: *const u32,
-        seq_slot: *const u32,
-        head_map: *const u32,
-        b: u32,
-        kv_head: u32,
-        appending: bool,
-    ) -> Self {
+    pub unsafe fn read(a: &DecodeArgs, b: u32, kv_head: u32, appending: bool) -> Self {
+        let p = &a.params;
+        let (seq_len, seq_slot) = (a.batch.seq_len.get(), a.batch.seq_slot.get());
+        let head_map = a.cache.head_map.get();
         // SAFETY: forwarded.
         unsafe {
             let (len, slot, head_map_entry) = (
@@ -120,10 +85,11 @@ impl PairInputs {
                 *head_map.add(kv_head as usize),
             );
             let newest_page = if appending && head_map_entry & HEAD_STREAMING == 0 {
-                let newest = (len - 1) / p.paged.page_tokens;
-                *bufs
+                let newest = (len - 1) / p.cache.paged.page_tokens;
+                *a.cache
                     .block_tables
-                    .add((slot * p.max_pages + newest) as usize)
+                    .get()
+                    .add((slot * p.cache.max_pages + newest) as usize)
             } else {
                 0
             };
@@ -153,12 +119,9 @@ impl RowSource {
     /// entries for it are valid page ids; the kernel before (which may write the selection
     /// state) has completed.
     #[inline(always)]
-    pub unsafe fn new(
-        p: &DecodeParams,
-        bufs: &CacheBuffers,
-        pair: PairInputs,
-        appending: bool,
-    ) -> Self {
+    pub unsafe fn new(a: &DecodeArgs, pair: PairInputs, appending: bool) -> Self {
+        let p = &a.params;
+        let (cache, selection) = (&a.cache, &a.selection);
         let PairInputs {
             len,
             slot,
@@ -167,16 +130,20 @@ impl RowSource {
         } = pair;
         let head = head_map_entry & !HEAD_STREAMING;
         if head_map_entry & HEAD_STREAMING != 0 {
-            let s = &p.streaming;
+            let s = &p.cache.streaming;
             let rows = if len < s.rows() { len } else { s.rows() };
             // Only a launch that appends asks where the newest row is.
             let pos = len - 1;
-            let held = appending && p.cache_layout().streaming_resident(pos, len);
+            let held = appending && p.cache.streaming_resident(pos, len);
             return Self {
-                k: bufs.k_stream,
-                v: bufs.v_stream,
+                k: cache.k_stream.get(),
+                v: cache.v_stream.get(),
                 // SAFETY (pointer arithmetic): inside the maps buffer.
-                maps: unsafe { bufs.tensor_maps.add(TENSOR_MAP_STREAM * TENSOR_MAP_BYTES) },
+                maps: unsafe {
+                    a.tensor_maps
+                        .get()
+                        .add(TENSOR_MAP_STREAM * TENSOR_MAP_BYTES)
+                },
                 pages: core::ptr::null(),
                 listed: 0,
                 newest_page: 0,
@@ -189,16 +156,21 @@ impl RowSource {
                 tail: EntryTail::NONE,
             };
         }
-        let page_tokens = p.paged.page_tokens;
+        let page_tokens = p.cache.paged.page_tokens;
         let live_pages = len.div_ceil(page_tokens);
         let newest_fill = len - (live_pages - 1) * page_tokens;
-        let entry = slot * p.paged.heads + head;
+        let entry = slot * p.cache.paged.heads + head;
         // The list: `pages` of which the first `listed` come from `pages_at`, the rest (the
         // newest page) from `newest_page`.
         // SAFETY (all arms): the caller guarantees the tables cover `slot` and `head`.
         let (pages_at, pages, listed, tail) = if len <= p.dynamic_min_len {
             (
-                unsafe { bufs.block_tables.add((slot * p.max_pages) as usize) },
+                unsafe {
+                    cache
+                        .block_tables
+                        .get()
+                        .add((slot * p.cache.max_pages) as usize)
+                },
                 live_pages,
                 live_pages,
                 EntryTail::NONE,
@@ -207,9 +179,16 @@ impl RowSource {
             // The entry as the append and the selector left it: the held selection, the newest
             // page last. Clamped into the table: a pair that was never given one (a step
             // replayed without the selector it needed) reads wrong pages, never past the table.
-            let listed = unsafe { *bufs.index_lens.add(entry as usize) }.clamp(1, p.max_selected);
+            let listed = unsafe { *selection.index_lens.get().add(entry as usize) }
+                .clamp(1, p.selection.entry_capacity);
             (
-                unsafe { bufs.index_tables.add((entry * p.max_selected) as usize) },
+                unsafe {
+                    selection
+                        .index_pages
+                        .read_only()
+                        .get()
+                        .add((entry * p.selection.entry_capacity) as usize)
+                },
                 listed,
                 listed,
                 EntryTail::NONE,
@@ -222,20 +201,28 @@ impl RowSource {
             // selection is held, when the owner warp writes nothing to the entry).
             let (held, held_newest, entry_len) = unsafe {
                 (
-                    *bufs.held_lens.add(entry as usize),
-                    *bufs
-                        .held_pages
-                        .add((entry * p.held_capacity + held_newest_at(p.held_capacity)) as usize),
-                    *bufs.index_lens.add(entry as usize),
+                    *selection.held_lens.get().add(entry as usize),
+                    *selection.held_pages.get().add(
+                        (entry * p.selection.held_capacity
+                            + held_newest_at(p.selection.held_capacity))
+                            as usize,
+                    ),
+                    *selection.index_lens.get().add(entry as usize),
                 )
             };
             if held == 0 {
                 // No selection held (a cache uploaded with its index tables, or a selection
                 // reset, and no selector run since): the entry as it is, as a launch that does
                 // not append reads it, clamped into the table the same way.
-                let listed = entry_len.clamp(1, p.max_selected);
+                let listed = entry_len.clamp(1, p.selection.entry_capacity);
                 (
-                    unsafe { bufs.index_tables.add((entry * p.max_selected) as usize) },
+                    unsafe {
+                        selection
+                            .index_pages
+                            .read_only()
+                            .get()
+                            .add((entry * p.selection.entry_capacity) as usize)
+                    },
                     listed,
                     listed,
                     EntryTail::NONE,
@@ -243,14 +230,20 @@ impl RowSource {
             } else {
                 // A selection may fill the entry only if it covers every page, the newest
                 // included: clamped there, the list never leaves the table.
-                let held = held.min(p.max_selected);
+                let held = held.min(p.selection.entry_capacity);
                 let pages = if held_newest == live_pages - 1 {
                     held
                 } else {
                     held + 1
                 };
                 (
-                    unsafe { bufs.index_tables.add((entry * p.max_selected) as usize) },
+                    unsafe {
+                        selection
+                            .index_pages
+                            .read_only()
+                            .get()
+                            .add((entry * p.selection.entry_capacity) as usize)
+                    },
                     pages,
                     pages - 1,
                     EntryTail {
@@ -263,10 +256,10 @@ impl RowSource {
         };
         let rows = (pages - 1) * page_tokens + newest_fill;
         Self {
-            k: bufs.k_pool,
-            v: bufs.v_pool,
+            k: cache.k_pool.get(),
+            v: cache.v_pool.get(),
             // SAFETY (pointer arithmetic): inside the maps buffer.
-            maps: unsafe { bufs.tensor_maps.add(TENSOR_MAP_POOL * TENSOR_MAP_BYTES) },
+            maps: unsafe { a.tensor_maps.get().add(TENSOR_MAP_POOL * TENSOR_MAP_BYTES) },
             pages: pages_at,
             listed,
             newest_page,
@@ -304,7 +297,7 @@ impl RowSource {
     /// `t < self.tiles()`, and the head is dense (`pages` is not null).
     #[inline(always)]
     unsafe fn page_of(&self, p: &DecodeParams, t: u32) -> u32 {
-        let tiles_per_page = p.paged.page_tokens / DECODE_TILE_ROWS;
+        let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
         let at = t / tiles_per_page;
         if self.newest_after_listed {
             // The load whatever `at` (inside the list, or its first page if it is empty),
@@ -333,12 +326,13 @@ impl RowSource {
     pub unsafe fn tile_offset(&self, p: &DecodeParams, t: u32) -> usize {
         let row = t * DECODE_TILE_ROWS;
         if self.pages.is_null() {
-            p.streaming.kv_row(self.slot, self.head, row)
+            p.cache.streaming.kv_row(self.slot, self.head, row)
         } else {
-            let tiles_per_page = p.paged.page_tokens / DECODE_TILE_ROWS;
+            let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
             // SAFETY: forwarded; the head is dense.
             let page = unsafe { self.page_of(p, t) };
-            p.paged
+            p.cache
+                .paged
                 .kv_row(page, self.head, (t % tiles_per_page) * DECODE_TILE_ROWS)
         }
     }
@@ -363,13 +357,13 @@ impl RowSource {
     pub unsafe fn tile_box(&self, p: &DecodeParams, t: u32) -> (u32, u32) {
         let row = t * DECODE_TILE_ROWS;
         if self.pages.is_null() {
-            (self.slot * p.streaming.heads + self.head, row)
+            (self.slot * p.cache.streaming.heads + self.head, row)
         } else {
-            let tiles_per_page = p.paged.page_tokens / DECODE_TILE_ROWS;
+            let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
             // SAFETY: forwarded; the head is dense.
             let page = unsafe { self.page_of(p, t) };
             (
-                page * p.paged.heads + self.head,
+                page * p.cache.paged.heads + self.head,
                 (t % tiles_per_page) * DECODE_TILE_ROWS,
             )
         }

@@ -15,23 +15,13 @@
 //! selection needs no selector launch. (On a step that selects, the selector rewrites the entry
 //! after the append.)
 
-use lserve_abi::kv_write::{AppendParams, CHUNK_ELEMS, KV_WRITE_THREADS};
+use lserve_abi::buffers::SelectionPtrs;
+use lserve_abi::kv_write::{AppendArgs, AppendParams, CHUNK_ELEMS, KV_WRITE_THREADS};
 
 use super::stats::Bounds;
-use super::target::{chunk_at, load, store, write_chunk, CacheBuffers, RowTarget};
+use super::target::{chunk_at, load, store, write_chunk, RowTarget};
 use crate::convert::Half16;
 use crate::thread::{block_idx_x, thread_idx_x};
-
-/// The layer's selection state the append keeps up to date between selections.
-#[derive(Clone, Copy)]
-pub struct IndexEntries {
-    /// `[slots][dense_heads]` held selection lengths (0: nothing held yet).
-    pub held_lens: *const u32,
-    /// `[slots][dense_heads][entry_capacity]` index tables (physical page ids).
-    pub pages: *mut u32,
-    /// `[slots][dense_heads]` index table lengths.
-    pub lens: *mut u32,
-}
 
 /// The append body for element type `E`.
 ///
@@ -40,19 +30,14 @@ pub struct IndexEntries {
 /// `[kv_heads][head_dim]`; `seq_slot`, `seq_len` hold `batch` distinct live slots and lengths
 /// `>= 1` whose block-table rows map the page of position `len - 1`; the buffers hold the
 /// layouts in `p` and `head_dim % 8 == 0`; `index` holds `[slots][dense_heads]` lengths and
-/// entries of `p.entry_capacity` pages, each held selection shorter than that capacity;
+/// entries of `p.selection.entry_capacity` pages, each held selection shorter than that capacity;
 /// `seq_len`, `seq_slot`, the head map and the block tables are written by host copies enqueued
 /// before the previous kernel (not by a kernel): they are read before `overlapped_entry`.
 #[inline(always)]
-pub unsafe fn append_kv<E: Half16>(
-    p: &AppendParams,
-    k: *const u16,
-    v: *const u16,
-    bufs: &CacheBuffers,
-    index: &IndexEntries,
-    seq_slot: *const u32,
-    seq_len: *const u32,
-) {
+pub unsafe fn append_kv<E: Half16>(a: &AppendArgs) {
+    let (p, bufs) = (&a.params, &a.cache);
+    let (k, v) = (a.k.get(), a.v.get());
+    let (seq_slot, seq_len) = (a.batch.seq_slot.get(), a.batch.seq_len.get());
     let c = &p.cache;
     let per_token = c.chunks_per_token();
     let i = block_idx_x() * KV_WRITE_THREADS + thread_idx_x();
@@ -86,14 +71,14 @@ pub unsafe fn append_kv<E: Half16>(
     if let RowTarget::Dense { page, head, token } = target {
         if chunk == 0 && len > p.dynamic_min_len {
             // SAFETY: the pair's entry exists (`slot` live, `head < dense_heads`).
-            unsafe { keep_index_entry(p, index, slot * c.paged.heads + head, page) };
+            unsafe { keep_index_entry(p, &a.selection, slot * c.paged.heads + head, page) };
         }
         let n_l = c.paged.logical_tokens;
         let offset = chunk_at(c.paged.stats_row(page, head, token / n_l), chunk);
         // SAFETY: the statistics row of the token's logical page, inside `kmin`/`kmax`; no other
         // thread touches these 8 channels (sequences of a batch are distinct).
         unsafe {
-            let (lo, hi) = (bufs.kmin.add(offset), bufs.kmax.add(offset));
+            let (lo, hi) = (bufs.kmin.get().add(offset), bufs.kmax.get().add(offset));
             let bounds = if pos % n_l == 0 {
                 Bounds::of(key)
             } else {
@@ -116,22 +101,25 @@ pub unsafe fn append_kv<E: Half16>(
 ///
 /// # Safety
 /// `entry` is a `[slots][dense_heads]` index of `index`'s buffers whose first `held` pages are
-/// written; held lengths are below `p.entry_capacity`.
+/// written; held lengths are below `p.selection.entry_capacity`.
 #[inline(always)]
-unsafe fn keep_index_entry(p: &AppendParams, index: &IndexEntries, entry: u32, page: u32) {
+unsafe fn keep_index_entry(p: &AppendParams, index: &SelectionPtrs, entry: u32, page: u32) {
     // SAFETY: forwarded; `0 < held < entry_capacity`, so positions `held - 1` and `held` are
     // inside the entry.
     unsafe {
-        let held = *index.held_lens.add(entry as usize);
+        let held = *index.held_lens.get().add(entry as usize);
         if held != 0 {
-            let pages = index.pages.add((entry * p.entry_capacity) as usize);
+            let pages = index
+                .index_pages
+                .get()
+                .add((entry * p.selection.entry_capacity) as usize);
             let listed = if *pages.add(held as usize - 1) == page {
                 held
             } else {
                 *pages.add(held as usize) = page;
                 held + 1
             };
-            *index.lens.add(entry as usize) = listed;
+            *index.index_lens.get().add(entry as usize) = listed;
         }
     }
 }

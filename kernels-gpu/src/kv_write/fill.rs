@@ -4,7 +4,7 @@
 //! [`random_value`]`(seed, index)` rounded to `E` (to nearest even), one 16-byte store where the
 //! whole chunk is in range.
 
-use lserve_abi::kv_write::{random_value, FillParams, CHUNK_ELEMS, KV_WRITE_THREADS};
+use lserve_abi::kv_write::{random_value, FillArgs, CHUNK_ELEMS, KV_WRITE_THREADS};
 
 use super::target::store;
 use crate::convert::Half16;
@@ -17,7 +17,8 @@ use crate::thread::{block_idx_x, thread_idx_x};
 /// Launched with the grid above and `KV_WRITE_THREADS` threads; `out` holds `p.len` elements and
 /// is 16-byte aligned.
 #[inline(always)]
-pub unsafe fn fill_random<E: Half16>(p: &FillParams, out: *mut u16) {
+pub unsafe fn fill_random<E: Half16>(a: &FillArgs) {
+    let (p, out) = (&a.params, a.out.get());
     let i = block_idx_x() as u64 * KV_WRITE_THREADS as u64 + thread_idx_x() as u64;
     let first = i * CHUNK_ELEMS as u64;
     if first >= p.len {

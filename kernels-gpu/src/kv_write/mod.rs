@@ -24,10 +24,9 @@ pub mod rows;
 pub mod stats;
 pub mod target;
 
-use lserve_abi::kv_write::{AppendParams, FillParams, PoolParams, SeqRange, WriteRowsParams};
+use lserve_abi::kv_write::{AppendArgs, FillArgs, PoolArgs, WriteRowsArgs};
 
 use crate::convert::{Bf16, F16};
-use target::CacheBuffers;
 
 /// Declares the `extern "gpu-kernel"` entry points of one element type.
 macro_rules! kv_write_kernels {
@@ -37,42 +36,9 @@ macro_rules! kv_write_kernels {
         /// # Safety
         /// As [`append::append_kv`]: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $append(
-            p: AppendParams,
-            k: *const u16,
-            v: *const u16,
-            k_pool: *mut u16,
-            v_pool: *mut u16,
-            kmin: *mut u16,
-            kmax: *mut u16,
-            k_stream: *mut u16,
-            v_stream: *mut u16,
-            block_tables: *const u32,
-            head_map: *const u32,
-            seq_slot: *const u32,
-            seq_len: *const u32,
-            held_lens: *const u32,
-            index_pages: *mut u32,
-            index_lens: *mut u32,
-        ) {
-            let bufs = CacheBuffers {
-                k_pool,
-                v_pool,
-                kmin,
-                kmax,
-                k_stream,
-                v_stream,
-                block_tables,
-                head_map,
-            };
-            let index = append::IndexEntries {
-                held_lens,
-                pages: index_pages,
-                lens: index_lens,
-            };
+        pub unsafe extern "gpu-kernel" fn $append(a: AppendArgs) {
             // SAFETY: forwarded launch contract (the body waits for the kernel before).
-            unsafe { append::append_kv::<$elem>(&p, k, v, &bufs, &index, seq_slot, seq_len) }
+            unsafe { append::append_kv::<$elem>(&a) }
         }
 
         /// Writes the tokens of a ragged batch into the cache (see [`rows`]).
@@ -80,31 +46,9 @@ macro_rules! kv_write_kernels {
         /// # Safety
         /// As [`rows::write_kv_rows`]: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $rows(
-            p: WriteRowsParams,
-            ranges: *const SeqRange,
-            k: *const u16,
-            v: *const u16,
-            k_pool: *mut u16,
-            v_pool: *mut u16,
-            k_stream: *mut u16,
-            v_stream: *mut u16,
-            block_tables: *const u32,
-            head_map: *const u32,
-        ) {
-            let bufs = CacheBuffers {
-                k_pool,
-                v_pool,
-                kmin: core::ptr::null_mut(),
-                kmax: core::ptr::null_mut(),
-                k_stream,
-                v_stream,
-                block_tables,
-                head_map,
-            };
+        pub unsafe extern "gpu-kernel" fn $rows(a: WriteRowsArgs) {
             // SAFETY: forwarded launch contract.
-            unsafe { rows::write_kv_rows(&p, ranges, k, v, &bufs) }
+            unsafe { rows::write_kv_rows(&a) }
         }
 
         /// Pools `kmin`/`kmax` over token ranges (see [`pool`]).
@@ -112,16 +56,9 @@ macro_rules! kv_write_kernels {
         /// # Safety
         /// As [`pool::pool_key_stats`]: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $pool(
-            p: PoolParams,
-            ranges: *const SeqRange,
-            k_pool: *const u16,
-            kmin: *mut u16,
-            kmax: *mut u16,
-            block_tables: *const u32,
-        ) {
+        pub unsafe extern "gpu-kernel" fn $pool(a: PoolArgs) {
             // SAFETY: forwarded launch contract.
-            unsafe { pool::pool_key_stats::<$elem>(&p, ranges, k_pool, kmin, kmax, block_tables) }
+            unsafe { pool::pool_key_stats::<$elem>(&a) }
         }
 
         /// Fills a buffer with pseudo-random values (see [`fill`]).
@@ -129,9 +66,9 @@ macro_rules! kv_write_kernels {
         /// # Safety
         /// As [`fill::fill_random`]: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $fill(p: FillParams, out: *mut u16) {
+        pub unsafe extern "gpu-kernel" fn $fill(a: FillArgs) {
             // SAFETY: forwarded launch contract.
-            unsafe { fill::fill_random::<$elem>(&p, out) }
+            unsafe { fill::fill_random::<$elem>(&a) }
         }
     };
 }

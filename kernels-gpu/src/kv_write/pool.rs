@@ -7,7 +7,7 @@
 //! that exist (below the sequence's length), so a partial last page is handled.
 
 use lserve_abi::kv_write::{
-    logical_pages_of, pool_pages_per_block, PoolParams, SeqRange, CHUNK_ELEMS,
+    logical_pages_of, pool_pages_per_block, PoolArgs, SeqRange, CHUNK_ELEMS,
 };
 
 use super::stats::Bounds;
@@ -22,14 +22,10 @@ use crate::thread::{block_idx_x, block_idx_y, block_idx_z, thread_idx_x};
 /// entries with `start <= end <= len` whose block-table rows map every page below `len`; the
 /// buffers hold the layouts in `p`, `head_dim % 8 == 0`.
 #[inline(always)]
-pub unsafe fn pool_key_stats<E: Half16>(
-    p: &PoolParams,
-    ranges: *const SeqRange,
-    k_pool: *const u16,
-    kmin: *mut u16,
-    kmax: *mut u16,
-    block_tables: *const u32,
-) {
+pub unsafe fn pool_key_stats<E: Half16>(a: &PoolArgs) {
+    let (p, ranges) = (&a.params, a.ranges.get());
+    let (k_pool, kmin, kmax) = (a.cache.k_pool.get(), a.cache.kmin.get(), a.cache.kmax.get());
+    let block_tables = a.cache.block_tables.get();
     let c = &p.cache;
     let layout = &c.paged;
     let chunks_per_head = layout.head_dim / CHUNK_ELEMS;

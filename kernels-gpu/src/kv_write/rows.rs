@@ -7,9 +7,9 @@
 //! `local_tokens`), so the ring's rows are written once each and the order of writes does not
 //! matter. Key statistics are not touched: `pool_key_stats` runs after.
 
-use lserve_abi::kv_write::{SeqRange, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS};
+use lserve_abi::kv_write::{WriteRowsArgs, CHUNK_ELEMS, KV_WRITE_THREADS};
 
-use super::target::{load, write_chunk, CacheBuffers, RowTarget};
+use super::target::{load, write_chunk, RowTarget};
 use crate::thread::{block_idx_x, block_idx_y, thread_idx_x};
 
 /// The row-write body (element-type agnostic: it moves bits).
@@ -20,13 +20,9 @@ use crate::thread::{block_idx_x, block_idx_y, thread_idx_x};
 /// below `len`; `k`, `v` hold the rows `first_row .. first_row + end - start` of every range as
 /// `[kv_heads][head_dim]`; the buffers hold the layouts in `p`, `head_dim % 8 == 0`.
 #[inline(always)]
-pub unsafe fn write_kv_rows(
-    p: &WriteRowsParams,
-    ranges: *const SeqRange,
-    k: *const u16,
-    v: *const u16,
-    bufs: &CacheBuffers,
-) {
+pub unsafe fn write_kv_rows(a: &WriteRowsArgs) {
+    let (p, bufs, ranges) = (&a.params, &a.cache, a.ranges.get());
+    let (k, v) = (a.k.get(), a.v.get());
     let c = &p.cache;
     // SAFETY: `block_idx_y() < sequences`.
     let r = unsafe { *ranges.add(block_idx_y() as usize) };

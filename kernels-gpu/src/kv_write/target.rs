@@ -2,31 +2,12 @@
 
 use core::arch::asm;
 
+use lserve_abi::buffers::CachePtrs;
 use lserve_abi::decode::HEAD_STREAMING;
-use lserve_abi::kv_write::{CacheLayout, CHUNK_ELEMS};
+use lserve_abi::kv_write::CHUNK_ELEMS;
+use lserve_abi::layout::CacheLayout;
 
 use crate::math::Vec16;
-
-/// Device buffers of one layer of the cache, as the write kernels see them.
-#[derive(Clone, Copy)]
-pub struct CacheBuffers {
-    /// Dense pool K of the layer (`PagedLayout`).
-    pub k_pool: *mut u16,
-    /// Dense pool V.
-    pub v_pool: *mut u16,
-    /// Key statistics of the dense pool (null where a kernel does not touch them).
-    pub kmin: *mut u16,
-    /// See `kmin`.
-    pub kmax: *mut u16,
-    /// Streaming store K of the layer (`StreamingLayout`).
-    pub k_stream: *mut u16,
-    /// Streaming store V.
-    pub v_stream: *mut u16,
-    /// `[slots][max_pages]` physical page ids.
-    pub block_tables: *const u32,
-    /// `[kv_heads]`: dense index, or streaming index | `HEAD_STREAMING`.
-    pub head_map: *const u32,
-}
 
 /// Where one KV head keeps one token.
 #[derive(Clone, Copy)]
@@ -60,14 +41,14 @@ impl RowTarget {
     #[inline(always)]
     pub unsafe fn of(
         c: &CacheLayout,
-        bufs: &CacheBuffers,
+        bufs: &CachePtrs,
         kv_head: u32,
         slot: u32,
         pos: u32,
         len: u32,
     ) -> Self {
         // SAFETY: `kv_head < kv_heads`.
-        let entry = unsafe { *bufs.head_map.add(kv_head as usize) };
+        let entry = unsafe { *bufs.head_map.get().add(kv_head as usize) };
         let head = entry & !HEAD_STREAMING;
         if entry & HEAD_STREAMING != 0 {
             return if c.streaming_resident(pos, len) {
@@ -84,6 +65,7 @@ impl RowTarget {
         let page = unsafe {
             *bufs
                 .block_tables
+                .get()
                 .add(slot as usize * c.max_pages as usize + (pos / n_p) as usize)
         };
         RowTarget::Dense {
@@ -142,7 +124,7 @@ pub unsafe fn store(p: *mut u16, x: Vec16) {
 #[inline(always)]
 pub unsafe fn write_chunk(
     c: &CacheLayout,
-    bufs: &CacheBuffers,
+    bufs: &CachePtrs,
     target: RowTarget,
     slot: u32,
     chunk: u32,
@@ -151,13 +133,13 @@ pub unsafe fn write_chunk(
 ) {
     let (k_dst, v_dst, offset) = match target {
         RowTarget::Dense { page, head, token } => (
-            bufs.k_pool,
-            bufs.v_pool,
+            bufs.k_pool.get(),
+            bufs.v_pool.get(),
             chunk_at(c.paged.kv_row(page, head, token), chunk),
         ),
         RowTarget::Streaming { head, row } => (
-            bufs.k_stream,
-            bufs.v_stream,
+            bufs.k_stream.get(),
+            bufs.v_stream.get(),
             chunk_at(c.streaming.kv_row(slot, head, row), chunk),
         ),
         RowTarget::Nowhere => return,

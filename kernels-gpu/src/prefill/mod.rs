@@ -38,8 +38,8 @@ pub mod tiles;
 
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
-    PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS, PREFILL_STAGES,
-    PREFILL_THREADS, TILE_Q_BLOCKS,
+    PrefillArgs, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS,
+    PREFILL_STAGES, PREFILL_THREADS, TILE_Q_BLOCKS,
 };
 
 use crate::convert::{Bf16, F16};
@@ -399,25 +399,16 @@ macro_rules! prefill_kernels {
         /// # Safety
         /// As `prefill_attention`'s: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
-            p: PrefillParams,
-            items: *const PrefillWorkItem,
-            head_map: *const u32,
-            mask: *const u32,
-            q: *const u16,
-            k: *const u16,
-            v: *const u16,
-            out: *mut u16,
-        ) {
+        pub unsafe extern "gpu-kernel" fn $name(a: PrefillArgs) {
+            let tensors = Tensors { q: a.q.get(), k: a.k.get(), v: a.v.get(), out: a.out.get() };
             // SAFETY: forwarded launch contract.
             unsafe {
                 prefill_attention::<$elem, $d, $rows, $mask>(
-                    &p,
-                    items,
-                    head_map,
-                    mask,
-                    Tensors { q, k, v, out },
+                    &a.params,
+                    a.items.get(),
+                    a.head_map.get(),
+                    a.mask.get(),
+                    tensors,
                 )
             }
         }

@@ -19,9 +19,7 @@ pub mod score;
 pub mod steps;
 pub mod top_k;
 
-use lserve_abi::select::SelectParams;
-
-use top_k::SelectBuffers;
+use lserve_abi::select::{SelectArgs, StepArgs};
 
 /// Declares the scorer entry point of one (element type, head dim, group size), exported as
 /// `score_pages_{dtype}_d{D}_g{G}`.
@@ -32,36 +30,11 @@ macro_rules! score_kernel {
         /// # Safety
         /// As `score::score_pages`'s: launched by `lserve`'s host launcher only.
         #[unsafe(export_name = concat!("score_pages_", $dtype, "_d", $d, "_g", $g))]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn score(
-            p: lserve_abi::select::SelectParams,
-            q: *const u16,
-            kmin: *const u16,
-            kmax: *const u16,
-            block_tables: *const u32,
-            seq_len: *const u32,
-            seq_slot: *const u32,
-            head_map: *const u32,
-            decode_steps: *const u32,
-            held_lens: *const u32,
-            scores: *mut f32,
-        ) {
+        pub unsafe extern "gpu-kernel" fn score(a: lserve_abi::select::ScoreArgs) {
             // SAFETY: first thing in the kernel; the host launches it overlapped.
             unsafe { $crate::sync::overlapped_entry() };
-            let bufs = $crate::select::score::ScoreBuffers {
-                q,
-                kmin,
-                kmax,
-                block_tables,
-                seq_len,
-                seq_slot,
-                head_map,
-                decode_steps,
-                held_lens,
-                scores,
-            };
             // SAFETY: forwarded launch contract.
-            unsafe { $crate::select::score::score_pages::<$elem, $d, $g>(&p, &bufs) }
+            unsafe { $crate::select::score::score_pages::<$elem, $d, $g>(&a) }
         }
     };
 }
@@ -74,34 +47,11 @@ crate::grouped_kernels!(score_kernel);
 /// # Safety
 /// As [`top_k::select_pages`]'s: launched by `lserve`'s host launcher only.
 #[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "gpu-kernel" fn select_pages(
-    p: SelectParams,
-    scores: *const f32,
-    block_tables: *const u32,
-    seq_len: *const u32,
-    seq_slot: *const u32,
-    decode_steps: *const u32,
-    held_pages: *mut u32,
-    held_lens: *mut u32,
-    index_pages: *mut u32,
-    index_lens: *mut u32,
-) {
+pub unsafe extern "gpu-kernel" fn select_pages(a: SelectArgs) {
     // Overlapped with the scorer: the body waits for it (`overlapped_entry`) after reading the
     // host-written batch description and block tables.
-    let bufs = SelectBuffers {
-        scores,
-        block_tables,
-        seq_len,
-        seq_slot,
-        decode_steps,
-        held_pages,
-        held_lens,
-        index_pages,
-        index_lens,
-    };
     // SAFETY: forwarded launch contract.
-    unsafe { top_k::select_pages(&p, &bufs) }
+    unsafe { top_k::select_pages(&a) }
 }
 
 /// Decode step counters entry point (see [`steps`]).
@@ -109,13 +59,9 @@ pub unsafe extern "gpu-kernel" fn select_pages(
 /// # Safety
 /// As [`steps::advance_decode_steps`]'s: launched by `lserve`'s host launcher only.
 #[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn advance_decode_steps(
-    batch: u32,
-    seq_slot: *const u32,
-    decode_steps: *mut u32,
-) {
+pub unsafe extern "gpu-kernel" fn advance_decode_steps(a: StepArgs) {
     // SAFETY: first thing in the kernel; the host launches it overlapped.
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
-    unsafe { steps::advance_decode_steps(batch, seq_slot, decode_steps) }
+    unsafe { steps::advance_decode_steps(a.batch, a.seq_slot.get(), a.decode_steps.get()) }
 }

@@ -13,9 +13,7 @@
 //! launch stays correct as sequences grow); it issues the loads of up to [`Rows::IN_FLIGHT`]
 //! logical pages before using any.
 
-use lserve_abi::select::{
-    score_offset, selection_due, SelectParams, AGGREGATE_MEAN, SCORE_THREADS,
-};
+use lserve_abi::select::{score_offset, selection_due, ScoreArgs, AGGREGATE_MEAN, SCORE_THREADS};
 
 use crate::convert::Half16;
 use crate::math::{fma, Vec16};
@@ -34,31 +32,6 @@ impl<const D: usize, const G: usize> Rows<D, G> {
     /// Logical pages whose loads a row group issues before computing (fewer for `G = 8`, whose
     /// `q⁺`/`q⁻` already take 128 registers).
     pub const IN_FLIGHT: usize = if G >= 8 { 2 } else { 4 };
-}
-
-/// The buffers the scorer reads and writes.
-#[derive(Clone, Copy)]
-pub struct ScoreBuffers {
-    /// `[B][Hq][D]` queries.
-    pub q: *const u16,
-    /// The layer's `kmin` (`[capacity][Hd][N_P / N_L][D]`).
-    pub kmin: *const u16,
-    /// The layer's `kmax`, same layout.
-    pub kmax: *const u16,
-    /// `[slots][max_pages]` physical page ids.
-    pub block_tables: *const u32,
-    /// `[B]` sequence lengths (after this step's token).
-    pub seq_len: *const u32,
-    /// `[B]` sequence slots.
-    pub seq_slot: *const u32,
-    /// `[Hkv]` head map of the layer (dense index, or streaming index | `HEAD_STREAMING`).
-    pub head_map: *const u32,
-    /// `[slots]` decode step counters.
-    pub decode_steps: *const u32,
-    /// `[slots][Hd]` held selection lengths.
-    pub held_lens: *const u32,
-    /// `[B][Hd][max_pages]` physical-page scores (written for due pairs only).
-    pub scores: *mut f32,
 }
 
 /// The KV head whose dense index is `dense_head` (the head map lists each KV head's index).
@@ -147,29 +120,27 @@ unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
 /// The scorer body (see the module docs).
 ///
 /// # Safety
-/// Launched with grid `(chunks, p.batch * p.paged.heads)` and [`SCORE_THREADS`] threads; the
+/// Launched with grid `(chunks, p.batch * p.cache.paged.heads)` and [`SCORE_THREADS`] threads; the
 /// buffers hold the layouts `p` describes, slots and lengths are live, and the block tables
 /// hold valid page ids for every page of each sequence.
 #[inline(always)]
-pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(
-    p: &SelectParams,
-    bufs: &ScoreBuffers,
-) {
+pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(a: &ScoreArgs) {
+    let p = &a.params;
     let pair = block_idx_y();
-    let dense_heads = p.paged.heads;
+    let dense_heads = p.cache.paged.heads;
     let (b, dense_head) = (pair / dense_heads, pair % dense_heads);
     // SAFETY: `b < batch` by the grid; the slot is live, so its counters exist.
     let (len, slot) = unsafe {
         (
-            *bufs.seq_len.add(b as usize),
-            *bufs.seq_slot.add(b as usize),
+            *a.batch.seq_len.get().add(b as usize),
+            *a.batch.seq_slot.get().add(b as usize),
         )
     };
     let (step, held) = unsafe {
         (
-            *bufs.decode_steps.add(slot as usize),
-            *bufs
-                .held_lens
+            *a.decode_steps.get().add(slot as usize),
+            *a.held_lens
+                .get()
                 .add((slot * dense_heads + dense_head) as usize),
         )
     };
@@ -177,23 +148,28 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(
         return;
     }
     // SAFETY: `dense_head < dense_heads`, so the head map lists it.
-    let kv_head = unsafe { kv_head_of(bufs.head_map, p.kv_heads, dense_head) };
+    let kv_head = unsafe { kv_head_of(a.head_map.get(), p.cache.kv_heads, dense_head) };
 
     let lanes = Rows::<D, G>::LANES;
     let col = lane() % lanes;
     // SAFETY: `b < batch`, `kv_head < kv_heads`.
-    let (pos, neg) = unsafe { query_halves::<E, D, G>(bufs.q, b, kv_head, p.strides.q, col) };
+    let (pos, neg) = unsafe { query_halves::<E, D, G>(a.q.get(), b, kv_head, p.strides.q, col) };
     let mean = p.aggregation == AGGREGATE_MEAN;
 
-    let per_page = p.paged.logical_per_page();
-    let logical_rows = len.div_ceil(p.paged.logical_tokens); // logical pages that exist
-    let pages = len.div_ceil(p.paged.page_tokens);
+    let per_page = p.cache.paged.logical_per_page();
+    let logical_rows = len.div_ceil(p.cache.paged.logical_tokens); // logical pages that exist
+    let pages = len.div_ceil(p.cache.paged.page_tokens);
     // SAFETY: the slot's block table row.
-    let table = unsafe { bufs.block_tables.add((slot * p.max_pages) as usize) };
+    let table = unsafe {
+        a.block_tables
+            .get()
+            .add((slot * p.cache.max_pages) as usize)
+    };
     // SAFETY: the pair's workspace row.
     let out = unsafe {
-        bufs.scores
-            .add(score_offset(b, dense_head, dense_heads, p.max_pages))
+        a.scores
+            .get()
+            .add(score_offset(b, dense_head, dense_heads, p.cache.max_pages))
     };
 
     // Pages go to row groups `stride` apart. The loop bound is per warp (its first row group's
@@ -211,7 +187,7 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(
         } else {
             0
         };
-        let stats = p.paged.stats_row(physical, dense_head, 0) + col as usize * 8;
+        let stats = p.cache.paged.stats_row(physical, dense_head, 0) + col as usize * 8;
         let mut best = f32::NEG_INFINITY;
         let mut first = 0;
         while first < per_page {
@@ -227,8 +203,8 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(
                     // SAFETY: an existing logical page of a page of the sequence: inside the
                     // statistics; rows are 16-byte aligned.
                     unsafe {
-                        lo[u] = *(bufs.kmin.add(at) as *const Vec16);
-                        hi[u] = *(bufs.kmax.add(at) as *const Vec16);
+                        lo[u] = *(a.kmin.get().add(at) as *const Vec16);
+                        hi[u] = *(a.kmax.get().add(at) as *const Vec16);
                     }
                 }
             });

@@ -29,7 +29,7 @@
 //! hard maximum. `DESIGN.md` counts the round trips and barriers.
 
 use lserve_abi::select::{
-    held_newest_at, score_key, score_offset, selection_due, SelectParams, SELECT_SMEM_BYTES,
+    held_newest_at, score_key, score_offset, selection_due, SelectArgs, SELECT_SMEM_BYTES,
     SELECT_THREADS,
 };
 
@@ -39,29 +39,6 @@ use crate::smem::{dynamic_smem, ld_shared_v4_u32, shared_addr, shared_increment_
 use crate::sync::{overlapped_entry, sync_threads};
 use crate::thread::{block_idx_x, lane, thread_in_block};
 use crate::warp::{ballot, shfl_idx_u32};
-
-/// The buffers the selector reads and writes.
-#[derive(Clone, Copy)]
-pub struct SelectBuffers {
-    /// `[B][Hd][max_pages]` physical-page scores (from the scorer).
-    pub scores: *const f32,
-    /// `[slots][max_pages]` physical page ids.
-    pub block_tables: *const u32,
-    /// `[B]` sequence lengths (after this step's token).
-    pub seq_len: *const u32,
-    /// `[B]` sequence slots.
-    pub seq_slot: *const u32,
-    /// `[slots]` decode step counters (read only).
-    pub decode_steps: *const u32,
-    /// `[slots][Hd][held_capacity]` held selections (logical page numbers, ascending).
-    pub held_pages: *mut u32,
-    /// `[slots][Hd]` held selection lengths.
-    pub held_lens: *mut u32,
-    /// `[slots][Hd][entry_capacity]` index tables (physical page ids).
-    pub index_pages: *mut u32,
-    /// `[slots][Hd]` index table lengths.
-    pub index_lens: *mut u32,
-}
 
 /// Radix passes of 8 bits over the 32-bit keys.
 const RADIX_PASSES: usize = 4;
@@ -533,17 +510,18 @@ unsafe fn select_streamed(k: u32, rows: Rows) -> u32 {
 /// ([`overlapped_entry`]) after reading what the host wrote.
 ///
 /// # Safety
-/// Launched with grid `p.batch * p.paged.heads`, [`SELECT_THREADS`] threads and
+/// Launched with grid `p.batch * p.cache.paged.heads`, [`SELECT_THREADS`] threads and
 /// `SELECT_SMEM_BYTES` of dynamic shared memory, after the scorer on the same batch and state
-/// (overlapped or not); buffers as [`SelectBuffers`] documents, capacities as `p` states
+/// (overlapped or not); buffers as [`SelectArgs`] documents, capacities as `p` states
 /// (`held_capacity >= K + 2`, `entry_capacity >= min(K + 3, max_pages)`: the held selection
 /// plus the page the append adds between selections), slots live and
 /// distinct; `seq_len`, `seq_slot` and the block tables written by host copies enqueued before
 /// the previous kernel, not by a kernel.
 #[inline(always)]
-pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
+pub unsafe fn select_pages(a: &SelectArgs) {
+    let p = &a.params;
     let pair = block_idx_x();
-    let dense_heads = p.paged.heads;
+    let dense_heads = p.cache.paged.heads;
     let (b, dense_head) = (pair / dense_heads, pair % dense_heads);
     let t = thread_in_block();
     // Overlapped with the kernel before (the scorer): the batch description and the block tables
@@ -553,13 +531,13 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     // SAFETY: `b < batch` by the grid.
     let (len, slot) = unsafe {
         (
-            *bufs.seq_len.add(b as usize),
-            *bufs.seq_slot.add(b as usize),
+            *a.batch.seq_len.get().add(b as usize),
+            *a.batch.seq_slot.get().add(b as usize),
         )
     };
     // Otherwise dense decode: attention reads the block table.
     let selecting = len > p.dynamic_min_len;
-    let newest = len.div_ceil(p.paged.page_tokens).saturating_sub(1);
+    let newest = len.div_ceil(p.cache.paged.page_tokens).saturating_sub(1);
     // Candidates: pages first..newest (page 0 is not one when it is always included).
     let first = p.always_include_first.min(newest);
     let always_first = p.always_include_first != 0;
@@ -568,12 +546,24 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     // candidate on.
     let rows = unsafe {
         Rows {
-            scores: bufs
+            scores: a
                 .scores
-                .add(score_offset(b, dense_head, dense_heads, p.max_pages) + first as usize),
-            table: bufs.block_tables.add((slot * p.max_pages) as usize),
-            held: bufs.held_pages.add(entry * p.held_capacity as usize),
-            index: bufs.index_pages.add(entry * p.entry_capacity as usize),
+                .get()
+                .add(score_offset(b, dense_head, dense_heads, p.cache.max_pages) + first as usize),
+            table: a
+                .block_tables
+                .get()
+                .add((slot * p.cache.max_pages) as usize),
+            held: a
+                .selection
+                .held_pages
+                .get()
+                .add(entry * p.selection.held_capacity as usize),
+            index: a
+                .selection
+                .index_pages
+                .get()
+                .add(entry * p.selection.entry_capacity as usize),
             first,
             candidates: newest - first,
             offset: always_first as u32,
@@ -609,8 +599,8 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
     // SAFETY: the slot is live: its counter and held state exist.
     let (step, held_len) = unsafe {
         (
-            *bufs.decode_steps.add(slot as usize),
-            *bufs.held_lens.add(entry),
+            *a.decode_steps.get().add(slot as usize),
+            *a.selection.held_lens.get().add(entry),
         )
     };
     if !selection_due(len, p.dynamic_min_len, step, p.reuse_interval, held_len) {
@@ -649,9 +639,11 @@ pub unsafe fn select_pages(p: &SelectParams, bufs: &SelectBuffers) {
                 n += 1;
             }
             // The selection's newest page, where the decode kernel reads it beside the length.
-            *rows.held.add(held_newest_at(p.held_capacity) as usize) = newest;
-            *bufs.held_lens.add(entry) = n;
-            *bufs.index_lens.add(entry) = n;
+            *rows
+                .held
+                .add(held_newest_at(p.selection.held_capacity) as usize) = newest;
+            *a.selection.held_lens.get().add(entry) = n;
+            *a.selection.index_lens.get().add(entry) = n;
         }
     }
 }

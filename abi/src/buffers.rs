@@ -1,0 +1,56 @@
+//! The device buffers several kernels share, one struct each: a layer's cache
+//! ([`CachePtrs`]), its selection state ([`SelectionPtrs`]) and a decode batch's description
+//! ([`BatchPtrs`]). A kernel's argument struct (`DecodeArgs`, `AppendArgs`, ...) holds them beside
+//! its own buffers and its scalars; their shapes are [`CacheLayout`](crate::layout::CacheLayout)'s
+//! and [`SelectionLayout`](crate::layout::SelectionLayout)'s.
+
+use crate::ptr::{GlobalPtr, GlobalPtrMut};
+
+/// One layer of the cache (16-bit elements) and the block tables all layers share.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachePtrs {
+    /// Dense pool K, `[capacity][dense_heads][page_tokens][D]` (`PagedLayout`).
+    pub k_pool: GlobalPtrMut<u16>,
+    /// Dense pool V, as `k_pool`.
+    pub v_pool: GlobalPtrMut<u16>,
+    /// Key statistics (per channel minimum) of the dense pool,
+    /// `[capacity][dense_heads][page_tokens / logical_tokens][D]`.
+    pub kmin: GlobalPtrMut<u16>,
+    /// Per channel maximum, as `kmin`.
+    pub kmax: GlobalPtrMut<u16>,
+    /// Streaming store K, `[slots][streaming_heads][sink + local][D]` (`StreamingLayout`).
+    pub k_stream: GlobalPtrMut<u16>,
+    /// Streaming store V, as `k_stream`.
+    pub v_stream: GlobalPtrMut<u16>,
+    /// `[slots][max_pages]` physical page ids.
+    pub block_tables: GlobalPtr<u32>,
+    /// `[kv_heads]`: a KV head's index among the layer's dense heads, or among its streaming
+    /// heads with `decode::HEAD_STREAMING` set.
+    pub head_map: GlobalPtr<u32>,
+}
+
+/// One layer's page selection state, per (slot, dense head) pair.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelectionPtrs {
+    /// `[slots][dense_heads][held_capacity]` held selections (logical page numbers, ascending;
+    /// the row's last word is the selection's newest page, `select::held_newest_at`).
+    pub held_pages: GlobalPtrMut<u32>,
+    /// `[slots][dense_heads]` held selection lengths (0: nothing held).
+    pub held_lens: GlobalPtrMut<u32>,
+    /// `[slots][dense_heads][entry_capacity]` index tables (physical page ids).
+    pub index_pages: GlobalPtrMut<u32>,
+    /// `[slots][dense_heads]` index table lengths.
+    pub index_lens: GlobalPtrMut<u32>,
+}
+
+/// A decode batch: per sequence `b < batch`, its length (after this step's token) and slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchPtrs {
+    /// `[batch]` sequence lengths.
+    pub seq_len: GlobalPtr<u32>,
+    /// `[batch]` sequence slots (block-table rows, streaming-store slots).
+    pub seq_slot: GlobalPtr<u32>,
+}
