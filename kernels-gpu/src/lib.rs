@@ -11,6 +11,10 @@
 //! - [`cp_async`]: asynchronous global -> shared copies, commit / wait groups;
 //! - [`bulk_copy`]: bulk copies on the tensor memory accelerator, `mbarrier`s.
 //!
+//! [`tile`] is the layer the attention kernels (decode, prefill) share on top of those: one
+//! shared-memory tile type, the `ldmatrix` fragment loaders, the online-softmax state and its
+//! merge (`tile/DESIGN.md`).
+//!
 //! The kernels, each module with a `DESIGN.md` (how it works, its floor, the measurements behind
 //! its constants):
 //! - [`kv_write`]: the cache writes (prefill rows, decode append) and key-statistics pooling;
@@ -63,6 +67,8 @@ pub mod shapes;
 pub mod smem;
 pub mod sync;
 pub mod thread;
+#[cfg(not(feature = "test-kernels"))]
+pub mod tile;
 pub mod warp;
 
 #[panic_handler]

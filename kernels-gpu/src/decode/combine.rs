@@ -1,7 +1,9 @@
 //! Merges the decode splits' partial softmax states into the output.
 //!
 //! Grid `batch * q_heads`, `COMBINE_THREADS` threads. For split states `(m_s, l_s, acc_s)` (log2
-//! units): `M = max m_s`, `w_s = 2^(m_s - M)`, `out = Σ w_s acc_s / Σ w_s l_s`. The splits are
+//! units): `M = max m_s`, `w_s = 2^(m_s - M)`, `out = Σ w_s acc_s / Σ w_s l_s`, the merge of
+//! [`SoftmaxState::merge`] spread over the block: the denominator's side (`w_s`, `Σ w_s l_s`) by
+//! the threads that own split `s`, the accumulators' ([`add_weighted`]) by slices. The splits are
 //! spread over the threads for `M` and the weights (block reductions), so no thread walks them
 //! one dependent load at a time. For the sums the block is cut into *slices* of `D / 4` threads,
 //! each thread owning 4 consecutive dimensions (one 16-byte load per split): slice `k` sums splits
@@ -12,12 +14,13 @@
 
 use lserve_abi::decode::{CombineArgs, CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
-use super::online_softmax::merge_weight;
 use crate::convert::{Bf16, Half16, F16};
-use crate::math::{fma, Vec16};
+use crate::math::Vec16;
 use crate::smem::dynamic_smem;
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, lane, thread_in_block, warp_in_block, WARP_SIZE};
+use crate::tile::softmax::add_weighted;
+use crate::tile::SoftmaxState;
 use crate::warp::{warp_max_f32, warp_sum_f32};
 
 const WARPS: u32 = COMBINE_THREADS / WARP_SIZE;
@@ -114,21 +117,21 @@ unsafe fn combine<E: Half16>(
     // SAFETY: every thread reaches the reductions; `scratch` follows the weights.
     let m_max = unsafe { block_reduce(m_max, scratch, warp_max_f32, f32::max) };
 
-    // The weights, and the denominator.
-    let mut den = 0.0f32;
+    // The weights, and this thread's splits' part of the denominator.
+    let mut merged = SoftmaxState::merge_at(m_max);
     let mut s = tid;
     while s < p.splits {
         // SAFETY: as above; `s < splits <= MAX_SPLITS` weights fit.
         unsafe {
             let (m, l) = (*part_ml.add(state(s) * 2), *part_ml.add(state(s) * 2 + 1));
-            let w = merge_weight(m, m_max);
+            // The accumulators merge below, by slices, with the weight.
+            let w = merged.merge(SoftmaxState { m, l }, &mut [], &[]);
             *weights.add(s as usize) = w;
-            den += w * l;
         }
         s += COMBINE_THREADS;
     }
     // SAFETY: as above; its barriers also publish the weights.
-    let den = unsafe { block_reduce(den, scratch, warp_sum_f32, |a, b| a + b) };
+    let den = unsafe { block_reduce(merged.l, scratch, warp_sum_f32, |a, b| a + b) };
 
     // The sums, per slice: the early splits, then the rest with IN_FLIGHT loads at a time.
     // SAFETY (weights): written before the last barrier of `block_reduce`, `s < splits`.
@@ -138,12 +141,7 @@ unsafe fn combine<E: Half16>(
     crate::unroll16!(k in 0..EARLY => {
         let s = slice + k as u32 * slices;
         if s < p.splits {
-            let w = weight(s);
-            let mut i = 0;
-            while i < 4 {
-                num[i] = fma(w, early[k][i], num[i]);
-                i += 1;
-            }
+            add_weighted(&mut num, weight(s), &early[k]);
         }
     });
     let mut s = slice + EARLY as u32 * slices;
@@ -157,22 +155,14 @@ unsafe fn combine<E: Half16>(
         let mut k = 0;
         while k < IN_FLIGHT as usize {
             let (v, w) = parts[k];
-            let mut i = 0;
-            while i < 4 {
-                num[i] = fma(w, v[i], num[i]);
-                i += 1;
-            }
+            add_weighted(&mut num, w, &v);
             k += 1;
         }
         s += IN_FLIGHT * slices;
     }
     while s < p.splits {
         let (v, w) = load(s);
-        let mut i = 0;
-        while i < 4 {
-            num[i] = fma(w, v[i], num[i]);
-            i += 1;
-        }
+        add_weighted(&mut num, w, &v);
         s += slices;
     }
     // The slices meet: slice `k`'s sums at `sums[k][dims..]`, then thread `d` adds its column.

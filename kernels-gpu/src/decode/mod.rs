@@ -8,9 +8,10 @@
 //! tensor-map bulk copies (`decode_attention_bulk_*`, `decode_attention_append_bulk_*`) or by
 //! `cp.async` (`decode_attention_append_*`, short splits; [`tiles::TileCopy`]). Per tile it
 //! computes `S = Q Kᵀ` and `O += P V` with `mma.sync` m16n8k16, the group's query heads being the
-//! rows of the products ([`tiles`]), with an online softmax per head in registers
-//! ([`online_softmax`]). At the end the warps' states merge through shared memory and the block
-//! writes one partial state per query head; [`combine`] merges the splits into the output. The
+//! rows of the products ([`tiles`], fragments from [`crate::tile::fragments`]), with an online
+//! softmax per head in registers ([`online_softmax`]). At the end the warps' states merge through
+//! shared memory ([`SoftmaxState::merge`]) and the block writes one partial state per query head;
+//! [`combine`] merges the splits into the output the same way. The
 //! `decode_attention_append_*` entry points also append the step's token ([`newest`]): a step that
 //! uses them needs no append launch.
 
@@ -23,24 +24,23 @@ pub mod tiles;
 use lserve_abi::decode::{DecodeArgs, DecodeParams, DECODE_STAGES, DECODE_TILE_ROWS};
 
 use crate::convert::{Bf16, F16};
-use crate::math::fma;
 use crate::mma::{mma_m16n8k16, FragC, MmaElement};
 use crate::smem::dynamic_smem;
 use crate::sync::{sync_threads, sync_warp};
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block};
-use crate::warp::quad_sum_f32;
+use crate::tile::fragments::{k_steps, load_k_fragments, load_v_fragments, n_tiles, p_fragment};
+use crate::tile::SoftmaxState;
 use newest::{NewestRow, StatsUpdate};
-use online_softmax::{merge_weight, HeadSoftmax};
 use rows::{PairInputs, RowSource, NO_ROW};
 use tiles::{
-    load_k_fragments, load_q_fragments, load_v_fragments, p_fragment, patch_rows, AsyncCopy,
-    LongSplitCopy, Tile, TileCopy, MAX_O_TILES, WARPS,
+    load_q_fragments, patch_rows, AsyncCopy, KvLayout, LongSplitCopy, Stages, TileCopy,
+    MAX_O_TILES, WARPS,
 };
 
 /// One warp's pass over its tiles: the softmax state of its lane's query head and the
 /// unnormalized output accumulators (rows `lane / 4`, see [`tiles`]).
 struct WarpState {
-    softmax: HeadSoftmax,
+    softmax: SoftmaxState,
     o: [FragC; MAX_O_TILES],
 }
 
@@ -61,7 +61,7 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, C: TileCopy, const APPEND:
 ) -> WarpState {
     let lane = lane();
     let mut state = WarpState {
-        softmax: HeadSoftmax::EMPTY,
+        softmax: SoftmaxState::EMPTY,
         o: [FragC::default(); MAX_O_TILES],
     };
     let mine = if count > warp {
@@ -121,8 +121,8 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, C: TileCopy, const APPEND:
             next_at = unsafe { C::locate(src, p, tile(next + 1)) };
         }
 
-        let k_tile = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
-        let v_tile = k_tile + Tile::<D>::BYTES;
+        let k_tile = Stages::<D>::k_tile(warp, j % DECODE_STAGES);
+        let v_tile = k_tile.next();
         // Skipped where the copies repeat the last row: nothing to fix there, and the empty call
         // still changes ptxas's register allocation of the `cp.async` appending kernel and its
         // time (decode/DESIGN.md).
@@ -137,23 +137,28 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, C: TileCopy, const APPEND:
         }
         // S = Q Kᵀ for the tile's 16 keys.
         let mut s = [FragC::default(); 2];
-        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
-            // SAFETY: the tile arrived (wait + warp barrier above); the whole warp is here.
+        crate::unroll8!(kk in 0..k_steps(D) => {
+            // SAFETY: the tile arrived (wait + warp barrier above); the whole warp is here; keys
+            // 0..16, dims `16 kk .. + 16` are inside the tile.
             unsafe {
-                let [b0, b1] = load_k_fragments::<E, D>(k_tile, kk as u32, lane);
+                let [b0, b1] = load_k_fragments::<E, KvLayout<D>>(k_tile.addr(), 0, 16 * kk as u32, lane);
                 s[0] = mma_m16n8k16(&q[kk], &b0, &s[0]);
                 s[1] = mma_m16n8k16(&q[kk], &b1, &s[1]);
             }
         });
         // SAFETY: every lane is here; the tile has at least one row.
         let correction = unsafe {
-            state
-                .softmax
-                .add_tile(&mut s, src.tile_rows(tile(j)), lane, p.scale_log2)
+            online_softmax::add_tile(
+                &mut state.softmax,
+                &mut s,
+                src.tile_rows(tile(j)),
+                lane,
+                p.scale_log2,
+            )
         };
-        // O = correction · O + P V.
-        let pf = p_fragment::<E>(&s);
-        crate::unroll8!(pair in 0..Tile::<D>::O_TILES / 2 => {
+        // O = correction · O + P V; `P`'s rows 8..16 (past the group) are zero.
+        let pf = p_fragment::<E, 8>(&s[0], &s[1]);
+        crate::unroll8!(pair in 0..n_tiles(D) / 2 => {
             let o = &mut state.o;
             let mut c = 0;
             while c < 2 {
@@ -161,9 +166,9 @@ unsafe fn attend_tiles<E: MmaElement, const D: usize, C: TileCopy, const APPEND:
                 o[2 * pair + 1].regs[c] *= correction;
                 c += 1;
             }
-            // SAFETY: as for K.
+            // SAFETY: as for K (dims `16 pair .. + 16`).
             unsafe {
-                let [b0, b1] = load_v_fragments::<E, D>(v_tile, pair as u32, lane);
+                let [b0, b1] = load_v_fragments::<E, KvLayout<D>>(v_tile.addr(), 0, 16 * pair as u32, lane);
                 o[2 * pair] = mma_m16n8k16(&pf, &b0, &o[2 * pair]);
                 o[2 * pair + 1] = mma_m16n8k16(&pf, &b1, &o[2 * pair + 1]);
             }
@@ -285,7 +290,7 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
     let area = dynamic_smem::<f32>(0);
     let slot_of = |w: u32, g: u32| ((w * group + g) * (D as u32 + 2)) as usize;
     // SAFETY: every lane of the warp is here (quad shuffle).
-    let l = unsafe { quad_sum_f32(state.softmax.l) };
+    let head = unsafe { state.softmax.quad_total() };
     let (g, quad) = (lane / 4, lane % 4);
     if g < group {
         let at = slot_of(warp, g);
@@ -293,11 +298,11 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
         // `G <= MAX_GROUP`).
         unsafe {
             if quad == 0 {
-                *area.add(at) = state.softmax.m;
-                *area.add(at + 1) = l;
+                *area.add(at) = head.m;
+                *area.add(at + 1) = head.l;
             }
             let mut n = 0;
-            while n < Tile::<D>::O_TILES {
+            while n < n_tiles(D) {
                 let d = (8 * n as u32 + 2 * quad) as usize;
                 *area.add(at + 2 + d) = state.o[n].regs[0];
                 *area.add(at + 2 + d + 1) = state.o[n].regs[1];
@@ -319,24 +324,25 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
             m_all = m_all.max(m_of(w));
             w += 1;
         }
-        let (mut num, mut den) = (0.0f32, 0.0f32);
+        let mut merged = SoftmaxState::merge_at(m_all);
+        let mut acc = [0.0f32];
         let mut w = 0;
         while w < WARPS {
-            let weight = merge_weight(m_of(w), m_all);
             // SAFETY: as above.
-            unsafe {
-                num = fma(weight, *area.add(slot_of(w, g) + 2 + d), num);
-                den = fma(weight, *area.add(slot_of(w, g) + 1), den);
-            }
+            let (m, warp_acc, l) = unsafe {
+                let at = slot_of(w, g);
+                (m_of(w), [*area.add(at + 2 + d)], *area.add(at + 1))
+            };
+            merged.merge(SoftmaxState { m, l }, &mut acc, &warp_acc);
             w += 1;
         }
         let out = ((pair * p.splits + split) as usize) * group as usize + g as usize;
         // SAFETY: `part_acc` is `[pairs][splits][G][D]`, `part_ml` `[pairs][splits][G][2]`.
         unsafe {
-            *part_acc.add(out * D + d) = num;
+            *part_acc.add(out * D + d) = acc[0];
             if d == 0 {
-                *part_ml.add(out * 2) = m_all;
-                *part_ml.add(out * 2 + 1) = den;
+                *part_ml.add(out * 2) = merged.m;
+                *part_ml.add(out * 2 + 1) = merged.l;
             }
         }
         i += crate::thread::block_dim_x();

@@ -1,24 +1,26 @@
-//! Tile shapes of the decode kernel and the moves between global memory, shared memory and
-//! `mma` fragments.
+//! The decode kernel's tiles: where each warp's stages lie in shared memory, how K/V tiles travel
+//! into them, and the query fragments.
 //!
 //! A tile is [`DECODE_TILE_ROWS`] (16) consecutive K/V rows of one page (or of a slot's streaming
 //! rows). Each warp streams its own tiles through [`DECODE_STAGES`] stages of shared memory (K
-//! tile, then V tile), laid out with the 128-byte swizzle: a tile is `D / 64` boxes of 16 rows of
-//! 128 bytes, 16-byte chunk `c` of a box row `r` stored at chunk `c ^ (r % 8)`
-//! ([`Tile::chunk_addr`]). The eight rows an `ldmatrix` 8x8 load reads then fall in distinct bank
-//! groups, and every row starts on a 128-byte line, so a copy fills whole aligned lines. Two ways
-//! of copying ([`TileCopy`]): tensor-map bulk copies ([`TensorCopy`], `cp.async.bulk.tensor`,
-//! one per 64 columns of K or V, swizzled by the copy engine and counted on the stage's
-//! `mbarrier`, after the stage area: one per warp and stage), or 16-byte `cp.async` copies
-//! ([`AsyncCopy`], each chunk placed where the swizzle puts it).
+//! tile, then V tile), each a [`KvTile`]: the shared tile type in the 128-byte swizzle
+//! ([`crate::tile::Swizzled`]: `D / 64` boxes of 16 rows of 128 bytes, 16-byte chunk `c` of a box
+//! row `r` stored at chunk `c ^ (r % 8)`). The eight rows an `ldmatrix` 8x8 load reads then fall
+//! in distinct bank groups, and every row starts on a 128-byte line, so a copy fills whole
+//! aligned lines. Two ways of copying ([`TileCopy`]): tensor-map bulk copies ([`TensorCopy`],
+//! `cp.async.bulk.tensor`, one per 64 columns of K or V, swizzled by the copy engine and counted
+//! on the stage's `mbarrier`, after the stage area: one per warp and stage), or 16-byte
+//! `cp.async` copies ([`AsyncCopy`], each chunk placed where the swizzle puts it).
 //!
 //! The products, per warp and tile, with the `G` query heads of the KV group (`G <= 8`, a launch
 //! parameter) as the `M` rows of the `m16n8k16` products (rows `G..16` are zero and never
 //! written out):
 //! - `S = Q Kᵀ`: 2 accumulators (keys 0..8, 8..16); `Q` is `D/16` A fragments loaded once from
-//!   global memory; `Kᵀ`'s B fragments come from the row-major K tile with plain `ldmatrix`;
-//! - `O += P V`: `D/8` accumulators of 8 dims; `P` reuses `S`'s registers as one A fragment;
-//!   `V`'s B fragments come from the row-major V tile with `ldmatrix.trans`.
+//!   global memory ([`load_q_fragments`]); `Kᵀ`'s B fragments come from the K tile
+//!   ([`crate::tile::fragments::load_k_fragments`]);
+//! - `O += P V`: `D/8` accumulators of 8 dims; `P` reuses `S`'s registers as one A fragment
+//!   whose rows `8..16` are zero ([`crate::tile::fragments::p_fragment`] with 8 rows); `V`'s B
+//!   fragments come from the V tile ([`crate::tile::fragments::load_v_fragments`]).
 
 use lserve_abi::decode::{
     decode_stage_bytes, DecodeParams, DECODE_BOX_COLUMNS, DECODE_STAGES, DECODE_STAGE_ALIGN,
@@ -35,11 +37,12 @@ use crate::bulk_copy::{
 use crate::cp_async::{
     commit_group, cp_async_16_with_policy, l2_evict_first, wait_all, wait_group,
 };
-use crate::ldmatrix::{ldmatrix_x4, ldmatrix_x4_trans};
-use crate::mma::{FragA, FragB, FragC, MmaElement};
+use crate::mma::{FragA, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr, st_shared_v4_u32};
 use crate::sync::sync_warp;
 use crate::thread::WARP_SIZE;
+use crate::tile::fragments::k_steps;
+use crate::tile::{Layout, SmemTile, Swizzled};
 
 /// Warps per block.
 pub const WARPS: u32 = DECODE_THREADS / WARP_SIZE;
@@ -48,46 +51,28 @@ pub const MAX_Q_STEPS: usize = 8;
 /// Most `O` accumulators (`D = 128`: 16 groups of 8 dims).
 pub const MAX_O_TILES: usize = 16;
 
-/// The tile geometry for head dimension `D` (64 or 128).
-pub struct Tile<const D: usize>;
+/// The layout of a K (or V) tile for head dimension `D` (64 or 128): 16 rows, 128-byte swizzle.
+pub type KvLayout<const D: usize> = Swizzled<D, DECODE_TILE_ROWS>;
+/// A K (or V) tile in a warp's stage.
+pub type KvTile<const D: usize> = SmemTile<KvLayout<D>>;
 
-/// Bytes of one box row: 64 elements.
-const BOX_ROW_BYTES: u32 = DECODE_BOX_COLUMNS * 2;
+/// The stage ring of each warp for head dimension `D`: where its tiles and barriers are.
+pub struct Stages<const D: usize>;
 
-impl<const D: usize> Tile<D> {
-    /// Bytes of one box: 16 rows of 64 elements.
-    const BOX_BYTES: u32 = DECODE_TILE_ROWS * BOX_ROW_BYTES;
-    /// Bytes of one K (or V) tile: `D / 64` boxes.
-    pub const BYTES: u32 = (D as u32 / DECODE_BOX_COLUMNS) * Self::BOX_BYTES;
-    /// 16-byte chunks per row.
-    const CHUNKS_PER_ROW: u32 = D as u32 / 8;
+impl<const D: usize> Stages<D> {
     /// Chunks each lane copies per K (or V) tile with `cp.async`.
-    const CHUNKS_PER_LANE: u32 = DECODE_TILE_ROWS * Self::CHUNKS_PER_ROW / WARP_SIZE;
+    const CHUNKS_PER_LANE: u32 = DECODE_TILE_ROWS * KvLayout::<D>::ROW_CHUNKS / WARP_SIZE;
     /// Bytes a stage's barrier counts per tile: 16 K and 16 V rows.
-    pub const TILE_COPY_BYTES: u32 = 2 * Self::BYTES;
-    /// `mma` steps of 16 along the head dimension (`Q Kᵀ`'s reduction).
-    pub const D_STEPS: usize = D / 16;
-    /// Accumulators of 8 dims in `O`.
-    pub const O_TILES: usize = D / 8;
+    pub const TILE_COPY_BYTES: u32 = 2 * KvLayout::<D>::BYTES;
 
-    /// Shared-window address of warp `warp`'s K tile in `stage` (its V tile follows,
-    /// [`BYTES`](Self::BYTES) later). The stages start at the first [`DECODE_STAGE_ALIGN`]
-    /// boundary of the stage area, which has room for that.
+    /// Warp `warp`'s K tile in `stage` (its V tile follows: [`SmemTile::next`]). The stages
+    /// start at the first [`DECODE_STAGE_ALIGN`] boundary of the stage area, which has room for
+    /// that; the swizzle then matches the tensor copies' (of absolute addresses).
     #[inline(always)]
-    pub fn k_tile(warp: u32, stage: u32) -> u32 {
+    pub fn k_tile(warp: u32, stage: u32) -> KvTile<D> {
         let base = shared_addr(dynamic_smem::<u8>(0));
         let base = (base + DECODE_STAGE_ALIGN - 1) & !(DECODE_STAGE_ALIGN - 1);
-        base + (warp * DECODE_STAGES + stage) * 2 * Self::BYTES
-    }
-
-    /// Shared-window address of 16-byte chunk `chunk` (elements `8 * chunk ..`) of row `row` of
-    /// the K or V tile at `tile`: box `chunk / 8`, box row `row`, swizzled chunk
-    /// `(chunk % 8) ^ (row % 8)` (what the tensor copies' 128-byte swizzle does, the tile being
-    /// [`DECODE_STAGE_ALIGN`]-aligned).
-    #[inline(always)]
-    pub fn chunk_addr(tile: u32, row: u32, chunk: u32) -> u32 {
-        let (box_index, c) = (chunk / 8, chunk % 8);
-        tile + box_index * Self::BOX_BYTES + row * BOX_ROW_BYTES + ((c ^ (row % 8)) * 16)
+        SmemTile::at(base + (warp * DECODE_STAGES + stage) * 2 * KvLayout::<D>::BYTES)
     }
 
     /// Shared-window address of the `mbarrier` that counts the copies into warp `warp`'s
@@ -103,18 +88,22 @@ impl<const D: usize> Tile<D> {
 // The stages and the alignment room are what `decode_stage_bytes` sizes; `decode_smem_bytes`
 // adds the barriers.
 const _: () = assert!(
-    decode_stage_bytes(128) == WARPS * DECODE_STAGES * 2 * Tile::<128>::BYTES + DECODE_STAGE_ALIGN
+    decode_stage_bytes(128)
+        == WARPS * DECODE_STAGES * 2 * KvLayout::<128>::BYTES + DECODE_STAGE_ALIGN
 );
 const _: () = assert!(
-    decode_stage_bytes(64) == WARPS * DECODE_STAGES * 2 * Tile::<64>::BYTES + DECODE_STAGE_ALIGN
+    decode_stage_bytes(64)
+        == WARPS * DECODE_STAGES * 2 * KvLayout::<64>::BYTES + DECODE_STAGE_ALIGN
 );
 const _: () = assert!(
     lserve_abi::decode::decode_smem_bytes(128)
         == decode_stage_bytes(128) + WARPS * DECODE_STAGES * 8
 );
-// Every box (and so every tile and stage) starts on a swizzle span: 8 rows of 128 bytes.
-const _: () = assert!(Tile::<64>::BOX_BYTES % DECODE_STAGE_ALIGN == 0);
-const _: () = assert!(8 * BOX_ROW_BYTES == DECODE_STAGE_ALIGN);
+// The tensor copies' boxes are the layout's; every box (and so every tile and stage) starts on a
+// swizzle span: 8 rows of 128 bytes.
+const _: () = assert!(KvLayout::<64>::BOX_COLUMNS == DECODE_BOX_COLUMNS);
+const _: () = assert!(KvLayout::<64>::BOX_BYTES % DECODE_STAGE_ALIGN == 0);
+const _: () = assert!(8 * KvLayout::<64>::BOX_ROW_BYTES == DECODE_STAGE_ALIGN);
 
 /// How a warp's K/V tiles travel from global memory into its stages: the kernel is generic over
 /// it, the host picks per launch (`AsyncCopy` for short splits, `TensorCopy` for long ones;
@@ -224,19 +213,20 @@ impl TileCopy for AsyncCopy {
         let (k_src, v_src) = unsafe { src.tile_at(at) };
         // K and V are read once per step: keep them from pushing other lines out of the L2.
         let policy = l2_evict_first();
-        let k_dst = Tile::<D>::k_tile(warp, j % DECODE_STAGES);
+        let k_dst = Stages::<D>::k_tile(warp, j % DECODE_STAGES);
+        let row_chunks = KvLayout::<D>::ROW_CHUNKS;
         let mut i = 0;
-        while i < Tile::<D>::CHUNKS_PER_LANE {
+        while i < Stages::<D>::CHUNKS_PER_LANE {
             let c = lane + i * WARP_SIZE;
-            let (row, chunk) = (c / Tile::<D>::CHUNKS_PER_ROW, c % Tile::<D>::CHUNKS_PER_ROW);
+            let (row, chunk) = (c / row_chunks, c % row_chunks);
             let from = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
-            let dst = Tile::<D>::chunk_addr(k_dst, row, chunk);
+            let dst = k_dst.chunk(row, chunk);
             // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is chunk
             // `chunk` of row `row < 16` of the stage's K (and V) tile, 16-byte aligned.
             unsafe {
                 cp_async_16_with_policy(dst, k_src.add(from) as *const u8, policy);
                 cp_async_16_with_policy(
-                    dst + Tile::<D>::BYTES,
+                    dst + KvLayout::<D>::BYTES,
                     v_src.add(from) as *const u8,
                     policy,
                 );
@@ -314,7 +304,7 @@ impl TileCopy for TensorCopy {
             while stage < DECODE_STAGES {
                 // SAFETY: the warp's own barrier words, after the stage area; nobody uses them
                 // yet.
-                unsafe { mbarrier_init(Tile::<D>::stage_barrier(warp, stage), 1) };
+                unsafe { mbarrier_init(Stages::<D>::stage_barrier(warp, stage), 1) };
                 stage += 1;
             }
             fence_mbarrier_init();
@@ -338,18 +328,18 @@ impl TileCopy for TensorCopy {
         // K and V are read once per step: keep them from pushing other lines out of the L2.
         let policy = l2_evict_first();
         let stage = j % DECODE_STAGES;
-        let bar = Tile::<D>::stage_barrier(warp, stage);
+        let bar = Stages::<D>::stage_barrier(warp, stage);
         if lane == 0 {
             // SAFETY: tile `j` is the phase `j / STAGES` of its stage's barrier, which nobody has
             // arrived on yet (the previous phase was waited for); 8 KiB < 2^20.
-            unsafe { mbarrier_arrive_expect_tx(bar, Tile::<D>::TILE_COPY_BYTES) };
+            unsafe { mbarrier_arrive_expect_tx(bar, Stages::<D>::TILE_COPY_BYTES) };
         }
         let boxes = D as u32 / DECODE_BOX_COLUMNS;
         if lane < 2 * boxes {
             let (is_v, box_index) = (lane / boxes, lane % boxes);
-            let dst = Tile::<D>::k_tile(warp, stage)
-                + is_v * Tile::<D>::BYTES
-                + box_index * Tile::<D>::BOX_BYTES;
+            let dst = Stages::<D>::k_tile(warp, stage).addr()
+                + is_v * KvLayout::<D>::BYTES
+                + box_index * KvLayout::<D>::BOX_BYTES;
             // SAFETY: the maps (K, then V) describe the buffers the rows are in, and the box at
             // (column `64 * box_index`, row `row`, block `block`) is the tile's rows of
             // those columns (the caller's contract); the destination box is inside the stage and
@@ -379,7 +369,7 @@ impl TileCopy for TensorCopy {
         // `j / STAGES`: the current phase or, if it already completed, the one before.
         unsafe {
             mbarrier_wait_parity(
-                Tile::<D>::stage_barrier(warp, j % DECODE_STAGES),
+                Stages::<D>::stage_barrier(warp, j % DECODE_STAGES),
                 (j / DECODE_STAGES) % 2,
             )
         };
@@ -390,15 +380,16 @@ impl TileCopy for TensorCopy {
     #[inline(always)]
     unsafe fn landed<const D: usize>(warp: u32, j: u32, valid_rows: u32, lane: u32) {
         if valid_rows < DECODE_TILE_ROWS {
-            let v_tile = Tile::<D>::k_tile(warp, j % DECODE_STAGES) + Tile::<D>::BYTES;
-            let chunks = (DECODE_TILE_ROWS - valid_rows) * Tile::<D>::CHUNKS_PER_ROW;
+            let v_tile = Stages::<D>::k_tile(warp, j % DECODE_STAGES).next();
+            let row_chunks = KvLayout::<D>::ROW_CHUNKS;
+            let chunks = (DECODE_TILE_ROWS - valid_rows) * row_chunks;
             let mut i = lane;
             while i < chunks {
-                let row = valid_rows + i / Tile::<D>::CHUNKS_PER_ROW;
-                let chunk = i % Tile::<D>::CHUNKS_PER_ROW;
+                let row = valid_rows + i / row_chunks;
+                let chunk = i % row_chunks;
                 // SAFETY: row `< 16`, chunk `< D / 8`: inside the landed V tile, 16-byte
                 // aligned; no lane reads it before the barrier below.
-                unsafe { st_shared_v4_u32(Tile::<D>::chunk_addr(v_tile, row, chunk), [0; 4]) };
+                unsafe { st_shared_v4_u32(v_tile.chunk(row, chunk), [0; 4]) };
                 i += WARP_SIZE;
             }
             Self::after_plain_stores();
@@ -429,7 +420,7 @@ impl TileCopy for TensorCopy {
 /// the tile's count of existing rows and `newest.row < valid_rows`.
 #[inline(always)]
 pub unsafe fn patch_rows<const D: usize, C: TileCopy>(
-    k_tile: u32,
+    k_tile: KvTile<D>,
     newest: &NewestRow,
     valid_rows: u32,
     lane: u32,
@@ -439,16 +430,16 @@ pub unsafe fn patch_rows<const D: usize, C: TileCopy>(
     } else {
         newest.row + 1
     };
-    if lane < Tile::<D>::CHUNKS_PER_ROW {
+    if lane < KvLayout::<D>::ROW_CHUNKS {
         let mut r = newest.row;
         while r < end {
-            let at = Tile::<D>::chunk_addr(k_tile, r, lane);
+            let at = k_tile.chunk(r, lane);
             // SAFETY: row `r < 16` of the stage, chunk `lane < D / 8`: inside it, 16-byte
             // aligned; the copy landed (the caller's wait) and no lane reads the tile before the
             // barrier below.
             unsafe {
                 st_shared_v4_u32(at, newest.key.0);
-                st_shared_v4_u32(at + Tile::<D>::BYTES, newest.value.0);
+                st_shared_v4_u32(at + KvLayout::<D>::BYTES, newest.value.0);
             }
             r += 1;
         }
@@ -472,7 +463,7 @@ pub unsafe fn load_q_fragments<E: MmaElement, const D: usize>(
     let mut q = [FragA::from_regs([0; 4]); MAX_Q_STEPS];
     let (row, col) = (lane / 4, 2 * (lane % 4));
     if row < group {
-        crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+        crate::unroll8!(kk in 0..k_steps(D) => {
             let at = |c: u32| {
                 // SAFETY: `row < group`, `c + 2 <= D`: inside the group's elements; `c` even.
                 unsafe { *(q_group.add(row as usize * D + c as usize) as *const u32) }
@@ -488,66 +479,3 @@ pub unsafe fn load_q_fragments<E: MmaElement, const D: usize>(
 // A group's query heads are rows `0..8` of the products (`lane / 4`): the rows of A's registers
 // 0 and 2.
 const _: () = assert!(MAX_GROUP <= 8);
-
-/// The B fragments of `Kᵀ` for the tile's 16 keys (two accumulators of 8) and dims
-/// `16 * kk .. + 16`, with one `ldmatrix.x4` from the row-major K tile (keys are B's `n`).
-///
-/// # Safety
-/// The whole warp calls it after the tile arrived and a warp barrier.
-///
-/// Matrices: (keys 0..8, dims +0..8), (keys 0..8, dims +8..16), (keys 8..16, dims +0..8),
-/// (keys 8..16, dims +8..16); lane `l` addresses row `l % 8` of matrix `l / 8`.
-#[inline(always)]
-pub unsafe fn load_k_fragments<E: MmaElement, const D: usize>(
-    k_tile: u32,
-    kk: u32,
-    lane: u32,
-) -> [FragB<E>; 2] {
-    let (matrix, row) = (lane / 8, lane % 8);
-    let key = row + 8 * (matrix / 2);
-    let chunk = 2 * kk + matrix % 2;
-    // SAFETY: key `< 16`, chunk `< D / 8`: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4(Tile::<D>::chunk_addr(k_tile, key, chunk)) };
-    [
-        FragB::from_regs([r[0], r[1]]),
-        FragB::from_regs([r[2], r[3]]),
-    ]
-}
-
-/// The B fragments of `V` for the tile's 16 keys and dims `16 * pair .. + 16` (two accumulators
-/// of 8 dims), with one `ldmatrix.x4.trans` from the row-major V tile (keys are B's `k`).
-///
-/// # Safety
-/// As [`load_k_fragments`].
-///
-/// Matrices: (keys 0..8, dims +0..8), (keys 8..16, dims +0..8), (keys 0..8, dims +8..16),
-/// (keys 8..16, dims +8..16); the transpose gives each lane two consecutive keys of one dim.
-#[inline(always)]
-pub unsafe fn load_v_fragments<E: MmaElement, const D: usize>(
-    v_tile: u32,
-    pair: u32,
-    lane: u32,
-) -> [FragB<E>; 2] {
-    let (matrix, row) = (lane / 8, lane % 8);
-    let key = row + 8 * (matrix % 2);
-    let chunk = 2 * pair + matrix / 2;
-    // SAFETY: key `< 16`, chunk `< D / 8`: inside the tile; forwarded barrier.
-    let r = unsafe { ldmatrix_x4_trans(Tile::<D>::chunk_addr(v_tile, key, chunk)) };
-    [
-        FragB::from_regs([r[0], r[1]]),
-        FragB::from_regs([r[2], r[3]]),
-    ]
-}
-
-/// The A fragment of `P` from the two `S` accumulators of a tile (FlashAttention-2's register
-/// reuse): accumulator 0 holds keys `0..8` of row `lane / 4` in `regs[0..2]`, accumulator 1 keys
-/// `8..16`; rows `+8` (`regs[2..4]`) are past the group and stay zero.
-#[inline(always)]
-pub fn p_fragment<E: MmaElement>(s: &[FragC; 2]) -> FragA<E> {
-    FragA::from_regs([
-        E::pack2(s[0].regs[0], s[0].regs[1]),
-        0,
-        E::pack2(s[1].regs[0], s[1].regs[1]),
-        0,
-    ])
-}
