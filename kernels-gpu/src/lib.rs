@@ -39,9 +39,9 @@
     asm_experimental_arch,
     stmt_expr_attributes
 )]
-// Kernels take their scalar launch parameters as `#[repr(C)]` structs from `lserve-abi`, by
-// value. rustc passes them as `.param .align A .b8 name[size]` in C layout (checked in the PTX),
-// which is exactly the bytes the host's launch copies; the GPU tests exercise every such kernel.
+// Every kernel takes its one `#[repr(C)]` argument struct from `lserve-abi`, by value. rustc
+// passes it as `.param .align A .b8 name[size]` in C layout (checked in the PTX), which is exactly
+// the bytes the host's launch copies; the GPU tests exercise every such kernel.
 #![allow(improper_gpu_kernel_arg)]
 
 use core::arch::nvptx::trap;
@@ -52,6 +52,7 @@ pub mod convert;
 pub mod cp_async;
 #[cfg(not(feature = "test-kernels"))]
 pub mod decode;
+pub mod global;
 #[cfg(not(feature = "test-kernels"))]
 pub mod kv_write;
 pub mod ldmatrix;

@@ -36,7 +36,7 @@ pub unsafe fn sync_warp() {
 }
 
 /// Waits until the kernels this one was launched to overlap (programmatic dependent launch, the
-/// host's `OverlappedLaunch`) have completed and their memory writes are visible
+/// host's `Launch::overlapped`) have completed and their memory writes are visible
 /// (`griddepcontrol.wait`, CUDA's `cudaGridDependencySynchronize()`). A no-op for a kernel
 /// launched normally. Every kernel the host launches overlapped calls it before its first
 /// access (read or write) of global memory that a kernel before it may write or read; only host

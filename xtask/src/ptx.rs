@@ -10,6 +10,10 @@ use std::process::Command;
 use crate::baseline;
 use crate::kernel_build::{built_ptx, kernel_build_command, toolchain_channel};
 
+/// The most parameters a production kernel entry point may take: each takes its one argument
+/// struct from `lserve-abi` (issue "One shape inside": no positional pointer lists).
+pub const MAX_ENTRY_PARAMS: usize = 4;
+
 /// The committed baseline of `arch`, relative to the workspace root.
 pub fn baseline_path(arch: &str) -> String {
     format!("kernels-gpu/ptx-baseline-{arch}.txt")
@@ -56,6 +60,13 @@ pub fn run(root: &Path, arch: &str, bless: bool) -> Result<(), String> {
     if !output.status.success() {
         return Err(format!("ptxas rejected {}:\n{text}", ptx.display()));
     }
+    let ptx_text =
+        fs::read_to_string(&ptx).map_err(|e| format!("reading {}: {e}", ptx.display()))?;
+    let too_many: Vec<String> = entry_params(&ptx_text)
+        .into_iter()
+        .filter(|(_, n)| *n > MAX_ENTRY_PARAMS)
+        .map(|(name, n)| format!("{name} ({n})"))
+        .collect();
     let kernels = parse_ptxas(&text);
     if kernels.is_empty() {
         return Err(format!("ptxas reported no functions:\n{text}"));
@@ -91,6 +102,17 @@ pub fn run(root: &Path, arch: &str, bless: bool) -> Result<(), String> {
         let _ = writeln!(report, "SPILLS not allowed: {}", forbidden.join(", "));
     }
     let mut failures = Vec::new();
+    if too_many.is_empty() {
+        let _ = writeln!(
+            report,
+            "entry points: none takes more than {MAX_ENTRY_PARAMS} parameters"
+        );
+    } else {
+        failures.push(format!(
+            "entry points with more than {MAX_ENTRY_PARAMS} parameters: {}",
+            too_many.join(", ")
+        ));
+    }
     if !forbidden.is_empty() {
         failures.push(format!(
             "register spills in {} (list a kernel in kernels-gpu/spills-allowed[-{arch}].txt to allow it)",
@@ -235,6 +257,23 @@ fn read_allow_list(path: &Path) -> Result<BTreeSet<String>, String> {
     }
 }
 
+/// Each `.entry` of a PTX module with its number of `.param`s, in order of appearance.
+pub fn entry_params(ptx: &str) -> Vec<(String, usize)> {
+    ptx.split(".entry ")
+        .skip(1)
+        .filter_map(|chunk| {
+            let name: String = chunk
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            let open = chunk.find('(')?;
+            let close = chunk.find(')')?;
+            (open < close && !name.is_empty())
+                .then(|| (name, chunk[open..close].matches(".param").count()))
+        })
+        .collect()
+}
+
 /// The number just before `unit` in `line` (`"Used 18 registers"`, `"registers"` -> 18).
 fn number_before(line: &str, unit: &str) -> Option<u32> {
     let at = line.find(unit)?;
@@ -342,6 +381,17 @@ mod tests {
         assert_eq!(
             (ks[2].name.as_str(), ks[2].registers, ks[2].shared_bytes),
             ("k2", 10, 0)
+        );
+    }
+
+    #[test]
+    fn counts_entry_parameters() {
+        let ptx = ".visible .entry one(\n\t.param .align 8 .b8 one_param_0[104]\n)  // @one\n{\n}\n\
+            .visible .entry two(\n\t.param .u64 .ptr .align 1 two_param_0,\n\t.param .u32 two_param_1\n)\n{\n}\n\
+            .visible .entry none()\n{\n}\n";
+        assert_eq!(
+            entry_params(ptx),
+            vec![("one".into(), 1), ("two".into(), 2), ("none".into(), 0)]
         );
     }
 

@@ -16,6 +16,7 @@ use lserve_abi::decode::{DecodeArgs, DecodeParams, DECODE_TILE_ROWS, HEAD_STREAM
 
 use super::rows::{PairInputs, RowSource, NO_ROW};
 use crate::convert::Half16;
+use crate::global::store_u32;
 use crate::kv_write::stats::Bounds;
 use crate::kv_write::target::{chunk_at, load, store, write_chunk, RowTarget};
 use crate::math::Vec16;
@@ -224,16 +225,22 @@ pub unsafe fn keep_entry_tail(a: &DecodeArgs, entry: u32, tail: EntryTail) {
     if tail.held == 0 {
         return;
     }
-    // SAFETY: the entry's own words: position `held < max_selected` (checked: a selection fills
+    // SAFETY: the entry's own words: position `held < entry_capacity` (checked: a selection fills
     // the entry only if it covers every page, the newest included, and then nothing follows it).
     unsafe {
         if tail.pages > tail.held && tail.held < capacity {
-            *a.selection
-                .index_pages
-                .get()
-                .add((entry * capacity + tail.held) as usize) = tail.newest_page;
+            store_u32(
+                a.selection
+                    .index_pages
+                    .get()
+                    .add((entry * capacity + tail.held) as usize),
+                tail.newest_page,
+            );
         }
-        *a.selection.index_lens.get().add(entry as usize) = tail.pages.min(capacity);
+        store_u32(
+            a.selection.index_lens.get().add(entry as usize),
+            tail.pages.min(capacity),
+        );
     }
 }
 

@@ -13,6 +13,7 @@ use lserve_abi::decode::{
 use lserve_abi::select::held_newest_at;
 
 use super::newest::EntryTail;
+use crate::global::load_u32;
 use crate::math::opaque_u32;
 
 /// The rows of one (sequence, KV head) pair.
@@ -80,16 +81,18 @@ impl PairInputs {
         // SAFETY: forwarded.
         unsafe {
             let (len, slot, head_map_entry) = (
-                *seq_len.add(b as usize),
-                *seq_slot.add(b as usize),
-                *head_map.add(kv_head as usize),
+                load_u32(seq_len.add(b as usize)),
+                load_u32(seq_slot.add(b as usize)),
+                load_u32(head_map.add(kv_head as usize)),
             );
             let newest_page = if appending && head_map_entry & HEAD_STREAMING == 0 {
                 let newest = (len - 1) / p.cache.paged.page_tokens;
-                *a.cache
-                    .block_tables
-                    .get()
-                    .add((slot * p.cache.max_pages + newest) as usize)
+                load_u32(
+                    a.cache
+                        .block_tables
+                        .get()
+                        .add((slot * p.cache.max_pages + newest) as usize),
+                )
             } else {
                 0
             };
@@ -179,7 +182,7 @@ impl RowSource {
             // The entry as the append and the selector left it: the held selection, the newest
             // page last. Clamped into the table: a pair that was never given one (a step
             // replayed without the selector it needed) reads wrong pages, never past the table.
-            let listed = unsafe { *selection.index_lens.get().add(entry as usize) }
+            let listed = unsafe { load_u32(selection.index_lens.get().add(entry as usize)) }
                 .clamp(1, p.selection.entry_capacity);
             (
                 unsafe {
@@ -201,13 +204,13 @@ impl RowSource {
             // selection is held, when the owner warp writes nothing to the entry).
             let (held, held_newest, entry_len) = unsafe {
                 (
-                    *selection.held_lens.get().add(entry as usize),
-                    *selection.held_pages.get().add(
+                    load_u32(selection.held_lens.get().add(entry as usize)),
+                    load_u32(selection.held_pages.get().add(
                         (entry * p.selection.held_capacity
                             + held_newest_at(p.selection.held_capacity))
                             as usize,
-                    ),
-                    *selection.index_lens.get().add(entry as usize),
+                    )),
+                    load_u32(selection.index_lens.get().add(entry as usize)),
                 )
             };
             if held == 0 {
@@ -303,7 +306,8 @@ impl RowSource {
             // The load whatever `at` (inside the list, or its first page if it is empty),
             // then a select: no branch around the load in the tile loop.
             // SAFETY: `min(at, listed - 1)` (or 0) is inside the list's table row.
-            let listed = unsafe { *self.pages.add(at.min(self.listed.max(1) - 1) as usize) };
+            let listed =
+                unsafe { load_u32(self.pages.add(at.min(self.listed.max(1) - 1) as usize)) };
             // (`opaque_u32`: a value, so LLVM cannot make this a load through a selected
             // pointer, which put `newest_page` in local memory.)
             if at < self.listed {
@@ -313,7 +317,7 @@ impl RowSource {
             }
         } else {
             // SAFETY: `at` is below the listed page count.
-            unsafe { *self.pages.add(at as usize) }
+            unsafe { load_u32(self.pages.add(at as usize)) }
         }
     }
 

@@ -123,7 +123,7 @@ impl BlockSet {
             u32::MAX
         } else {
             // SAFETY: forwarded: the row holds `word`.
-            unsafe { mask.add(word as usize).read() }
+            unsafe { crate::global::load_u32(mask.add(word as usize)) }
         };
         let diagonal = range_bits(word, self.q_block, self.q_block + 1);
         (pattern & caller) | diagonal

@@ -379,10 +379,10 @@ unsafe fn prefill_attention<
                     let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
                     // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.
                     unsafe {
-                        t.out
-                            .add(base + 8 * n + 2 * quad as usize)
-                            .cast::<u32>()
-                            .write(pair)
+                        crate::global::store_u32(
+                            t.out.add(base + 8 * n + 2 * quad as usize).cast::<u32>(),
+                            pair,
+                        )
                     };
                 });
             }
