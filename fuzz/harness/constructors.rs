@@ -580,23 +580,26 @@ fn one(call: Call) {
             let f = |n: u8| vec![0.5f32; n as usize];
             match KeyStats::new(d, f(kmin), f(kmax)) {
                 Ok(s) => {
-                    assert!(d > 0 && kmin as usize % d == 0 && kmin == kmax);
+                    assert!(d > 0 && (kmin as usize).is_multiple_of(d) && kmin == kmax);
                     for p in 0..s.pages() {
                         assert_eq!(s.kmin(p).len(), d);
                         assert_eq!(s.kmax(p).len(), d);
                     }
                 }
-                Err(_) => assert!(d == 0 || kmin as usize % d != 0 || kmin != kmax),
+                Err(_) => assert!(d == 0 || !(kmin as usize).is_multiple_of(d) || kmin != kmax),
             }
             let n = logical_tokens.get();
             match key_stats(&f(keys), d, n) {
                 Ok(s) => {
-                    assert!(d > 0 && n > 0 && keys as usize % d == 0);
+                    assert!(d > 0 && n > 0 && (keys as usize).is_multiple_of(d));
                     let rows = keys as usize / d;
                     assert_eq!(s.pages(), rows.div_ceil(n));
                 }
                 Err(_) => assert!(
-                    d == 0 || n == 0 || keys as usize % d != 0 || n.checked_mul(d).is_none()
+                    d == 0
+                        || n == 0
+                        || !(keys as usize).is_multiple_of(d)
+                        || n.checked_mul(d).is_none()
                 ),
             }
         }
@@ -620,7 +623,7 @@ fn geometry(layers: usize, q: usize, kv: usize, d: usize, q_head: usize) {
     .into_iter()
     .find(|&(_, v)| !in_u32_range(v))
     .map(|(f, _)| f)
-    .or_else(|| (q % kv != 0).then_some("kv_heads"))
+    .or_else(|| (!q.is_multiple_of(kv)).then_some("kv_heads"))
     .or_else(|| (q / kv > ModelGeometry::MAX_GROUP).then_some("group"))
     .or_else(|| (!ModelGeometry::SUPPORTED_HEAD_DIMS.contains(&d)).then_some("head_dim"));
     match (ModelGeometry::new(layers, q, kv, d), field) {
@@ -664,10 +667,10 @@ fn broken_rule(c: &SparsityConfig) -> Option<&'static str> {
     if c.page_tokens == 0 {
         return Some("page_tokens");
     }
-    if c.logical_page_tokens == 0 || c.page_tokens % c.logical_page_tokens != 0 {
+    if c.logical_page_tokens == 0 || !c.page_tokens.is_multiple_of(c.logical_page_tokens) {
         return Some("logical_page_tokens");
     }
-    if c.token_budget == 0 || c.token_budget % c.page_tokens != 0 {
+    if c.token_budget == 0 || !c.token_budget.is_multiple_of(c.page_tokens) {
         return Some("token_budget");
     }
     if c.local_tokens == 0 {
@@ -698,7 +701,7 @@ fn config_rules(c: &SparsityConfig, len: usize, step: u64, head_dim: usize, max_
             assert_eq!(c.pages_for_len(len), len.div_ceil(c.page_tokens));
             assert_eq!(
                 c.is_selection_step(step),
-                step % c.reuse_interval as u64 == 0
+                step.is_multiple_of(c.reuse_interval as u64)
             );
             let entry = IndexTables::entry_capacity_for(c, max_seq_len);
             assert!(entry >= 1);

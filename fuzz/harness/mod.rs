@@ -15,8 +15,11 @@ mod size;
 /// The most elements a harness lets an accepted constructor allocate.
 pub const ALLOC_BUDGET: usize = 1 << 22;
 
+/// A harness: runs one input.
+pub type Harness = fn(&[u8]);
+
 /// The harnesses by name, for replaying kept inputs.
-pub const TARGETS: [(&str, fn(&[u8])); 4] = [
+pub const TARGETS: [(&str, Harness); 4] = [
     ("head_pattern", head_pattern::run),
     ("constructors", constructors::run),
     ("page_pool", page_pool::run),
