@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README, "Run the tests"; .ci/run calls it).
 # Installs what a fresh machine lacks (the pinned nightly with its components, a stable
-# toolchain for the consumer check, ptxas from PyPI), then runs every check:
+# toolchain for the consumer check, ptxas from PyPI, and cargo-fuzz before the fuzz step), then
+# runs every check:
 # formatting, `cargo xtask ptx` (PTX valid, no spills, no kernel above its baseline, for sm_90 and
 # sm_80), clippy, the workspace's tests from a bare copy of the tree (GPU tests show as ignored
 # without a GPU), `cargo xtask package`, a stable, offline build of a crate that depends on the
