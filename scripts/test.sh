@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The project's test command (README, "Run the tests"; .ci/run calls it).
 # Installs what a fresh machine lacks (the pinned nightly with its components, a stable
-# toolchain for the consumer check, ptxas from PyPI), then runs every check:
+# toolchain for the consumer check, ptxas from PyPI, and cargo-fuzz before the fuzz step), then
+# runs every check:
 # formatting, `cargo xtask ptx` (PTX valid, no spills, no kernel above its baseline, for sm_90 and
 # sm_80), clippy, the workspace's tests from a bare copy of the tree (GPU tests show as ignored
 # without a GPU), `cargo xtask package`, a stable, offline build of a crate that depends on the
-# packaged lserve, and a compile check of lserve beside candle's CUDA build.
+# packaged lserve, a compile check of lserve beside candle's CUDA build, and a bounded run of each
+# cargo-fuzz target in fuzz/ (cargo-fuzz installed if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +28,7 @@ export CARGO_TERM_COLOR=never
 step "rustfmt"
 cargo fmt --all --check
 (cd kernels-gpu && cargo fmt --check)
+(cd fuzz && cargo fmt --check)
 
 step "cargo xtask ptx (sm_90, sm_80)"
 cargo xtask ptx
@@ -62,3 +65,30 @@ stable_bin="$(dirname "$(rustup +stable which cargo)")"
 # cudarc's dynamic-linking), compile-checked with nvcc and CUDA headers from PyPI.
 step "lserve beside candle (integrations/candle-check)"
 bash scripts/candle_check.sh
+
+# The fuzz targets (fuzz/README.md), each for FUZZ_SECONDS (default 20 s). On a 2-core machine
+# (2026-12-01): cargo-fuzz's install 1.5 min, the fuzz build from scratch 1.3 min, the four runs
+# 1.5 min. They run no kernel, so they build lserve
+# with the PTX `cargo xtask package` made above instead of building the kernels again. A crash
+# fails the step; libFuzzer leaves the input in fuzz/artifacts/<target>/.
+step "cargo fuzz: each target for ${FUZZ_SECONDS:-20}s"
+cargo_fuzz_version=0.13.2
+if ! cargo fuzz --version 2>/dev/null | grep -qF "$cargo_fuzz_version"; then
+    cargo +stable install cargo-fuzz --version "$cargo_fuzz_version" --locked
+fi
+(
+    cd fuzz
+    export LSERVE_PTX_DIR="$repo/host/ptx"
+    cargo fuzz build
+    log="$(mktemp)"
+    for target in $(cargo fuzz list); do
+        if ! cargo fuzz run "$target" -- -max_total_time="${FUZZ_SECONDS:-20}" \
+            -rss_limit_mb=2048 -print_final_stats=1 >"$log" 2>&1; then
+            tail -n 80 "$log"
+            exit 1
+        fi
+        printf '%s: %s executions\n' "$target" \
+            "$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")"
+    done
+    rm -f "$log"
+)

@@ -435,6 +435,7 @@ fn exhaustion_is_an_error_that_changes_nothing() {
     assert!(mgr.reserve(b, 1).is_err());
     // A third sequence can start but not grow; freeing a lets it.
     let c = mgr.add_sequence().unwrap();
+    let before = mgr.clone();
     assert!(matches!(
         mgr.reserve(c, 1),
         Err(LserveError::PoolExhausted { needed: 1, free: 0 })
@@ -443,14 +444,25 @@ fn exhaustion_is_an_error_that_changes_nothing() {
         mgr.add_sequence(),
         Err(LserveError::NoFreeSlot { slots: 3 })
     ));
+    assert_eq!(mgr, before, "a failed add or reserve changed the manager");
     mgr.free_sequence(a).unwrap();
     assert_eq!(mgr.pool().free_pages(), 3);
     assert_eq!(mgr.reserve(c, 24).unwrap(), 0..24);
+    let before = mgr.clone();
     assert!(matches!(mgr.len(a), Err(LserveError::UnknownSequence(_))));
     assert!(matches!(
         mgr.free_sequence(a),
         Err(LserveError::UnknownSequence(_))
     ));
+    assert!(matches!(
+        mgr.reserve(a, 1),
+        Err(LserveError::UnknownSequence(_))
+    ));
+    assert!(matches!(
+        mgr.advance_decode_step(a),
+        Err(LserveError::UnknownSequence(_))
+    ));
+    assert_eq!(mgr, before, "an operation on a dead id changed the manager");
 }
 
 #[test]
@@ -482,6 +494,7 @@ fn constructor_and_sequence_errors() {
     ));
     let mut mgr = new(4, 1, 20).unwrap();
     let a = mgr.add_sequence().unwrap();
+    let before = mgr.clone();
     assert!(matches!(
         mgr.reserve(a, 21),
         Err(LserveError::SequenceTooLong { len: 21, max: 20 })
@@ -491,11 +504,14 @@ fn constructor_and_sequence_errors() {
         mgr.reserve(a, usize::MAX),
         Err(LserveError::SequenceTooLong { .. })
     ));
+    assert_eq!(mgr, before, "a failed reservation changed the manager");
     mgr.reserve(a, 20).unwrap();
+    let before = mgr.clone();
     assert!(matches!(
         mgr.reserve(a, 1),
         Err(LserveError::SequenceTooLong { len: 21, max: 20 })
     ));
+    assert_eq!(mgr, before, "a failed reservation changed the manager");
     assert_eq!(mgr.decode_step(a).unwrap(), 0);
     assert_eq!(mgr.advance_decode_step(a).unwrap(), 1);
     assert_eq!(mgr.decode_step(a).unwrap(), 1);

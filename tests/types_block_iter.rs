@@ -322,3 +322,55 @@ fn overflowing_block_mask_sizes_are_errors() {
     let m = BlockMask::new(3, 33 * BLOCK_KV, true).unwrap();
     assert_eq!(m.words().len(), 3 * 33 * 2);
 }
+
+/// Block indices far past the sequence (found by fuzzing, `fuzz/regressions/constructors/`):
+/// `coverage` is `Empty` for any of them, never an overflow panic on `q_block * 64`.
+#[test]
+fn coverage_of_blocks_past_the_end_is_empty_for_any_index() {
+    for kind in [HeadKind::Dense, HeadKind::Streaming] {
+        let shape = PrefillShape {
+            kind,
+            seq_len: 1000,
+            sink_tokens: 64,
+            local_tokens: 128,
+        };
+        for (q, k) in [
+            (usize::MAX, 0),
+            (0, usize::MAX),
+            (usize::MAX, usize::MAX),
+            (usize::MAX / 64 + 1, 3),
+            (16, 0), // the first block past 1000 tokens
+        ] {
+            assert_eq!(
+                shape.coverage(q, k),
+                BlockCoverage::Empty,
+                "{kind:?} ({q}, {k})"
+            );
+        }
+        assert_ne!(shape.coverage(15, 15), BlockCoverage::Empty);
+    }
+    // A sequence whose last block ends at usize::MAX: the tile end does not overflow.
+    let shape = PrefillShape {
+        kind: HeadKind::Dense,
+        seq_len: usize::MAX,
+        sink_tokens: 0,
+        local_tokens: 1,
+    };
+    let last = num_blocks(usize::MAX) - 1;
+    assert_eq!(shape.coverage(last, last), BlockCoverage::Partial);
+    assert_eq!(shape.coverage(last, 0), BlockCoverage::Full);
+}
+
+/// A page size near `usize::MAX` (found by fuzzing, `fuzz/regressions/constructors/`): the
+/// last page's token range ends at the sequence's length, never an overflow panic on
+/// `start + page_tokens`.
+#[test]
+fn dense_decode_pages_with_huge_pages_end_at_the_length() {
+    let table = BlockTable::from_pages(vec![3, 7]);
+    let pt = (usize::MAX >> 1) + 1;
+    let pages: Vec<_> = dense_decode_pages(&table, usize::MAX, pt, None)
+        .unwrap()
+        .map(|p| (p.physical, p.tokens))
+        .collect();
+    assert_eq!(pages, [(3, 0..pt), (7, pt..usize::MAX)]);
+}

@@ -84,14 +84,17 @@ impl PrefillShape {
     }
 
     /// The coverage of the (query block `q_block`, KV block `kv_block`) tile, clipped to the
-    /// sequence; `Empty` for blocks past its end.
+    /// sequence; `Empty` for blocks past its end (any block index, however large).
     pub fn coverage(&self, q_block: usize, kv_block: usize) -> BlockCoverage {
         let n = self.seq_len;
-        let (q0, k0) = (q_block * BLOCK_Q, kv_block * BLOCK_KV);
-        if q0 >= n || k0 >= n || k0 > (q0 + BLOCK_Q).min(n) - 1 {
+        let blocks = self.num_blocks();
+        if q_block >= blocks || kv_block >= blocks || kv_block > q_block {
             return BlockCoverage::Empty; // past the end, or no causal pair
         }
-        let (q_last, k_last) = ((q0 + BLOCK_Q).min(n) - 1, (k0 + BLOCK_KV).min(n) - 1);
+        // Both blocks start inside the sequence, so these neither overflow nor underflow.
+        let (q0, k0) = (q_block * BLOCK_Q, kv_block * BLOCK_KV);
+        let q_last = q0 + (n - q0).min(BLOCK_Q) - 1;
+        let k_last = k0 + (n - k0).min(BLOCK_KV) - 1;
         let causal_full = k_last <= q0;
         let (any, all) = match self.kind {
             HeadKind::Dense => (true, causal_full),
@@ -585,11 +588,12 @@ impl Iterator for DenseDecodePages<'_> {
         }
         let logical = self.selection.map_or(self.next, |s| s[self.next]);
         self.next += 1;
+        // `logical` is a page of the sequence, so `start < len`: the end never passes `usize`.
         let start = logical * self.page_tokens;
         Some(DensePage {
             logical,
             physical: self.table.pages()[logical],
-            tokens: start..(start + self.page_tokens).min(self.len),
+            tokens: start..start + (self.len - start).min(self.page_tokens),
         })
     }
 

@@ -26,7 +26,8 @@ pub enum HeadKind {
 /// The kind of every (layer, KV head) of a model, with per-layer compact indices.
 ///
 /// Query methods take indices the caller got from the same geometry and panic (like slice
-/// indexing) when `layer >= layers` or `kv_head >= kv_heads`.
+/// indexing) when `layer >= layers` or `kv_head >= kv_heads` (each says so under `# Panics`);
+/// [`layers`](Self::layers) and [`geometry`](Self::geometry) give the bounds.
 ///
 /// ```
 /// use lserve::geometry::ModelGeometry;
@@ -202,7 +203,13 @@ impl HeadPattern {
             .map(|layer| {
                 (0..geometry.kv_heads())
                     .map(|head| {
-                        let i = layer * geometry.kv_heads() + head;
+                        // In u128: `(i + 1) * n` may pass usize for a pattern of more
+                        // than 2^32 heads.
+                        let (i, n, total) = (
+                            (layer * geometry.kv_heads() + head) as u128,
+                            n as u128,
+                            total as u128,
+                        );
                         if (i + 1) * n / total > i * n / total {
                             HeadKind::Streaming
                         } else {
@@ -220,53 +227,98 @@ impl HeadPattern {
         &self.geometry
     }
 
+    /// Layers (`geometry().layers()`): the bound of every query's `layer`.
+    pub fn layers(&self) -> usize {
+        self.kinds.len()
+    }
+
     /// The kind of KV head `kv_head` of `layer`.
+    ///
+    /// # Panics
+    /// If `layer >= layers` or `kv_head >= kv_heads` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn kind(&self, layer: usize, kv_head: usize) -> HeadKind {
         self.kinds[layer][kv_head]
     }
 
     /// The kind of the KV head that query head `q_head` of `layer` reads.
+    ///
+    /// # Panics
+    /// If `layer >= layers` or `q_head >= q_heads` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn kind_of_q_head(&self, layer: usize, q_head: usize) -> HeadKind {
         self.kind(layer, self.geometry.kv_head_of(q_head))
     }
 
     /// All kinds of `layer`, indexed by KV head.
+    ///
+    /// # Panics
+    /// If `layer >= layers` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn layer_kinds(&self, layer: usize) -> &[HeadKind] {
         &self.kinds[layer]
     }
 
     /// Dense KV heads of `layer` (`Hd`, the `heads` of its page pool).
+    ///
+    /// # Panics
+    /// If `layer >= layers` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn dense_heads(&self, layer: usize) -> usize {
         self.dense[layer].len()
     }
 
     /// Streaming KV heads of `layer` (`Hs`, the `heads` of its streaming store).
+    ///
+    /// # Panics
+    /// If `layer >= layers` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn streaming_heads(&self, layer: usize) -> usize {
         self.streaming[layer].len()
     }
 
     /// The dense KV heads of `layer`, ascending (compact index -> KV head).
+    ///
+    /// # Panics
+    /// If `layer >= layers` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn dense_kv_heads(&self, layer: usize) -> &[usize] {
         &self.dense[layer]
     }
 
     /// The streaming KV heads of `layer`, ascending (compact index -> KV head).
+    ///
+    /// # Panics
+    /// If `layer >= layers` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn streaming_kv_heads(&self, layer: usize) -> &[usize] {
         &self.streaming[layer]
     }
 
     /// The compact index of `kv_head` among `layer`'s heads of its own kind (its dense index if
     /// it is dense, its streaming index if it is streaming).
+    ///
+    /// # Panics
+    /// If `layer >= layers` or `kv_head >= kv_heads` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn compact_index(&self, layer: usize, kv_head: usize) -> usize {
         self.compact[layer][kv_head]
     }
 
     /// The compact dense index of `kv_head`, or `None` if it is streaming.
+    ///
+    /// # Panics
+    /// If `layer >= layers` or `kv_head >= kv_heads` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn dense_index(&self, layer: usize, kv_head: usize) -> Option<usize> {
         (self.kind(layer, kv_head) == HeadKind::Dense).then(|| self.compact_index(layer, kv_head))
     }
 
     /// The compact streaming index of `kv_head`, or `None` if it is dense.
+    ///
+    /// # Panics
+    /// If `layer >= layers` or `kv_head >= kv_heads` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn streaming_index(&self, layer: usize, kv_head: usize) -> Option<usize> {
         (self.kind(layer, kv_head) == HeadKind::Streaming)
             .then(|| self.compact_index(layer, kv_head))
@@ -274,12 +326,20 @@ impl HeadPattern {
 
     /// The KV head that is dense head number `dense_index` of `layer` (inverse of
     /// [`dense_index`](Self::dense_index)).
+    ///
+    /// # Panics
+    /// If `layer >= layers` or `dense_index >= dense_heads(layer)` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn dense_kv_head(&self, layer: usize, dense_index: usize) -> usize {
         self.dense[layer][dense_index]
     }
 
     /// The KV head that is streaming head number `streaming_index` of `layer` (inverse of
     /// [`streaming_index`](Self::streaming_index)).
+    ///
+    /// # Panics
+    /// If `layer >= layers` or `streaming_index >= streaming_heads(layer)` (an index from another geometry: a caller bug, like slice indexing out of
+    /// bounds).
     pub fn streaming_kv_head(&self, layer: usize, streaming_index: usize) -> usize {
         self.streaming[layer][streaming_index]
     }
@@ -424,5 +484,7 @@ fn streaming_count(geometry: ModelGeometry, fraction: f64) -> Result<usize> {
             reason: format!("{fraction} is not in [0, 1]"),
         });
     }
-    Ok((fraction * geometry.total_kv_heads() as f64).round() as usize)
+    let total = geometry.total_kv_heads();
+    // `min`: the f64 product of a total past 2^53 may round above it.
+    Ok(((fraction * total as f64).round() as usize).min(total))
 }

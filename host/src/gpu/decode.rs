@@ -35,7 +35,7 @@ impl DecodeWorkspace {
     /// Errors (nothing allocated): `Empty` for no (sequence, KV head) pair; `InvalidArgument`
     /// for a head dim or group no kernel serves (what a
     /// [`ModelGeometry`](crate::geometry::ModelGeometry) accepts: head dims 64 and 128, groups 1
-    /// to 8).
+    /// to 8), or for a `max_batch x kv_heads` whose scratch size overflows.
     pub fn new(
         gpu: &GpuContext,
         max_batch: usize,
@@ -43,15 +43,10 @@ impl DecodeWorkspace {
         group: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let max_pairs = max_batch * kv_heads;
-        if max_pairs == 0 {
-            return Err(LserveError::Empty("batch"));
-        }
-        check_shape(head_dim, group)?;
-        let states = max_pairs * MAX_SPLITS as usize * group;
+        let (max_pairs, acc, ml) = workspace_elements(max_batch, kv_heads, group, head_dim)?;
         Ok(Self {
-            part_acc: gpu.stream().alloc_zeros(states * head_dim)?,
-            part_ml: gpu.stream().alloc_zeros(states * 2)?,
+            part_acc: gpu.stream().alloc_zeros(acc)?,
+            part_ml: gpu.stream().alloc_zeros(ml)?,
             max_pairs,
             max_splits: MAX_SPLITS,
             group,
@@ -80,6 +75,30 @@ impl DecodeWorkspace {
         self.max_splits = max_splits;
         Ok(self)
     }
+}
+
+/// The checked sizes of a [`DecodeWorkspace`]: its (sequence, KV head) pairs and the `f32`
+/// elements of its partial accumulators and of its (max, sum) pairs.
+fn workspace_elements(
+    max_batch: usize,
+    kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+) -> Result<(usize, usize, usize)> {
+    if max_batch == 0 || kv_heads == 0 {
+        return Err(LserveError::Empty("batch"));
+    }
+    check_shape(head_dim, group)?;
+    let overflow = || LserveError::InvalidArgument {
+        what: "max_batch",
+        reason: format!("{max_batch} sequences x {kv_heads} KV heads overflow the scratch size"),
+    };
+    let max_pairs = max_batch.checked_mul(kv_heads).ok_or_else(overflow)?;
+    let states = crate::error::checked_elements::<f32>(&[max_pairs, MAX_SPLITS as usize, group])
+        .ok_or_else(overflow)?;
+    let acc = crate::error::checked_elements::<f32>(&[states, head_dim]).ok_or_else(overflow)?;
+    let ml = crate::error::checked_elements::<f32>(&[states, 2]).ok_or_else(overflow)?;
+    Ok((max_pairs, acc, ml))
 }
 
 /// How many splits a launch uses: one wave of blocks of the `heavy_pairs` long pairs (the dense
@@ -690,6 +709,37 @@ mod tests {
     use super::super::launch::ptx_has_kernel;
     use super::*;
     use crate::geometry::ModelGeometry;
+
+    /// Scratch sizes that overflow are `InvalidArgument` before anything is allocated, never an
+    /// overflow panic or a wrapped size; no pair is `Empty`.
+    #[test]
+    fn workspace_sizes_that_overflow_are_errors() {
+        assert_eq!(
+            workspace_elements(2, 8, 4, 128).unwrap(),
+            (
+                16,
+                16 * MAX_SPLITS as usize * 4 * 128,
+                16 * MAX_SPLITS as usize * 4 * 2
+            )
+        );
+        for (batch, kv) in [(usize::MAX, 2), (1 << 40, 1 << 20), (usize::MAX / 64, 1)] {
+            assert!(matches!(
+                workspace_elements(batch, kv, 8, 128),
+                Err(LserveError::InvalidArgument {
+                    what: "max_batch",
+                    ..
+                })
+            ));
+        }
+        assert!(matches!(
+            workspace_elements(0, usize::MAX, 1, 64),
+            Err(LserveError::Empty(_))
+        ));
+        assert!(matches!(
+            workspace_elements(usize::MAX, 0, 1, 64),
+            Err(LserveError::Empty(_))
+        ));
+    }
 
     #[test]
     fn splits_fill_the_gpu_from_the_dense_pairs_but_keep_splits_long() {

@@ -261,8 +261,8 @@ pub struct HostKvCache<E> {
 impl<E: Element> HostKvCache<E> {
     /// A zeroed cache of `capacity_pages` pages and `max_sequences` streaming slots per layer.
     ///
-    /// Errors (`InvalidConfig`): an invalid config, capacity or slot count, or buffers whose
-    /// sizes overflow.
+    /// Errors (`InvalidConfig`, before anything is allocated): an invalid config, capacity or
+    /// slot count, or buffers whose sizes overflow.
     pub fn new(
         pattern: &HeadPattern,
         config: &SparsityConfig,
@@ -286,9 +286,9 @@ impl<E: Element> HostKvCache<E> {
                 });
             }
         }
+        super::page_pool::PagePool::check_capacity(capacity_pages)?;
+        StreamingStore::check(max_sequences, config.sink_tokens, config.local_tokens)?;
         let store = StreamingStore::new(max_sequences, config.sink_tokens, config.local_tokens)?;
-        // Validates the capacity.
-        super::page_pool::PagePool::new(capacity_pages)?;
         let dense = (0..g.layers())
             .map(|layer| {
                 DenseLayerCache::new(super::paged_layout(pattern, config, capacity_pages, layer))

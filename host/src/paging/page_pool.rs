@@ -38,16 +38,22 @@ pub struct PagePool {
 impl PagePool {
     /// A pool of `capacity` free pages; `capacity` must be > 0 and below [`PAD_PAGE`].
     pub fn new(capacity: usize) -> Result<Self> {
+        Self::check_capacity(capacity)?;
+        Ok(Self {
+            free: (0..capacity as PageId).rev().collect(),
+            allocated: vec![false; capacity],
+        })
+    }
+
+    /// The capacity rule of [`new`](Self::new), checked without allocating.
+    pub(crate) fn check_capacity(capacity: usize) -> Result<()> {
         if capacity == 0 || capacity >= PAD_PAGE as usize {
             return Err(LserveError::InvalidConfig {
                 field: "capacity_pages",
                 reason: format!("{capacity} is not in 1..{PAD_PAGE}"),
             });
         }
-        Ok(Self {
-            free: (0..capacity as PageId).rev().collect(),
-            allocated: vec![false; capacity],
-        })
+        Ok(())
     }
 
     /// Pages in the pool.

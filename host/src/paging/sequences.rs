@@ -201,7 +201,8 @@ impl PartialEq for KvCacheManager {
 impl KvCacheManager {
     /// A manager for `max_sequences` sequences of at most `max_seq_len` tokens over a pool of
     /// `capacity_pages` physical pages. Validates the config, that the pattern is for this
-    /// geometry, and the sizes (all > 0 and fitting the device's `u32`s).
+    /// geometry, and the sizes (all > 0 and fitting the device's `u32`s), all before allocating
+    /// anything.
     pub fn new(
         geometry: ModelGeometry,
         pattern: HeadPattern,
@@ -224,6 +225,8 @@ impl KvCacheManager {
                 reason: format!("{max_seq_len} is not in 1..=u32::MAX"),
             });
         }
+        PagePool::check_capacity(capacity_pages)?;
+        StreamingStore::check(max_sequences, config.sink_tokens, config.local_tokens)?;
         let pool = PagePool::new(capacity_pages)?;
         let store = StreamingStore::new(max_sequences, config.sink_tokens, config.local_tokens)?;
         Ok(Self {
@@ -336,7 +339,8 @@ impl KvCacheManager {
             }
             let state = self.state(seq)?;
             let new_len = self.grown_len(state.len, n_tokens)?;
-            needed += self.config.pages_for_len(new_len) - state.block_table.len();
+            needed =
+                needed.saturating_add(self.config.pages_for_len(new_len) - state.block_table.len());
         }
         if needed > self.pool.free_pages() {
             return Err(LserveError::PoolExhausted {

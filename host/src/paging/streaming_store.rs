@@ -44,6 +44,20 @@ impl StreamingStore {
     /// assert!(StreamingStore::new(1, usize::MAX, 1).is_err()); // rows overflow
     /// ```
     pub fn new(slots: usize, sink_tokens: usize, local_tokens: usize) -> Result<Self> {
+        let local_tokens = Self::check(slots, sink_tokens, local_tokens)?;
+        Ok(Self {
+            sink_tokens,
+            local_tokens,
+            in_use: vec![false; slots],
+        })
+    }
+
+    /// The rules of [`new`](Self::new), checked without allocating: the ring size.
+    pub(crate) fn check(
+        slots: usize,
+        sink_tokens: usize,
+        local_tokens: usize,
+    ) -> Result<NonZeroUsize> {
         if slots == 0 || u32::try_from(slots).is_err() {
             return Err(LserveError::InvalidConfig {
                 field: "max_sequences",
@@ -52,16 +66,11 @@ impl StreamingStore {
         }
         let rows = sink_tokens.checked_add(local_tokens).map(u32::try_from);
         let local = NonZeroUsize::new(local_tokens).filter(|_| matches!(rows, Some(Ok(_))));
-        let local_tokens = local.ok_or_else(|| LserveError::InvalidConfig {
+        local.ok_or_else(|| LserveError::InvalidConfig {
             field: "local_tokens",
             reason: format!(
                 "sink {sink_tokens} + local {local_tokens}: local must be > 0 and the sum fit u32"
             ),
-        })?;
-        Ok(Self {
-            sink_tokens,
-            local_tokens,
-            in_use: vec![false; slots],
         })
     }
 

@@ -1,0 +1,27 @@
+//! Fuzz harnesses of lserve's CPU-side public API. Each `run(data)` builds its input from the
+//! bytes with `arbitrary`, calls the library and checks the result against a model or the
+//! documented rules; any panic (the library's or an assertion's) is a finding.
+//!
+//! Inputs that the library would accept and then allocate more than [`ALLOC_BUDGET`] elements
+//! for are skipped (a valid request for that much memory is not a bug); inputs it must reject,
+//! or whose sizes overflow, are always run.
+
+pub mod cache_manager;
+pub mod constructors;
+pub mod head_pattern;
+pub mod page_pool;
+mod size;
+
+/// The most elements a harness lets an accepted constructor allocate.
+pub const ALLOC_BUDGET: usize = 1 << 22;
+
+/// A harness: runs one input.
+pub type Harness = fn(&[u8]);
+
+/// The harnesses by name, for replaying kept inputs.
+pub const TARGETS: [(&str, Harness); 4] = [
+    ("head_pattern", head_pattern::run),
+    ("constructors", constructors::run),
+    ("page_pool", page_pool::run),
+    ("cache_manager", cache_manager::run),
+];
