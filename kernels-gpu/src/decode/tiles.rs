@@ -22,9 +22,11 @@
 //!   whose rows `8..16` are zero ([`crate::tile::fragments::p_fragment`] with 8 rows); `V`'s B
 //!   fragments come from the V tile ([`crate::tile::fragments::load_v_fragments`]).
 
+#[cfg(target_feature = "sm_90")]
+use lserve_abi::decode::TENSOR_MAP_BYTES;
 use lserve_abi::decode::{
     decode_stage_bytes, DecodeParams, DECODE_BOX_COLUMNS, DECODE_STAGES, DECODE_STAGE_ALIGN,
-    DECODE_THREADS, DECODE_TILE_ROWS, MAX_GROUP, TENSOR_MAP_BYTES,
+    DECODE_THREADS, DECODE_TILE_ROWS, MAX_GROUP,
 };
 
 use super::newest::NewestRow;
