@@ -247,8 +247,13 @@ struct LayerBuffers<E> {
     index_lens: CudaSlice<u32>,
 }
 
-/// Hands out device cache identities.
-static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
+/// Hands out the identities of device caches and workspaces.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh identity (caches and workspaces record one; plans check them).
+pub(crate) fn fresh_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
 
 /// The decode step counter of the sequence in each slot of `manager` (0 for free slots).
 fn step_counters(manager: &KvCacheManager) -> Vec<u32> {
@@ -394,7 +399,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             Contents::Host { index, .. } => index.layer(0)?.entry_capacity(),
         } as u32;
         Ok(Self {
-            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            id: fresh_id(),
             pattern,
             layers,
             block_tables: upload(stream, &tables.pages)?,
@@ -599,21 +604,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         if batch.is_empty() {
             return Err(LserveError::Empty("batch"));
         }
-        if batch.cache != self.id {
-            return Err(LserveError::StaleTables {
-                what: "batch",
-                reason: "set against another device cache".into(),
-            });
-        }
-        self.mirror.check_rows(
-            "batch",
-            batch.manager,
-            batch
-                .host_slots
-                .iter()
-                .copied()
-                .zip(batch.row_generations.iter().copied()),
-        )?;
+        self.check_tables(batch)?;
         let reach = self.max_pages as usize * self.config.page_tokens;
         for (&slot, &len) in batch.host_slots.iter().zip(&batch.host_lens) {
             if slot >= self.slots || len == 0 || len as usize > reach {
@@ -628,6 +619,28 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             }
         }
         Ok(())
+    }
+
+    /// Checks that `batch` was set against this cache and that the cache still holds the block
+    /// tables it was set against (`StaleTables` otherwise): what a plan made with the batch
+    /// checks on every run; the rest of [`check_batch`](Self::check_batch) holds while the
+    /// batch is not set again.
+    pub(crate) fn check_tables(&self, batch: &DecodeBatch) -> Result<()> {
+        if batch.cache != self.id {
+            return Err(LserveError::StaleTables {
+                what: "batch",
+                reason: "set against another device cache".into(),
+            });
+        }
+        self.mirror.check_rows(
+            "batch",
+            batch.manager,
+            batch
+                .host_slots
+                .iter()
+                .copied()
+                .zip(batch.row_generations.iter().copied()),
+        )
     }
 
     /// Layers.
@@ -707,7 +720,7 @@ pub(crate) fn zero_selection_state<E>(
 }
 
 /// The error for a layer index past the cache's `n` layers.
-fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
+pub(crate) fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
     LserveError::InvalidArgument {
         what: "layer",
         reason: format!("{layer} out of range ({n} layers)"),
