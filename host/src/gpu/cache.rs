@@ -734,8 +734,10 @@ pub(crate) fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
 /// newer tables for one of its slots, is `StaleTables`.
 ///
 /// [`DecodeStep::plan`](super::DecodeStep::plan) sets the batch of a whole decode step; a
-/// `DecodeBatch` of one's own is for the separate launches ([`decode_attention`](super::decode_attention),
-/// [`append_kv`](super::append_kv), [`select_pages`](super::select_pages)).
+/// `DecodeBatch` of one's own is for the separate launches' plans
+/// ([`AppendPlan`](super::AppendPlan), [`SelectPlan`](super::SelectPlan),
+/// [`DecodePlan`](super::DecodePlan), [`AppendAttendPlan`](super::AppendAttendPlan)), which
+/// borrow it: it cannot be set again while one of them lives.
 pub struct DecodeBatch {
     pub(crate) seq_slot: CudaSlice<u32>,
     pub(crate) seq_len: CudaSlice<u32>,
@@ -801,7 +803,7 @@ impl DecodeBatch {
     /// use half::bf16;
     /// use lserve::config::SparsityConfig;
     /// use lserve::geometry::ModelGeometry;
-    /// use lserve::gpu::{decode_attention, DecodeBatch, DecodeWorkspace, DeviceKvCache, GpuContext};
+    /// use lserve::gpu::{DecodeBatch, DecodePlan, DecodeWorkspace, DeviceKvCache, GpuContext};
     /// use lserve::head_pattern::HeadPattern;
     /// use lserve::paging::KvCacheManager;
     /// use lserve::LserveError;
@@ -817,15 +819,17 @@ impl DecodeBatch {
     /// let mut ws = DecodeWorkspace::new(&gpu, 2, g.kv_heads(), g.group(), g.head_dim())?;
     /// let q = gpu.stream().alloc_zeros::<bf16>(2 * g.q_heads() * g.head_dim())?;
     /// let mut out = gpu.stream().alloc_zeros::<bf16>(2 * g.q_heads() * g.head_dim())?;
-    /// decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws)?;
-    /// // Another batch takes the slot `a` held: the first batch no longer describes the cache.
+    /// let plan = DecodePlan::new(&gpu, &cache, &batch, &ws)?;
+    /// plan.run(&gpu, &cache, 0, &q, &mut out, &mut ws)?;
+    /// // Another batch takes the slot `a` held: the first batch (and its plan) no longer
+    /// // describes the cache.
     /// mgr.free_sequence(a)?;
     /// let b = mgr.add_sequence()?;
     /// mgr.reserve(b, 10)?;
     /// let mut other = DecodeBatch::new(&gpu, 2)?;
     /// other.set(&gpu, &mgr, &mut cache, &[b])?;
     /// assert!(matches!(
-    ///     decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws),
+    ///     plan.run(&gpu, &cache, 0, &q, &mut out, &mut ws),
     ///     Err(LserveError::StaleTables { .. })
     /// ));
     /// # Ok::<(), lserve::LserveError>(())

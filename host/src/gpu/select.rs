@@ -337,7 +337,7 @@ impl SelectLaunch<'_> {
             block_dim: (SCORE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = Launch::overlapped(gpu, &self.scorer);
+        let mut launch = Launch::overlapped(gpu, self.scorer);
         let args = ScoreArgs {
             params,
             q: launch.read(q.view()).cast(),
