@@ -56,9 +56,9 @@ use lserve::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode}
 use lserve::cudarc::driver::{CudaGraph, CudaSlice};
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
-    advance_decode_steps, append_kv, decode_attention, fill_random, pool_key_stats, select_pages,
-    DecodeBatch, DecodeStep, DecodeWorkspace, DeviceKvCache, DeviceKvWritePlan, GpuContext,
-    KvWritePlan, SelectWorkspace,
+    advance_decode_steps, append_kv, fill_random, pool_key_stats, DecodeBatch, DecodePlan,
+    DecodeStep, DecodeWorkspace, DeviceKvCache, DeviceKvWritePlan, GpuContext, KvWritePlan,
+    SelectPlan, SelectWorkspace,
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::{KvCacheManager, SeqId};
@@ -95,7 +95,7 @@ struct Bench {
     seqs: Vec<SeqId>,
     q: CudaSlice<bf16>,
     out: CudaSlice<bf16>,
-    /// The step token's K and V, `[B][Hkv][D]` (what `append_kv` writes).
+    /// The step token's K and V, `[B][Hkv][D]` (what `AppendPlan::run` writes).
     k: CudaSlice<bf16>,
     v: CudaSlice<bf16>,
     /// Every sequence's `0..len`: the plan that pooled the statistics.
@@ -227,7 +227,7 @@ impl Bench {
         (batch * (bytes + 2 * self.model.hq * ROW_BYTES)) as u64
     }
 
-    /// Bytes one `append_kv` must move: per sequence and KV head, the token's K and V read from
+    /// Bytes one `AppendPlan::run` must move: per sequence and KV head, the token's K and V read from
     /// the activations and written into the cache, and for a dense head its logical page's
     /// `kmin`/`kmax` written (and read first unless the token starts the logical page).
     fn append_bytes(&self) -> u64 {
@@ -425,6 +425,13 @@ fn decode(c: &mut Criterion) {
                 // captured twice; the replays rewrite the same token's position.
                 let mut plan = (group_name == "step")
                     .then(|| step.plan(&gpu, mgr, cache, seqs).expect("plan"));
+                // `selection/*`, `attention/*`: the batch's plans, made once for every layer.
+                let batch = &*batch;
+                let select_plan = (plan.is_none() && run_select)
+                    .then(|| SelectPlan::new(&gpu, cache, batch, selection).expect("select plan"));
+                let attend_plan = (plan.is_none() && run_attend).then(|| {
+                    DecodePlan::new(&gpu, cache, batch, attention).expect("attention plan")
+                });
                 let mut run_step = |select: bool| {
                     for layer in 0..layers {
                         if let Some(plan) = plan.as_mut() {
@@ -436,17 +443,16 @@ fn decode(c: &mut Criterion) {
                             .expect("step layer");
                             continue;
                         }
-                        if select {
-                            select_pages(&gpu, cache, layer, batch, &*q, selection)
-                                .expect("select");
+                        if let Some(p) = select_plan.as_ref().filter(|_| select) {
+                            p.run(&gpu, cache, layer, &*q, selection).expect("select");
                         }
-                        if run_attend {
-                            decode_attention(&gpu, cache, layer, batch, &*q, &mut *out, attention)
+                        if let Some(p) = &attend_plan {
+                            p.run(&gpu, cache, layer, &*q, &mut *out, attention)
                                 .expect("attend");
                         }
                     }
                     if run_select {
-                        let batch = plan.as_ref().map_or(&*batch, |p| p.batch());
+                        let batch = plan.as_ref().map_or(batch, |p| p.batch());
                         advance_decode_steps(&gpu, cache, batch).expect("advance");
                     }
                 };
@@ -459,7 +465,7 @@ fn decode(c: &mut Criterion) {
                 bench_replays(c, &gpu, group_name, id(name), bytes, layers, graph_for);
             }
 
-            // The append alone. Its replay is valid as is: `append_kv` changes no length or
+            // The append alone. Its replay is valid as is: the append changes no length or
             // counter (the sequence lengths are the batch's, written by `DecodeBatch::set`
             // outside the graph, as an engine does between steps), it only writes position
             // `len - 1` and that logical page's `kmin`/`kmax`. Replaying it with the same K/V

@@ -247,8 +247,13 @@ struct LayerBuffers<E> {
     index_lens: CudaSlice<u32>,
 }
 
-/// Hands out device cache identities.
-static NEXT_CACHE_ID: AtomicU64 = AtomicU64::new(0);
+/// Hands out the identities of device caches and workspaces.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh identity (caches and workspaces record one; plans check them).
+pub(crate) fn fresh_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
 
 /// The decode step counter of the sequence in each slot of `manager` (0 for free slots).
 fn step_counters(manager: &KvCacheManager) -> Vec<u32> {
@@ -394,7 +399,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             Contents::Host { index, .. } => index.layer(0)?.entry_capacity(),
         } as u32;
         Ok(Self {
-            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            id: fresh_id(),
             pattern,
             layers,
             block_tables: upload(stream, &tables.pages)?,
@@ -599,21 +604,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         if batch.is_empty() {
             return Err(LserveError::Empty("batch"));
         }
-        if batch.cache != self.id {
-            return Err(LserveError::StaleTables {
-                what: "batch",
-                reason: "set against another device cache".into(),
-            });
-        }
-        self.mirror.check_rows(
-            "batch",
-            batch.manager,
-            batch
-                .host_slots
-                .iter()
-                .copied()
-                .zip(batch.row_generations.iter().copied()),
-        )?;
+        self.check_tables(batch)?;
         let reach = self.max_pages as usize * self.config.page_tokens;
         for (&slot, &len) in batch.host_slots.iter().zip(&batch.host_lens) {
             if slot >= self.slots || len == 0 || len as usize > reach {
@@ -628,6 +619,28 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             }
         }
         Ok(())
+    }
+
+    /// Checks that `batch` was set against this cache and that the cache still holds the block
+    /// tables it was set against (`StaleTables` otherwise): what a plan made with the batch
+    /// checks on every run; the rest of [`check_batch`](Self::check_batch) holds while the
+    /// batch is not set again.
+    pub(crate) fn check_tables(&self, batch: &DecodeBatch) -> Result<()> {
+        if batch.cache != self.id {
+            return Err(LserveError::StaleTables {
+                what: "batch",
+                reason: "set against another device cache".into(),
+            });
+        }
+        self.mirror.check_rows(
+            "batch",
+            batch.manager,
+            batch
+                .host_slots
+                .iter()
+                .copied()
+                .zip(batch.row_generations.iter().copied()),
+        )
     }
 
     /// Layers.
@@ -707,7 +720,7 @@ pub(crate) fn zero_selection_state<E>(
 }
 
 /// The error for a layer index past the cache's `n` layers.
-fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
+pub(crate) fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
     LserveError::InvalidArgument {
         what: "layer",
         reason: format!("{layer} out of range ({n} layers)"),
@@ -721,8 +734,10 @@ fn layer_out_of_range(layer: usize, n: usize) -> LserveError {
 /// newer tables for one of its slots, is `StaleTables`.
 ///
 /// [`DecodeStep::plan`](super::DecodeStep::plan) sets the batch of a whole decode step; a
-/// `DecodeBatch` of one's own is for the separate launches ([`decode_attention`](super::decode_attention),
-/// [`append_kv`](super::append_kv), [`select_pages`](super::select_pages)).
+/// `DecodeBatch` of one's own is for the separate launches' plans
+/// ([`AppendPlan`](super::AppendPlan), [`SelectPlan`](super::SelectPlan),
+/// [`DecodePlan`](super::DecodePlan), [`AppendAttendPlan`](super::AppendAttendPlan)), which
+/// borrow it: it cannot be set again while one of them lives.
 pub struct DecodeBatch {
     pub(crate) seq_slot: CudaSlice<u32>,
     pub(crate) seq_len: CudaSlice<u32>,
@@ -788,7 +803,7 @@ impl DecodeBatch {
     /// use half::bf16;
     /// use lserve::config::SparsityConfig;
     /// use lserve::geometry::ModelGeometry;
-    /// use lserve::gpu::{decode_attention, DecodeBatch, DecodeWorkspace, DeviceKvCache, GpuContext};
+    /// use lserve::gpu::{DecodeBatch, DecodePlan, DecodeWorkspace, DeviceKvCache, GpuContext};
     /// use lserve::head_pattern::HeadPattern;
     /// use lserve::paging::KvCacheManager;
     /// use lserve::LserveError;
@@ -804,15 +819,17 @@ impl DecodeBatch {
     /// let mut ws = DecodeWorkspace::new(&gpu, 2, g.kv_heads(), g.group(), g.head_dim())?;
     /// let q = gpu.stream().alloc_zeros::<bf16>(2 * g.q_heads() * g.head_dim())?;
     /// let mut out = gpu.stream().alloc_zeros::<bf16>(2 * g.q_heads() * g.head_dim())?;
-    /// decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws)?;
-    /// // Another batch takes the slot `a` held: the first batch no longer describes the cache.
+    /// let plan = DecodePlan::new(&gpu, &cache, &batch, &ws)?;
+    /// plan.run(&gpu, &cache, 0, &q, &mut out, &mut ws)?;
+    /// // Another batch takes the slot `a` held: the first batch (and its plan) no longer
+    /// // describes the cache.
     /// mgr.free_sequence(a)?;
     /// let b = mgr.add_sequence()?;
     /// mgr.reserve(b, 10)?;
     /// let mut other = DecodeBatch::new(&gpu, 2)?;
     /// other.set(&gpu, &mgr, &mut cache, &[b])?;
     /// assert!(matches!(
-    ///     decode_attention(&gpu, &cache, 0, &batch, &q, &mut out, &mut ws),
+    ///     plan.run(&gpu, &cache, 0, &q, &mut out, &mut ws),
     ///     Err(LserveError::StaleTables { .. })
     /// ));
     /// # Ok::<(), lserve::LserveError>(())

@@ -8,16 +8,19 @@ use lserve_abi::decode::{
 };
 use lserve_abi::layout::TokenStrides;
 
-use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::kv_write::append_rows;
+use super::cache::{fresh_id, layer_out_of_range, DecodeBatch, DeviceElement, DeviceKvCache};
+use super::kv_write::AppendPlan;
 use super::launch::{check_shape, kernel_of, Launch};
 use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::dtype::DType;
+use crate::error::invalid;
 use crate::{LserveError, Result};
 
 /// Scratch for the split partial states, sized once for the largest batch.
 pub struct DecodeWorkspace {
+    /// This workspace's identity (plans record it; a new split limit makes a new one).
+    id: u64,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
     max_pairs: usize,
@@ -45,6 +48,7 @@ impl DecodeWorkspace {
     ) -> Result<Self> {
         let (max_pairs, acc, ml) = workspace_elements(max_batch, kv_heads, group, head_dim)?;
         Ok(Self {
+            id: fresh_id(),
             part_acc: gpu.stream().alloc_zeros(acc)?,
             part_ml: gpu.stream().alloc_zeros(ml)?,
             max_pairs,
@@ -56,6 +60,7 @@ impl DecodeWorkspace {
 
     /// At most `max_splits` splits per (sequence, KV head) in launches with this workspace
     /// (default [`MAX_SPLITS`]): fewer, longer splits trade parallelism for less combine work.
+    /// Plans made with the workspace before refuse it after (they were sized for the old limit).
     ///
     /// Errors: `InvalidArgument` unless `1 <= max_splits <= MAX_SPLITS`.
     ///
@@ -73,6 +78,7 @@ impl DecodeWorkspace {
             });
         }
         self.max_splits = max_splits;
+        self.id = fresh_id();
         Ok(self)
     }
 }
@@ -167,7 +173,7 @@ fn tiles_per_warp(max_rows: u32, splits: u32) -> u32 {
     max_rows.div_ceil(splits.max(1)).div_ceil(warp_rows)
 }
 
-/// The two kernels of an attention launch, looked up once when it is checked (nothing is
+/// The two kernels of an attention launch, looked up once when it is planned (nothing is
 /// enqueued if one is missing) and launched by [`launch_attention`].
 #[derive(Clone)]
 struct AttentionKernels {
@@ -216,20 +222,113 @@ fn kernel_name(
     Ok(format!("{prefix}_{}_d{head_dim}", dtype.name()))
 }
 
-/// Decode attention of one layer for `batch`: `q [B][Hq][D]` -> `out [B][Hq][D]`, over the
-/// cache as it is (the step's token already appended, e.g. by
-/// [`append_kv`](super::append_kv)).
+/// Decode attention of one batch over the cache as it is, checked once for every layer:
+/// [`DecodePlan::new`] checks the batch against the cache and the workspace against the batch,
+/// sizes every layer's launch (its splits) and looks its kernels up; [`DecodePlan::run`]
+/// attends in one layer, checking only the layer, the tensors, the workspace's identity and that
+/// the cache still holds the batch's block tables.
 ///
-/// Streaming heads attend to their sink and ring rows; dense heads to every page of the block
-/// table while the sequence is at most `dynamic_min_len` long, else to the pages of their
-/// index-table entry (the held selection followed by the newest page unless the selection ends
-/// with it, as the selector and the append keep it). Enqueued on the context's stream; allocates
-/// nothing and does not synchronize.
+/// A run computes `q [B][Hq][D]` -> `out [B][Hq][D]` over the cache as it is (the step's token
+/// already appended, e.g. by [`AppendPlan`](super::AppendPlan)). Streaming heads attend to their
+/// sink and ring rows; dense heads to every page of the block table while the sequence is at
+/// most `dynamic_min_len` long, else to the pages of their index-table entry (the held selection
+/// followed by the newest page unless the selection ends with it, as the selector and the append
+/// keep it).
 ///
-/// Errors (nothing launched): `Empty` for an empty batch, `StaleTables` for a batch set against
-/// another cache or tables the cache no longer holds ([`DecodeBatch::set`]), `ShapeMismatch` for
-/// short `q`/`out`, `InvalidArgument` for a bad layer, a batch the cache cannot hold or a
-/// workspace sized for another geometry or a smaller batch.
+/// The plan borrows the batch (it cannot be set again while the plan lives) and records the
+/// workspace it was checked with. Its splits were sized for the batch's lengths when planned.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{DecodeBatch, DecodePlan, DecodeWorkspace, DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let pattern = HeadPattern::interleaved(g, 0.5)?;
+/// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 1000)?;
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// // ... write the 1000 tokens' K/V ...
+/// let mut batch = DecodeBatch::new(&gpu, 1)?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
+/// let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
+/// let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+/// let plan = DecodePlan::new(&gpu, &cache, &batch, &ws)?;
+/// for layer in 0..g.layers() {
+///     plan.run(&gpu, &cache, layer, &q, &mut out, &mut ws)?;
+/// }
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+pub struct DecodePlan<'b> {
+    layers: AttentionLayers<'b>,
+}
+
+impl<'b> DecodePlan<'b> {
+    /// Checks `batch` against `cache` and `ws` against the batch, sizes every layer's launch and
+    /// looks its kernels up. Launches nothing.
+    ///
+    /// Errors: `Empty` for an empty batch, `StaleTables` for a batch set against another cache
+    /// or tables the cache no longer holds ([`DecodeBatch::set`]), `InvalidArgument` for a batch
+    /// the cache cannot hold or a workspace sized for another geometry or a smaller batch.
+    pub fn new<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        batch: &'b DecodeBatch,
+        ws: &DecodeWorkspace,
+    ) -> Result<Self> {
+        Ok(Self {
+            layers: AttentionLayers::new(gpu, cache, batch, ws, None)?,
+        })
+    }
+
+    /// The batch the plan was made for.
+    pub fn batch(&self) -> &'b DecodeBatch {
+        self.layers.batch
+    }
+
+    /// Decode attention of `layer` (see the type's docs): `q [B][Hq][D]` -> `out [B][Hq][D]`,
+    /// each a `&CudaSlice` (packed rows) or a [`Tokens`] / [`TokensMut`] view with its token
+    /// stride. Enqueued on the context's stream; allocates nothing and does not synchronize.
+    ///
+    /// Errors (nothing launched): `StaleTables` for another cache than the batch's, or one that
+    /// took other tables for its slots since; `ShapeMismatch` for short `q`/`out`;
+    /// `InvalidArgument` for a bad layer or another workspace than the plan's.
+    pub fn run<'t, E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        q: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<()> {
+        let (q, mut out) = (q.into(), out.into());
+        let (l, plan) = self.layers.check(gpu, cache, layer, &q, None, &out, ws)?;
+        launch_attention(
+            gpu,
+            cache,
+            layer,
+            self.layers.batch,
+            &q,
+            None,
+            &mut out,
+            ws,
+            plan,
+            &l.kernels,
+        )
+    }
+}
+
+/// Decode attention of one layer for `batch`: [`DecodePlan::new`] then [`DecodePlan::run`]
+/// (keep a plan to attend in every layer with one check of the batch).
+///
+/// Errors (nothing launched): as [`DecodePlan::new`] and [`DecodePlan::run`].
 ///
 /// ```no_run
 /// use half::bf16;
@@ -246,7 +345,6 @@ fn kernel_name(
 /// let seq = mgr.add_sequence()?;
 /// mgr.reserve(seq, 1000)?;
 /// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-/// // ... write the 1000 tokens' K/V ...
 /// let mut batch = DecodeBatch::new(&gpu, 1)?;
 /// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
 /// let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
@@ -264,29 +362,146 @@ pub fn decode_attention<'t, E: DeviceElement>(
     out: impl Into<TokensMut<'t, E>>,
     ws: &mut DecodeWorkspace,
 ) -> Result<()> {
-    let (q, mut out) = (q.into(), out.into());
-    let plan = check_and_plan(gpu, cache, layer, batch, &q, None, &out, ws)?;
-    let kernels = AttentionKernels::look_up(gpu, cache, plan, false)?;
-    launch_attention(
-        gpu, cache, layer, batch, &q, None, &mut out, ws, plan, &kernels,
-    )
+    DecodePlan::new(gpu, cache, batch, ws)?.run(gpu, cache, layer, q, out, ws)
 }
 
-/// The step's append and decode attention of one layer (what
-/// [`DecodeStep::layer`](super::DecodeStep::layer) runs, with the selector in between where the
-/// append is its own launch): writes the token of
-/// each sequence of `batch` (`k`, `v` `[B][Hkv][D]`) into the cache exactly as
-/// [`append_kv`](super::append_kv) does (rows, key statistics, index entries), and attends
-/// `q [B][Hq][D]` -> `out [B][Hq][D]` as [`decode_attention`] would after that append.
+/// The step's append and decode attention of one batch (what
+/// [`PlannedStep::layer`](super::PlannedStep::layer) runs, with the selector in between where
+/// the append is its own launch), checked once for every layer as [`DecodePlan`], the append
+/// placed per layer as the plan's [`AppendLaunch`] says.
 ///
+/// A run writes the token of each sequence (`k`, `v` `[B][Hkv][D]`) into the cache exactly as
+/// [`AppendPlan::run`](super::AppendPlan::run) does (rows, key statistics, index entries), and
+/// attends `q [B][Hq][D]` -> `out [B][Hq][D]` as [`DecodePlan::run`] would after that append.
 /// Where the attention is latency-bound (short splits: small batches of sparse or short
 /// sequences) it is one launch: the warp that attends to a (sequence, KV head) pair's newest row
 /// takes it from `k`, `v` and writes it into the cache, one kernel boundary fewer per layer.
 /// Otherwise the append kernel runs first (measured faster there; `fuses_append` in the source
-/// has the numbers). Enqueued on the context's stream; allocates nothing and does not
-/// synchronize.
+/// has the numbers).
 ///
-/// Errors (nothing launched): as [`decode_attention`]'s, and `ShapeMismatch` for short `k`/`v`.
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{AppendAttendPlan, AppendLaunch, DecodeBatch, DecodeWorkspace, DeviceKvCache,
+///                   GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let pattern = HeadPattern::interleaved(g, 0.5)?;
+/// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 1001)?; // 1000 cached tokens and the new one
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let mut batch = DecodeBatch::new(&gpu, 1)?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
+/// let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
+/// let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+/// let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+/// let plan = AppendAttendPlan::new(&gpu, &cache, &batch, &ws, AppendLaunch::Auto)?;
+/// for layer in 0..g.layers() {
+///     plan.run(&gpu, &mut cache, layer, &q, &k, &v, &mut out, &mut ws)?;
+/// }
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+pub struct AppendAttendPlan<'b> {
+    layers: AttentionLayers<'b>,
+    /// The append kernel's plan, where some layer appends before its attention.
+    append: Option<AppendPlan<'b>>,
+}
+
+impl<'b> AppendAttendPlan<'b> {
+    /// [`DecodePlan::new`]'s checks and sizing, and per layer where the append runs (as `how`
+    /// says); looks the kernels up (the append kernel where a layer appends on its own).
+    /// Launches nothing.
+    ///
+    /// Errors: as [`DecodePlan::new`].
+    pub fn new<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        batch: &'b DecodeBatch,
+        ws: &DecodeWorkspace,
+        how: AppendLaunch,
+    ) -> Result<Self> {
+        let layers = AttentionLayers::new(gpu, cache, batch, ws, Some(how))?;
+        let append = layers
+            .layers
+            .iter()
+            .any(|l| !l.fused)
+            .then(|| AppendPlan::new(gpu, cache, batch))
+            .transpose()?;
+        Ok(Self { layers, append })
+    }
+
+    /// The batch the plan was made for.
+    pub fn batch(&self) -> &'b DecodeBatch {
+        self.layers.batch
+    }
+
+    /// The append and the attention of `layer` (see the type's docs). Each tensor is a
+    /// `&CudaSlice` (packed rows) or a [`Tokens`] / [`TokensMut`] view with its token stride
+    /// (`k` and `v` share one). Every check runs before the first launch. Enqueued on the
+    /// context's stream; allocates nothing and does not synchronize.
+    ///
+    /// Errors (nothing launched): as [`DecodePlan::run`], and `ShapeMismatch` for short `k`/`v`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<'t, E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        q: impl Into<Tokens<'t, E>>,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<()> {
+        let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
+        let step = self.check(gpu, cache, layer, &q, (&k, &v), &out, ws)?;
+        step.append_first(gpu, cache, layer, (&k, &v))?;
+        step.attend(gpu, cache, layer, &q, (&k, &v), &mut out, ws)
+    }
+
+    /// The checks of a run (launches nothing): the layer's launches, ready to enqueue.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        q: &Tokens<'_, E>,
+        (k, v): (&Tokens<'_, E>, &Tokens<'_, E>),
+        out: &TokensMut<'_, E>,
+        ws: &DecodeWorkspace,
+    ) -> Result<AppendAttend<'_>> {
+        let (l, plan) = self
+            .layers
+            .check(gpu, cache, layer, q, Some((k, v)), out, ws)?;
+        // Planned with the append kernel wherever a layer is not fused.
+        let append = match (l.fused, self.append.as_ref()) {
+            (true, _) => None,
+            (false, Some(append)) => Some(append),
+            (false, None) => return Err(invalid("plan", "no append planned for this layer")),
+        };
+        Ok(AppendAttend {
+            batch: self.layers.batch,
+            plan,
+            kernels: &l.kernels,
+            append,
+        })
+    }
+}
+
+/// The step's append and decode attention of one layer for `batch`:
+/// [`AppendAttendPlan::new`] (with [`AppendLaunch::Auto`]) then [`AppendAttendPlan::run`]
+/// (keep a plan to run every layer with one check of the batch).
+///
+/// Errors (nothing launched): as [`AppendAttendPlan::new`] and [`AppendAttendPlan::run`].
 ///
 /// ```no_run
 /// use half::bf16;
@@ -326,21 +541,11 @@ pub fn append_and_attend<'t, E: DeviceElement>(
     out: impl Into<TokensMut<'t, E>>,
     ws: &mut DecodeWorkspace,
 ) -> Result<()> {
-    append_and_attend_as(
-        AppendLaunch::Auto,
-        gpu,
-        cache,
-        layer,
-        batch,
-        q,
-        k,
-        v,
-        out,
-        ws,
-    )
+    AppendAttendPlan::new(gpu, cache, batch, ws, AppendLaunch::Auto)?
+        .run(gpu, cache, layer, q, k, v, out, ws)
 }
 
-/// Where [`append_and_attend`] (and so [`DecodeStep`](super::DecodeStep)) appends the step's
+/// Where an [`AppendAttendPlan`] (and so [`DecodeStep`](super::DecodeStep)) appends the step's
 /// token. The result is the same; only the launches differ.
 ///
 /// ```
@@ -359,108 +564,32 @@ pub enum AppendLaunch {
     Separate,
 }
 
-/// [`append_and_attend`] with the append placed as `how` says.
-///
-/// ```no_run
-/// # use half::bf16;
-/// # use lserve::config::SparsityConfig;
-/// # use lserve::geometry::ModelGeometry;
-/// # use lserve::gpu::{append_and_attend_as, AppendLaunch, DecodeBatch, DecodeWorkspace, DeviceKvCache, GpuContext};
-/// # use lserve::head_pattern::HeadPattern;
-/// # use lserve::paging::KvCacheManager;
-/// # let gpu = GpuContext::new(0)?;
-/// # let g = ModelGeometry::llama3_8b();
-/// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
-/// # let seq = mgr.add_sequence()?;
-/// # mgr.reserve(seq, 1001)?;
-/// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
-/// # let mut batch = DecodeBatch::new(&gpu, 1)?;
-/// # batch.set(&gpu, &mgr, &mut cache, &[seq])?;
-/// # let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
-/// # let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
-/// # let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
-/// # let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
-/// # let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
-/// # let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
-/// append_and_attend_as(AppendLaunch::Separate, &gpu, &mut cache, 0, &batch, &q, &k, &v, &mut out, &mut ws)?;
-/// # Ok::<(), lserve::LserveError>(())
-/// ```
-#[allow(clippy::too_many_arguments)]
-pub fn append_and_attend_as<'t, E: DeviceElement>(
-    how: AppendLaunch,
-    gpu: &GpuContext,
-    cache: &mut DeviceKvCache<E>,
-    layer: usize,
-    batch: &DecodeBatch,
-    q: impl Into<Tokens<'t, E>>,
-    k: impl Into<Tokens<'t, E>>,
-    v: impl Into<Tokens<'t, E>>,
-    out: impl Into<TokensMut<'t, E>>,
-    ws: &mut DecodeWorkspace,
-) -> Result<()> {
-    let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
-    let step = AppendAttend::check(how, gpu, cache, layer, batch, &q, (&k, &v), &out, ws)?;
-    step.append_first(gpu, cache, layer, batch, (&k, &v))?;
-    step.attend(gpu, cache, layer, batch, &q, (&k, &v), &mut out, ws)
-}
-
-/// One layer's append and attention, checked (nothing launched yet) and placed: a decode step
-/// launches [`append_first`](Self::append_first), then the selector if due, then
-/// [`attend`](Self::attend). The append kernel, when it runs on its own, thus runs before the
-/// selector, as measured fastest (`fuses_append`).
-#[derive(Clone)]
-pub(crate) struct AppendAttend {
+/// One layer's append and attention, checked by its plan ([`AppendAttendPlan::check`]; nothing
+/// launched yet) and placed: a decode step launches [`append_first`](Self::append_first), then
+/// the selector if due, then [`attend`](Self::attend). The append kernel, when it runs on its
+/// own, thus runs before the selector, as measured fastest (`fuses_append`).
+pub(crate) struct AppendAttend<'p> {
+    batch: &'p DecodeBatch,
+    /// The layer's launch, with the strides of the tensors it was checked with.
     plan: LaunchPlan,
-    fused: bool,
-    kernels: AttentionKernels,
+    kernels: &'p AttentionKernels,
+    /// The append kernel, where the append is not inside the attention launch.
+    append: Option<&'p AppendPlan<'p>>,
 }
 
-impl AppendAttend {
-    /// Validates the launches (every check of [`append_kv`](super::append_kv) and [`decode_attention`]) and
-    /// places the append as `how` says.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn check<E: DeviceElement>(
-        how: AppendLaunch,
-        gpu: &GpuContext,
-        cache: &DeviceKvCache<E>,
-        layer: usize,
-        batch: &DecodeBatch,
-        q: &Tokens<'_, E>,
-        (k, v): (&Tokens<'_, E>, &Tokens<'_, E>),
-        out: &TokensMut<'_, E>,
-        ws: &DecodeWorkspace,
-    ) -> Result<Self> {
-        let plan = check_and_plan(gpu, cache, layer, batch, q, Some((k, v)), out, ws)?;
-        let fused = match how {
-            AppendLaunch::Auto => fuses_append(plan.max_rows, plan.splits),
-            AppendLaunch::Fused => true,
-            AppendLaunch::Separate => false,
-        };
-        // What the launches look up: fail here, before any of them is enqueued.
-        if !fused {
-            gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
-        }
-        let kernels = AttentionKernels::look_up(gpu, cache, plan, fused)?;
-        Ok(Self {
-            plan,
-            fused,
-            kernels,
-        })
-    }
-
+impl AppendAttend<'_> {
     /// The append kernel, where the append is not part of the attention launch.
     pub(crate) fn append_first<E: DeviceElement>(
         &self,
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
         layer: usize,
-        batch: &DecodeBatch,
         (k, v): (&Tokens<'_, E>, &Tokens<'_, E>),
     ) -> Result<()> {
-        if self.fused {
-            return Ok(());
+        match self.append {
+            Some(append) => append.launch(gpu, cache, layer, self.plan.strides.kv, k, v),
+            None => Ok(()),
         }
-        append_rows(gpu, cache, layer, batch, k, v)
     }
 
     /// The attention (appending inside it where placed so) and the combine.
@@ -470,7 +599,6 @@ impl AppendAttend {
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
         layer: usize,
-        batch: &DecodeBatch,
         q: &Tokens<'_, E>,
         new: (&Tokens<'_, E>, &Tokens<'_, E>),
         out: &mut TokensMut<'_, E>,
@@ -479,23 +607,23 @@ impl AppendAttend {
         // With the append inside, the kernel writes the cache through the pointers
         // `launch_attention` passes: `&mut` here is what makes that visible to the borrow
         // checker.
-        let new = self.fused.then_some(new);
+        let new = self.append.is_none().then_some(new);
         launch_attention(
             gpu,
             &*cache,
             layer,
-            batch,
+            self.batch,
             q,
             new,
             out,
             ws,
             self.plan,
-            &self.kernels,
+            self.kernels,
         )
     }
 }
 
-/// Whether [`append_and_attend`] appends inside the attention launch: when the attention is
+/// Whether an [`AppendAttendPlan`] with [`AppendLaunch::Auto`] appends inside the attention launch: when the attention is
 /// latency-bound, its longest split holding at most [`FUSED_MAX_TILES_PER_WARP`] tiles per warp.
 /// Longer splits take the append kernel first (in a decode step: before the selector), then the
 /// attention that does not append.
@@ -531,42 +659,121 @@ struct LaunchPlan {
     strides: TokenStrides,
 }
 
-/// Validates a launch (nothing is launched on an error) and sizes it.
-#[allow(clippy::too_many_arguments)]
-fn check_and_plan<E: DeviceElement>(
+/// One layer of an attention plan: its launch (strides set per run), where its append runs, and
+/// its kernels.
+struct AttendLayer {
+    plan: LaunchPlan,
+    /// Whether the append is inside the attention launch (false in plans that do not append).
+    fused: bool,
+    kernels: AttentionKernels,
+}
+
+/// What the attention plans share: the batch, the workspace they were checked with, and every
+/// layer's launch.
+struct AttentionLayers<'b> {
+    batch: &'b DecodeBatch,
+    /// The workspace's identity.
+    workspace: u64,
+    layers: Vec<AttendLayer>,
+}
+
+impl<'b> AttentionLayers<'b> {
+    /// Validates what a run does not change (nothing is launched on an error) and plans every
+    /// layer's launch, appending the step's token as `append` says or not at all (`None`).
+    fn new<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        batch: &'b DecodeBatch,
+        ws: &DecodeWorkspace,
+        append: Option<AppendLaunch>,
+    ) -> Result<Self> {
+        let geometry = *cache.pattern().geometry();
+        let (hkv, d, group) = (geometry.kv_heads(), geometry.head_dim(), geometry.group());
+        cache.check_batch(batch)?;
+        let b = batch.len();
+        let pairs = b * hkv;
+        if pairs > ws.max_pairs || ws.group != group || ws.head_dim != d {
+            return Err(LserveError::InvalidArgument {
+                what: "workspace",
+                reason: "sized for a smaller batch or another geometry".into(),
+            });
+        }
+        let layers = (0..cache.layers())
+            .map(|layer| {
+                let plan = plan_layer(gpu, cache, layer, batch, ws)?;
+                let fused = match append {
+                    None => false,
+                    Some(AppendLaunch::Auto) => fuses_append(plan.max_rows, plan.splits),
+                    Some(AppendLaunch::Fused) => true,
+                    Some(AppendLaunch::Separate) => false,
+                };
+                let kernels = AttentionKernels::look_up(gpu, cache, plan, fused)?;
+                Ok(AttendLayer {
+                    plan,
+                    fused,
+                    kernels,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            batch,
+            workspace: ws.id,
+            layers,
+        })
+    }
+
+    /// The checks of a run: the cache holds the batch's tables, `ws` is the plan's, `layer` is
+    /// one of the cache's, the tensors hold the batch's rows (`new`: the step's `k`, `v`, for a
+    /// plan that appends). Returns the layer and its launch with the tensors' strides.
+    #[allow(clippy::too_many_arguments)]
+    fn check<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        q: &Tokens<'_, E>,
+        new: Option<(&Tokens<'_, E>, &Tokens<'_, E>)>,
+        out: &TokensMut<'_, E>,
+        ws: &DecodeWorkspace,
+    ) -> Result<(&AttendLayer, LaunchPlan)> {
+        cache.check_tables(self.batch)?;
+        if ws.id != self.workspace {
+            return Err(LserveError::InvalidArgument {
+                what: "workspace",
+                reason: "not the one the plan was made with".into(),
+            });
+        }
+        let l = self
+            .layers
+            .get(layer)
+            .ok_or_else(|| layer_out_of_range(layer, self.layers.len()))?;
+        let geometry = *cache.pattern().geometry();
+        let (hq, hkv, d) = (geometry.q_heads(), geometry.kv_heads(), geometry.head_dim());
+        let b = self.batch.len();
+        let strides = TokenStrides {
+            q: q.heads_stride(gpu, "q", b, hq, d)?,
+            kv: match new {
+                Some((k, v)) => kv_stride(gpu, k, v, b, hkv, d)?,
+                None => hkv as u32,
+            },
+            out: out.heads_stride(gpu, "out", b, hq, d)?,
+        };
+        Ok((l, LaunchPlan { strides, ..l.plan }))
+    }
+}
+
+/// Sizes `layer`'s launch for `batch` (packed strides: a run sets its tensors').
+fn plan_layer<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &DeviceKvCache<E>,
     layer: usize,
     batch: &DecodeBatch,
-    q: &Tokens<'_, E>,
-    new: Option<(&Tokens<'_, E>, &Tokens<'_, E>)>,
-    out: &TokensMut<'_, E>,
     ws: &DecodeWorkspace,
 ) -> Result<LaunchPlan> {
     let geometry = *cache.pattern().geometry();
-    let (hq, hkv, d, group) = (
-        geometry.q_heads(),
-        geometry.kv_heads(),
-        geometry.head_dim(),
-        geometry.group(),
-    );
-    cache.check_batch(batch)?;
+    let hkv = geometry.kv_heads();
     let b = batch.len();
-    let strides = TokenStrides {
-        q: q.heads_stride(gpu, "q", b, hq, d)?,
-        kv: match new {
-            Some((k, v)) => kv_stride(gpu, k, v, b, hkv, d)?,
-            None => hkv as u32,
-        },
-        out: out.heads_stride(gpu, "out", b, hq, d)?,
-    };
     let pairs = b * hkv;
-    if pairs > ws.max_pairs || ws.group != group || ws.head_dim != d {
-        return Err(LserveError::InvalidArgument {
-            what: "workspace",
-            reason: "sized for a smaller batch or another geometry".into(),
-        });
-    }
     let l = cache.layer(layer)?;
     let cfg_min_len = cache.dynamic_min_len;
     // The most rows any pair of the batch visits: a dense head's whole sequence up to
@@ -599,14 +806,14 @@ fn check_and_plan<E: DeviceElement>(
     Ok(LaunchPlan {
         splits,
         max_rows,
-        strides,
+        strides: TokenStrides::packed(geometry.q_heads() as u32, hkv as u32),
     })
 }
 
 /// Launches the attention (and the combine) as `plan` says, appending the step's token
 /// `new = (k, v)` inside the launch when given (then the kernel writes the cache: the caller
-/// holds it mutably). The arguments passed [`check_and_plan`]; `kernels` are the plan's, looked
-/// up with `append` as `new.is_some()`.
+/// holds it mutably). The arguments passed the checks of a plan ([`AttentionLayers::check`]);
+/// `kernels` are the layer's, looked up with `append` as `new.is_some()`.
 #[allow(clippy::too_many_arguments)]
 fn launch_attention<E: DeviceElement>(
     gpu: &GpuContext,

@@ -1,8 +1,9 @@
 //! Writing the KV cache on the device (`kernels-gpu/src/kv_write`): the decode append, prefill's
 //! row writes, key-statistics pooling, and a pseudo-random fill for benchmarks.
 //!
-//! - [`append_kv`]: one token per sequence of a [`DecodeBatch`] (part of a decode step: allocates
-//!   nothing, never synchronizes, so it can be captured in a CUDA graph).
+//! - [`AppendPlan`] (or [`append_kv`], plan then run): one token per sequence of a
+//!   [`DecodeBatch`], checked once, run per layer (part of a decode step: allocates nothing,
+//!   never synchronizes, so it can be captured in a CUDA graph).
 //! - [`KvWritePlan`] → [`DeviceKvWritePlan`]: token ranges of a batch of sequences, planned on
 //!   the host from the [`KvCacheManager`] and uploaded once (plan / run split: one plan serves
 //!   every layer); then [`write_kv_rows`] writes a ragged batch's K/V and [`pool_key_stats`]
@@ -11,7 +12,7 @@
 //!
 //! The device block tables must map the tokens written: [`KvWritePlan::upload`] brings the
 //! cache's tables to the manager's and records them, and the writes refuse a plan whose slots'
-//! rows the cache no longer holds (`StaleTables`). [`append_kv`] takes a [`DecodeBatch`], which
+//! rows the cache no longer holds (`StaleTables`). [`AppendPlan`] takes a [`DecodeBatch`], which
 //! does the same ([`DecodeBatch::set`]).
 //!
 //! ```no_run
@@ -44,7 +45,7 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::kv_write::{
     logical_pages_of, pool_pages_per_block, AppendArgs, AppendParams, FillArgs, FillParams,
     PoolArgs, PoolParams, SeqRange, WriteRowsArgs, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
@@ -80,25 +81,183 @@ fn blocks_for(chunks: usize) -> Result<u32> {
     Ok(blocks as u32)
 }
 
-/// Appends the token of each sequence of `batch` (position `len - 1`, `len` as set in the
-/// batch) to `layer` of the cache: `k`, `v` are `[B][Hkv][D]` (at least that many elements).
+/// The decode append of one batch, checked once for every layer: [`AppendPlan::new`] checks
+/// the batch against the cache and looks the kernel up; [`AppendPlan::run`] appends the token of
+/// each sequence to one layer, checking only the layer, the tensors and that the cache still
+/// holds the batch's block tables.
 ///
-/// Dense KV heads write row `(len - 1) % N_P` of page `block_table[(len - 1) / N_P]` and update
-/// their logical page's `kmin`/`kmax` (the key itself if the token starts the logical page, else
-/// the per-channel min/max with it: exactly `reference::kv_write::update_key_stats`);
-/// streaming KV heads write their sink or ring row. The block tables on the device map the
-/// token's page: reserve it, then set the batch ([`DecodeBatch::set`] copies the tables). For a
-/// sequence past
-/// `dynamic_min_len`, each dense head's index-table entry becomes its held selection followed
-/// by the token's page (unless the selection ends with it): between the steps that select, the
-/// entries stay current without a selector launch (see [`select_pages`](super::select_pages)).
+/// What a run writes: the token of each sequence (position `len - 1`, `len` as set in the
+/// batch), `k`, `v` `[B][Hkv][D]` (at least that many elements). Dense KV heads write row
+/// `(len - 1) % N_P` of page `block_table[(len - 1) / N_P]` and update their logical page's
+/// `kmin`/`kmax` (the key itself if the token starts the logical page, else the per-channel
+/// min/max with it: exactly `reference::kv_write::update_key_stats`); streaming KV heads write
+/// their sink or ring row. The block tables on the device map the token's page: reserve it, then
+/// set the batch ([`DecodeBatch::set`] copies the tables). For a sequence past
+/// `dynamic_min_len`, each dense head's index-table entry becomes its held selection followed by
+/// the token's page (unless the selection ends with it): between the steps that select, the
+/// entries stay current without a selector launch (see [`SelectPlan`](super::SelectPlan)).
 ///
-/// Enqueued on the context's stream; allocates nothing and does not synchronize (it runs inside
-/// a captured decode step).
+/// The plan borrows the batch: it cannot be set again while the plan lives.
 ///
-/// Errors (nothing launched): `Empty` for an empty batch, `StaleTables` for a batch set
-/// against other tables, `ShapeMismatch` for short `k`/`v`, `InvalidArgument` for a bad layer or
-/// a batch length the block tables cannot hold.
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{AppendPlan, DecodeBatch, DeviceKvCache, GpuContext};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let pattern = HeadPattern::interleaved(g, 0.5)?;
+/// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 1001)?; // 1000 cached tokens and the new one
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let mut batch = DecodeBatch::new(&gpu, 1)?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
+/// let (hkv, d) = (g.kv_heads(), g.head_dim());
+/// let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+/// let plan = AppendPlan::new(&gpu, &cache, &batch)?;
+/// for layer in 0..g.layers() {
+///     // ... the engine computes this layer's k, v of the new token ...
+///     plan.run(&gpu, &mut cache, layer, &k, &v)?;
+/// }
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+pub struct AppendPlan<'b> {
+    batch: &'b DecodeBatch,
+    /// The append kernel for the cache's element type.
+    function: CudaFunction,
+    /// Blocks of the launch: one thread per chunk of the batch's `B * Hkv * D` elements.
+    blocks: u32,
+}
+
+impl<'b> AppendPlan<'b> {
+    /// Checks `batch` against `cache` and looks the kernel up. Launches nothing.
+    ///
+    /// Errors: `Empty` for an empty batch, `StaleTables` for a batch set against another cache
+    /// or tables the cache no longer holds, `InvalidArgument` for a batch length the block
+    /// tables cannot hold.
+    pub fn new<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        batch: &'b DecodeBatch,
+    ) -> Result<Self> {
+        cache.check_batch(batch)?;
+        let g = *cache.pattern().geometry();
+        let chunks = batch.len() * g.kv_heads() * g.head_dim() / CHUNK_ELEMS as usize;
+        Ok(Self {
+            batch,
+            function: gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?,
+            blocks: blocks_for(chunks)?,
+        })
+    }
+
+    /// The batch the plan was made for.
+    pub fn batch(&self) -> &'b DecodeBatch {
+        self.batch
+    }
+
+    /// Appends the batch's token to `layer` (see the type's docs): `k`, `v` `[B][Hkv][D]`, each
+    /// a `&CudaSlice` (packed rows) or a [`Tokens`] view with its token stride (the two share
+    /// one). Enqueued on the context's stream; allocates nothing and does not synchronize (it
+    /// runs inside a captured decode step).
+    ///
+    /// Errors (nothing launched): `StaleTables` for another cache than the batch's, or one that
+    /// took other tables for its slots since; `ShapeMismatch` for short `k`/`v`;
+    /// `InvalidArgument` for a bad layer.
+    pub fn run<'t, E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+    ) -> Result<()> {
+        let (k, v) = (k.into(), v.into());
+        cache.check_tables(self.batch)?;
+        cache.layer(layer)?;
+        let kv = self.check_tensors(gpu, cache, &k, &v)?;
+        self.launch(gpu, cache, layer, kv, &k, &v)
+    }
+
+    /// The token stride `k` and `v` share, in heads, after checking they hold the batch's rows.
+    pub(crate) fn check_tensors<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        k: &Tokens<'_, E>,
+        v: &Tokens<'_, E>,
+    ) -> Result<u32> {
+        let g = *cache.pattern().geometry();
+        kv_stride(gpu, k, v, self.batch.len(), g.kv_heads(), g.head_dim())
+    }
+
+    /// Enqueues the append on a cache, layer and tensors that passed the checks of
+    /// [`run`](Self::run) (`kv`: the tensors' stride).
+    pub(crate) fn launch<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        kv: u32,
+        k: &Tokens<'_, E>,
+        v: &Tokens<'_, E>,
+    ) -> Result<()> {
+        let batch = self.batch;
+        let g = *cache.pattern().geometry();
+        let hkv = g.kv_heads();
+        let b = batch.len();
+        let (max_pages, dynamic_min_len) = (cache.max_pages, cache.dynamic_min_len);
+        let selection_layout = cache.selection_layout();
+        let (l, tables, _) = cache.layer_parts_mut(layer)?;
+        let params = AppendParams {
+            batch: b as u32,
+            cache: l.layout(hkv, max_pages),
+            dynamic_min_len,
+            selection: selection_layout,
+            strides: TokenStrides {
+                kv,
+                ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
+            },
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (self.blocks, 1, 1),
+            block_dim: (KV_WRITE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = Launch::overlapped(gpu, &self.function);
+        let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
+        let (cache_ptrs, selection) = l.ptrs_mut(&mut launch, tables);
+        let args = AppendArgs {
+            params,
+            k,
+            v,
+            cache: cache_ptrs,
+            selection,
+            batch: batch.ptrs(&mut launch),
+        };
+        // SAFETY: `append_kv_*`'s argument struct, of the buffers registered above. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
+        // elements (checked), the cache buffers have the layouts in `params` (taken from them; the
+        // held selections, written by the selector, are shorter than `entry_capacity`), the
+        // batch holds distinct live slots of lengths in `1..=max_pages * N_P` (checked when
+        // planned; the batch is borrowed, so not set since, and its tables are the cache's:
+        // checked on the run), and the block tables hold page ids below the capacity (the
+        // manager's).
+        // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
+        // anything a kernel writes.
+        unsafe { launch.launch(cfg, &args) }?;
+        Ok(())
+    }
+}
+
+/// Appends the token of each sequence of `batch` to `layer` of the cache: [`AppendPlan::new`]
+/// then [`AppendPlan::run`] (what it writes is in [`AppendPlan`]'s docs; keep a plan to append
+/// to every layer with one check of the batch).
+///
+/// Errors (nothing launched): as [`AppendPlan::new`] and [`AppendPlan::run`].
 pub fn append_kv<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -107,62 +266,7 @@ pub fn append_kv<'t, E: DeviceElement>(
     k: impl Into<Tokens<'t, E>>,
     v: impl Into<Tokens<'t, E>>,
 ) -> Result<()> {
-    append_rows(gpu, cache, layer, batch, &k.into(), &v.into())
-}
-
-/// [`append_kv`] on views.
-pub(crate) fn append_rows<E: DeviceElement>(
-    gpu: &GpuContext,
-    cache: &mut DeviceKvCache<E>,
-    layer: usize,
-    batch: &DecodeBatch,
-    k: &Tokens<'_, E>,
-    v: &Tokens<'_, E>,
-) -> Result<()> {
-    let g = *cache.pattern().geometry();
-    let (hkv, d) = (g.kv_heads(), g.head_dim());
-    cache.check_batch(batch)?;
-    let b = batch.len();
-    let kv = kv_stride(gpu, k, v, b, hkv, d)?;
-    let (max_pages, dynamic_min_len) = (cache.max_pages, cache.dynamic_min_len);
-    let selection_layout = cache.selection_layout();
-    let (l, tables, _) = cache.layer_parts_mut(layer)?;
-    let params = AppendParams {
-        batch: b as u32,
-        cache: l.layout(hkv, max_pages),
-        dynamic_min_len,
-        selection: selection_layout,
-        strides: TokenStrides {
-            kv,
-            ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
-        },
-    };
-    let f = gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks_for(b * hkv * d / CHUNK_ELEMS as usize)?, 1, 1),
-        block_dim: (KV_WRITE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut launch = Launch::overlapped(gpu, &f);
-    let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
-    let (cache_ptrs, selection) = l.ptrs_mut(&mut launch, tables);
-    let args = AppendArgs {
-        params,
-        k,
-        v,
-        cache: cache_ptrs,
-        selection,
-        batch: batch.ptrs(&mut launch),
-    };
-    // SAFETY: `append_kv_*`'s argument struct, of the buffers registered above. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
-    // elements (checked), the cache buffers have the layouts in `params` (taken from them; the
-    // held selections, written by the selector, are shorter than `entry_capacity`), the
-    // batch holds distinct live slots of lengths in `1..=max_pages * N_P` (checked; the manager
-    // set them), and the block tables hold page ids below the capacity (the manager's).
-    // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
-    // anything a kernel writes.
-    unsafe { launch.launch(cfg, &args) }?;
-    Ok(())
+    AppendPlan::new(gpu, cache, batch)?.run(gpu, cache, layer, k, v)
 }
 
 /// Token ranges of a batch of sequences, planned on the host: for each `(sequence, start..end)`

@@ -21,19 +21,20 @@ mod tokens;
 pub use cache::{DecodeBatch, DeviceElement, DeviceKvCache};
 pub use context::{driver_present, GpuContext, KernelResources};
 pub use decode::{
-    append_and_attend, append_and_attend_as, decode_attention, AppendLaunch, DecodeWorkspace,
-    MAX_SPLITS,
+    append_and_attend, decode_attention, AppendAttendPlan, AppendLaunch, DecodePlan,
+    DecodeWorkspace, MAX_SPLITS,
 };
 pub use kv_write::{
-    append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, DeviceKvWritePlan,
-    KvWritePlan,
+    append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, AppendPlan,
+    DeviceKvWritePlan, KvWritePlan,
 };
 pub use prefill::{prefill_attention, prefill_into_cache, PrefillArgs, PrefillPlan};
 pub use profile::{profile_dynamic_min_len, CrossoverProfile, ProfilePoint};
 pub use ptx::{module_for, KernelPtx, KERNEL_PTX, PTX_ARCH_VAR};
 pub use select::{
     advance_decode_steps, download_selection, poison_index_tables, reset_selection_state,
-    score_pages, select_pages, select_top_k, upload_key_stats, SelectWorkspace, SelectionState,
+    score_pages, select_pages, select_top_k, upload_key_stats, SelectPlan, SelectWorkspace,
+    SelectionState,
 };
 pub use step::{DecodeStep, PlannedStep};
 pub use tokens::{Tokens, TokensMut};

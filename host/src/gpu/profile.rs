@@ -5,9 +5,9 @@
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::decode::{decode_attention, DecodeWorkspace};
+use super::decode::{DecodePlan, DecodeWorkspace};
 use super::kv_write::{fill_random, pool_key_stats, KvWritePlan};
-use super::select::{advance_decode_steps, select_pages, SelectWorkspace};
+use super::select::{advance_decode_steps, SelectPlan, SelectWorkspace};
 use super::GpuContext;
 use crate::config::SparsityConfig;
 use crate::geometry::ModelGeometry;
@@ -175,16 +175,20 @@ impl<E: DeviceElement> Variant<E> {
         let mut attention =
             DecodeWorkspace::new(gpu, batch, geometry.kv_heads(), geometry.group(), d)?;
         let mut select_ws = SelectWorkspace::new(gpu, &cache, batch)?;
+        let select_plan = selection
+            .then(|| SelectPlan::new(gpu, &cache, &b, &select_ws))
+            .transpose()?;
+        let attend_plan = DecodePlan::new(gpu, &cache, &b, &attention)?;
         gpu.stream().synchronize()?;
 
         let mut capture = |select: bool| -> Result<cudarc::driver::CudaGraph> {
             let stream = gpu.stream();
             stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
             let captured = (|| -> Result<()> {
-                if select {
-                    select_pages(gpu, &mut cache, 0, &b, &q, &mut select_ws)?;
+                if let Some(plan) = select_plan.as_ref().filter(|_| select) {
+                    plan.run(gpu, &mut cache, 0, &q, &mut select_ws)?;
                 }
-                decode_attention(gpu, &cache, 0, &b, &q, &mut out, &mut attention)?;
+                attend_plan.run(gpu, &cache, 0, &q, &mut out, &mut attention)?;
                 if selection {
                     advance_decode_steps(gpu, &mut cache, &b)?;
                 }
@@ -203,6 +207,7 @@ impl<E: DeviceElement> Variant<E> {
         } else {
             None
         };
+        drop((select_plan, attend_plan));
         Ok(Self {
             graph,
             reusing,

@@ -3,7 +3,8 @@
 //!
 //! A decode step of a model, for the selection part:
 //! 1. per layer, after the token's K/V were appended (the statistics are current):
-//!    [`select_pages`] (or its two halves, [`score_pages`] then [`select_top_k`]);
+//!    [`SelectPlan::run`] (or its two halves, [`SelectPlan::run_score`] then
+//!    [`SelectPlan::run_top_k`]), one plan made for the batch serving every layer;
 //! 2. once, after every layer: [`advance_decode_steps`].
 //!
 //! When a sequence is added to a slot (or the slot is reused), the batch or step that first
@@ -23,7 +24,7 @@
 //! use half::bf16;
 //! use lserve::config::SparsityConfig;
 //! use lserve::geometry::ModelGeometry;
-//! use lserve::gpu::{advance_decode_steps, select_pages, DecodeBatch, DeviceKvCache, GpuContext,
+//! use lserve::gpu::{advance_decode_steps, DecodeBatch, DeviceKvCache, GpuContext, SelectPlan,
 //!                   SelectWorkspace};
 //! use lserve::head_pattern::HeadPattern;
 //! use lserve::paging::KvCacheManager;
@@ -39,8 +40,9 @@
 //! let mut batch = DecodeBatch::new(&gpu, 4)?;
 //! batch.set(&gpu, &mgr, &mut cache, &[seq])?;
 //! let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+//! let plan = SelectPlan::new(&gpu, &cache, &batch, &ws)?;
 //! for layer in 0..g.layers() {
-//!     select_pages(&gpu, &mut cache, layer, &batch, &q, &mut ws)?;
+//!     plan.run(&gpu, &mut cache, layer, &q, &mut ws)?;
 //! }
 //! advance_decode_steps(&gpu, &mut cache, &batch)?;
 //! mgr.advance_decode_step(seq)?; // the manager's counter: the device's follows it
@@ -54,7 +56,9 @@ use lserve_abi::select::{
     SELECT_SMEM_BYTES, SELECT_THREADS, STEP_THREADS,
 };
 
-use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer};
+use super::cache::{
+    fresh_id, layer_out_of_range, DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer,
+};
 use super::launch::{check_shape, Launch};
 use super::tokens::Tokens;
 use super::GpuContext;
@@ -68,6 +72,8 @@ use crate::{LserveError, Result};
 /// the score of page `p` of pair `(b, h)` is at `(b * Hd + h) * max_pages + p`). Allocated once;
 /// one workspace serves every layer, one layer at a time.
 pub struct SelectWorkspace {
+    /// This workspace's identity (plans record it).
+    id: u64,
     scores: CudaSlice<f32>,
     max_batch: usize,
     dense_heads: usize,
@@ -89,6 +95,7 @@ impl SelectWorkspace {
         let max_pages = cache.max_pages as usize;
         let n = (max_batch * dense_heads * max_pages).max(1);
         Ok(Self {
+            id: fresh_id(),
             scores: gpu.stream().alloc_zeros(n)?,
             max_batch,
             dense_heads,
@@ -180,7 +187,7 @@ fn select_params<E: DeviceElement>(
             GqaAggregation::Max => AGGREGATE_MAX,
             GqaAggregation::Mean => AGGREGATE_MEAN,
         },
-        // The scorer's are set from its `q` (`SelectLaunch::check`); the top-K reads none.
+        // The scorer's are set from its `q` (`SelectPlan::check`); the top-K reads none.
         strides: TokenStrides::packed(
             cache.pattern().geometry().q_heads() as u32,
             cache.pattern().geometry().kv_heads() as u32,
@@ -188,16 +195,15 @@ fn select_params<E: DeviceElement>(
     })
 }
 
-/// Checks a selection launch's arguments; returns the number of pairs (`B * Hd`).
-fn check_launch<E: DeviceElement>(
+/// Checks that `ws` holds a layer's scores for `batch` (`dense` dense heads); returns the number
+/// of pairs (`B * Hd`).
+fn check_pairs<E: DeviceElement>(
     cache: &DeviceKvCache<E>,
-    layer: &DeviceLayer<E>,
+    dense: usize,
     batch: &DecodeBatch,
     ws: &SelectWorkspace,
 ) -> Result<usize> {
-    cache.check_batch(batch)?;
     let b = batch.len();
-    let dense = layer.paged.heads as usize;
     if b > ws.max_batch || dense > ws.dense_heads || ws.max_pages != cache.max_pages as usize {
         return Err(LserveError::InvalidArgument {
             what: "workspace",
@@ -214,8 +220,8 @@ fn check_launch<E: DeviceElement>(
     Ok(pairs)
 }
 
-/// A top-K launch whose arguments passed every check, with its kernel looked up
-/// ([`select_top_k`]; a part of [`SelectLaunch`]).
+/// One layer's top-K launch, checked when its [`SelectPlan`] was made, with its kernel looked up
+/// ([`SelectPlan::run_top_k`]; a part of [`SelectLaunch`]).
 struct TopKLaunch {
     /// The top-K selector.
     function: CudaFunction,
@@ -226,24 +232,8 @@ struct TopKLaunch {
 }
 
 impl TopKLaunch {
-    /// Every check of [`select_top_k`], and the kernel's lookup. Launches nothing.
-    fn check<E: DeviceElement>(
-        gpu: &GpuContext,
-        cache: &DeviceKvCache<E>,
-        layer: usize,
-        batch: &DecodeBatch,
-        ws: &SelectWorkspace,
-    ) -> Result<Self> {
-        let l = cache.layer(layer)?;
-        Ok(Self {
-            pairs: check_launch(cache, l, batch, ws)?,
-            params: select_params(cache, l, batch.len())?,
-            function: gpu.function("select_pages")?,
-        })
-    }
-
     /// Enqueues the top-K selector. Its only errors are the launch's own; the arguments must be
-    /// the ones [`check`](Self::check) passed.
+    /// the ones its plan checked ([`SelectPlan::check`]).
     fn launch<E: DeviceElement>(
         &self,
         gpu: &GpuContext,
@@ -289,47 +279,21 @@ impl TopKLaunch {
     }
 }
 
-/// A page selection (scorer, then top-K) whose arguments passed every check, with its kernels
-/// looked up: [`select_pages`] and a decode step check once ([`SelectLaunch::check`]) and then
-/// enqueue both kernels without checking again ([`SelectLaunch::launch`]), with the same cache,
-/// layer, batch, `q` and workspace.
-pub(crate) struct SelectLaunch {
+/// One layer's page selection (scorer, then top-K), checked by its plan ([`SelectPlan::check`]:
+/// the plan's checks, then the layer's and `q`'s), launched without checking again
+/// ([`SelectLaunch::launch`]) with the plan's cache, layer, batch, `q` and workspace.
+pub(crate) struct SelectLaunch<'p> {
     /// The scorer for the model's element type, head dim and group.
-    scorer: CudaFunction,
+    scorer: &'p CudaFunction,
     /// The token strides of the `q` the launch was checked with.
     strides: TokenStrides,
     /// The top-K half, whose checks are a part of the scorer's.
-    top_k: TopKLaunch,
+    top_k: &'p TopKLaunch,
 }
 
-impl SelectLaunch {
-    /// Every check of [`score_pages`] and [`select_top_k`], and the kernels' lookup. Launches
-    /// nothing.
-    pub(crate) fn check<E: DeviceElement>(
-        gpu: &GpuContext,
-        cache: &DeviceKvCache<E>,
-        layer: usize,
-        batch: &DecodeBatch,
-        q: &Tokens<'_, E>,
-        ws: &SelectWorkspace,
-    ) -> Result<Self> {
-        let geometry = *cache.pattern().geometry();
-        let (hq, d, group) = (geometry.q_heads(), geometry.head_dim(), geometry.group());
-        let name = score_kernel_name(E::DTYPE, d, group)?;
-        let top_k = TopKLaunch::check(gpu, cache, layer, batch, ws)?;
-        let strides = TokenStrides {
-            q: q.heads_stride(gpu, "q", batch.len(), hq, d)?,
-            ..top_k.params.strides
-        };
-        Ok(Self {
-            scorer: gpu.function(&name)?,
-            strides,
-            top_k,
-        })
-    }
-
-    /// Enqueues the scorer, then the top-K selector ([`select_pages`]). Its only errors are the
-    /// launches' own; the arguments must be the ones [`check`](Self::check) passed.
+impl SelectLaunch<'_> {
+    /// Enqueues the scorer, then the top-K selector ([`SelectPlan::run`]). Its only errors are
+    /// the launches' own; the arguments must be the ones [`SelectPlan::check`] passed.
     pub(crate) fn launch<E: DeviceElement>(
         &self,
         gpu: &GpuContext,
@@ -343,8 +307,8 @@ impl SelectLaunch {
         self.top_k.launch(gpu, cache, layer, batch, ws)
     }
 
-    /// Enqueues the scorer ([`score_pages`]). Its only errors are the launch's own; the
-    /// arguments must be the ones [`check`](Self::check) passed.
+    /// Enqueues the scorer ([`SelectPlan::run_score`]). Its only errors are the launch's own;
+    /// the arguments must be the ones [`SelectPlan::check`] passed.
     fn score<E: DeviceElement>(
         &self,
         gpu: &GpuContext,
@@ -373,7 +337,7 @@ impl SelectLaunch {
             block_dim: (SCORE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = Launch::overlapped(gpu, &self.scorer);
+        let mut launch = Launch::overlapped(gpu, self.scorer);
         let args = ScoreArgs {
             params,
             q: launch.read(q.view()).cast(),
@@ -398,14 +362,201 @@ impl SelectLaunch {
     }
 }
 
-/// Scores the physical pages of every (sequence, dense KV head) pair of `layer` whose selection
-/// is due on this step, into `ws` (`q` is `[B][Hq][D]`: a `&CudaSlice` or a [`Tokens`](super::Tokens)
-/// view with its token stride). Pairs that are not due (dense decode,
-/// or reusing their held selection) are skipped. Enqueued on the context's stream; allocates
-/// nothing and does not synchronize.
+/// The page selection of one batch, checked once for every layer: [`SelectPlan::new`] checks the
+/// batch against the cache, the workspace's size and the cache's selection capacities, and looks
+/// the kernels up; [`SelectPlan::run`] selects the pages of one layer, checking only the layer,
+/// `q`, the workspace's identity and that the cache still holds the batch's block tables.
 ///
-/// Errors: `Empty` for an empty batch; `ShapeMismatch` for a short `q`; `InvalidArgument` for a
-/// bad layer or a workspace sized for less.
+/// A run scores the physical pages of every (sequence, dense KV head) pair whose selection is
+/// due on this step into the workspace ([`run_score`](Self::run_score)), then runs their top-K
+/// selection and writes each due pair's held selection and index-table entry (the selection,
+/// newest page included; ascending logical order, as physical page ids;
+/// [`run_top_k`](Self::run_top_k)). Pairs that are not due (dense decode, or reusing their held
+/// selection) are left alone: the append ([`AppendPlan`](super::AppendPlan), or the attention
+/// launch that appends, [`AppendAttendPlan`](super::AppendAttendPlan)) keeps a reusing pair's
+/// entry (the held selection, then the token's page), so decode tokens are written with one of
+/// those; attention reads the block table of sequences at most `dynamic_min_len` long.
+///
+/// The plan borrows the batch (it cannot be set again while the plan lives) and records the
+/// workspace it was checked with.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{DecodeBatch, DeviceKvCache, GpuContext, SelectPlan, SelectWorkspace};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?,
+///                                   SparsityConfig::default(), 8192, 4, 1 << 18)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 100_000)?;
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let mut ws = SelectWorkspace::new(&gpu, &cache, 4)?;
+/// let mut batch = DecodeBatch::new(&gpu, 4)?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
+/// let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+/// let plan = SelectPlan::new(&gpu, &cache, &batch, &ws)?;
+/// for layer in 0..g.layers() {
+///     plan.run(&gpu, &mut cache, layer, &q, &mut ws)?;
+/// }
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+pub struct SelectPlan<'b> {
+    batch: &'b DecodeBatch,
+    /// The workspace the plan was checked with.
+    workspace: u64,
+    /// The scorer for the model's element type, head dim and group.
+    scorer: CudaFunction,
+    /// Per layer, its top-K launch (pairs and parameters).
+    layers: Vec<TopKLaunch>,
+}
+
+impl<'b> SelectPlan<'b> {
+    /// Checks `batch` against `cache`, `ws`'s size against the batch and the cache's widest
+    /// layer, the cache's selection capacities, and every layer's launch size; looks the
+    /// kernels up. Launches nothing.
+    ///
+    /// Errors: `Empty` for an empty batch; `StaleTables` for a batch set against another cache
+    /// or tables the cache no longer holds; `InvalidArgument` for a batch the cache cannot
+    /// hold, a workspace sized for less, capacities below what selection writes, or more than
+    /// 65535 (sequence, dense head) pairs in a layer.
+    pub fn new<E: DeviceElement>(
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        batch: &'b DecodeBatch,
+        ws: &SelectWorkspace,
+    ) -> Result<Self> {
+        cache.check_batch(batch)?;
+        let geometry = *cache.pattern().geometry();
+        let name = score_kernel_name(E::DTYPE, geometry.head_dim(), geometry.group())?;
+        let top_k = gpu.function("select_pages")?;
+        let layers = (0..cache.layers())
+            .map(|layer| {
+                let l = cache.layer(layer)?;
+                Ok(TopKLaunch {
+                    pairs: check_pairs(cache, l.paged.heads as usize, batch, ws)?,
+                    params: select_params(cache, l, batch.len())?,
+                    function: top_k.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            batch,
+            workspace: ws.id,
+            scorer: gpu.function(&name)?,
+            layers,
+        })
+    }
+
+    /// The batch the plan was made for.
+    pub fn batch(&self) -> &'b DecodeBatch {
+        self.batch
+    }
+
+    /// Page selection of `layer` (see the type's docs): the scorer, then the top-K selector. After
+    /// it, the layer's index tables hold every selecting pair's pages for this step. `q` is
+    /// `[B][Hq][D]`: a `&CudaSlice` or a [`Tokens`](super::Tokens) view with its token stride.
+    /// Every check runs before the first launch. Enqueued on the context's stream; allocates
+    /// nothing and does not synchronize.
+    ///
+    /// Errors (nothing launched): `StaleTables` for another cache than the batch's, or one that
+    /// took other tables for its slots since; `ShapeMismatch` for a short `q`;
+    /// `InvalidArgument` for a bad layer or another workspace than the plan's.
+    pub fn run<'t, E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        q: impl Into<Tokens<'t, E>>,
+        ws: &mut SelectWorkspace,
+    ) -> Result<()> {
+        let q = q.into();
+        self.check(gpu, cache, layer, &q, ws)?
+            .launch(gpu, cache, layer, self.batch, &q, ws)
+    }
+
+    /// The first half of [`run`](Self::run): scores the pages of every due pair of `layer` into
+    /// `ws`. Errors as [`run`](Self::run).
+    pub fn run_score<'t, E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        q: impl Into<Tokens<'t, E>>,
+        ws: &mut SelectWorkspace,
+    ) -> Result<()> {
+        let q = q.into();
+        self.check(gpu, cache, layer, &q, ws)?
+            .score(gpu, cache, layer, self.batch, &q, ws)
+    }
+
+    /// The second half of [`run`](Self::run): the top-K selection of every due pair of `layer`
+    /// from the scores in `ws` (written by [`run_score`](Self::run_score) on the same batch and
+    /// step). Errors as [`run`](Self::run), less the ones about `q`.
+    pub fn run_top_k<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        ws: &SelectWorkspace,
+    ) -> Result<()> {
+        self.check_layer(cache, layer, ws)?
+            .launch(gpu, cache, layer, self.batch, ws)
+    }
+
+    /// The checks of a run: [`check_layer`](Self::check_layer), then `q`'s length and stride.
+    /// Launches nothing.
+    pub(crate) fn check<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        q: &Tokens<'_, E>,
+        ws: &SelectWorkspace,
+    ) -> Result<SelectLaunch<'_>> {
+        let top_k = self.check_layer(cache, layer, ws)?;
+        let geometry = *cache.pattern().geometry();
+        let (hq, d) = (geometry.q_heads(), geometry.head_dim());
+        let strides = TokenStrides {
+            q: q.heads_stride(gpu, "q", self.batch.len(), hq, d)?,
+            ..top_k.params.strides
+        };
+        Ok(SelectLaunch {
+            scorer: &self.scorer,
+            strides,
+            top_k,
+        })
+    }
+
+    /// The checks of a run less `q`'s: the cache holds the batch's tables, `ws` is the plan's,
+    /// `layer` is one of the cache's. Returns the layer's top-K launch.
+    fn check_layer<E: DeviceElement>(
+        &self,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        ws: &SelectWorkspace,
+    ) -> Result<&TopKLaunch> {
+        cache.check_tables(self.batch)?;
+        if ws.id != self.workspace {
+            return Err(LserveError::InvalidArgument {
+                what: "workspace",
+                reason: "not the one the plan was made with".into(),
+            });
+        }
+        self.layers
+            .get(layer)
+            .ok_or_else(|| layer_out_of_range(layer, self.layers.len()))
+    }
+}
+
+/// Scores the pages of `layer`'s due pairs into `ws`: [`SelectPlan::new`] then
+/// [`SelectPlan::run_score`] (keep a plan to score every layer with one check of the batch).
+///
+/// Errors (nothing launched): as [`SelectPlan::new`] and [`SelectPlan::run`].
 pub fn score_pages<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &DeviceKvCache<E>,
@@ -414,21 +565,13 @@ pub fn score_pages<'t, E: DeviceElement>(
     q: impl Into<Tokens<'t, E>>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    let q = q.into();
-    SelectLaunch::check(gpu, cache, layer, batch, &q, ws)?.score(gpu, cache, layer, batch, &q, ws)
+    SelectPlan::new(gpu, cache, batch, ws)?.run_score(gpu, cache, layer, q, ws)
 }
 
-/// Runs the top-K selection of every due pair of `layer` from the scores in `ws` (written by
-/// [`score_pages`] on the same batch and step) and writes its held selection and index-table
-/// entry (the selection, newest page included; ascending logical order, as physical page ids).
-/// A pair that reuses its selection is left alone: the append ([`append_kv`](super::append_kv),
-/// or the attention launch that appends, [`append_and_attend`](super::append_and_attend)) keeps
-/// its entry (the held selection, then the token's page), so decode tokens are written with one
-/// of those. Pairs of sequences at most `dynamic_min_len` long are left alone too (attention
-/// reads their block table).
-/// Enqueued on the context's stream; allocates nothing and does not synchronize.
+/// The top-K selection of `layer`'s due pairs from the scores in `ws`: [`SelectPlan::new`] then
+/// [`SelectPlan::run_top_k`].
 ///
-/// Errors as [`score_pages`], less the ones about `q`.
+/// Errors (nothing launched): as [`SelectPlan::new`] and [`SelectPlan::run_top_k`].
 pub fn select_top_k<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -436,12 +579,13 @@ pub fn select_top_k<E: DeviceElement>(
     batch: &DecodeBatch,
     ws: &SelectWorkspace,
 ) -> Result<()> {
-    TopKLaunch::check(gpu, cache, layer, batch, ws)?.launch(gpu, cache, layer, batch, ws)
+    SelectPlan::new(gpu, cache, batch, ws)?.run_top_k(gpu, cache, layer, ws)
 }
 
-/// Page selection of `layer` for `batch`: [`score_pages`] then [`select_top_k`]. After it, the
-/// layer's index tables hold every selecting pair's pages for this step. Every check runs before
-/// the first launch.
+/// Page selection of `layer` for `batch`: [`SelectPlan::new`] then [`SelectPlan::run`] (keep a
+/// plan to select in every layer with one check of the batch).
+///
+/// Errors (nothing launched): as [`SelectPlan::new`] and [`SelectPlan::run`].
 pub fn select_pages<'t, E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -450,8 +594,7 @@ pub fn select_pages<'t, E: DeviceElement>(
     q: impl Into<Tokens<'t, E>>,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
-    let q = q.into();
-    SelectLaunch::check(gpu, cache, layer, batch, &q, ws)?.launch(gpu, cache, layer, batch, &q, ws)
+    SelectPlan::new(gpu, cache, batch, ws)?.run(gpu, cache, layer, q, ws)
 }
 
 /// Advances the device's decode step counter of every sequence of `batch` by one: call once per

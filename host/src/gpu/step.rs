@@ -22,8 +22,8 @@
 //! rows found on the device); a different batch size needs another capture.
 
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::decode::{AppendAttend, AppendLaunch, DecodeWorkspace};
-use super::select::{advance_decode_steps, SelectLaunch, SelectWorkspace};
+use super::decode::{AppendAttendPlan, AppendLaunch, DecodeWorkspace};
+use super::select::{advance_decode_steps, SelectPlan, SelectWorkspace};
 use super::tokens::{Tokens, TokensMut};
 use super::GpuContext;
 use crate::paging::{KvCacheManager, SeqId};
@@ -203,9 +203,20 @@ impl DecodeStep {
         manager.reserve_each(seqs, 1)?;
         // Checked above; every sequence now holds the step's token.
         self.batch.write(gpu, manager, cache, seqs)?;
-        let selects = self.batch.selection_due() || cache.selection_pending(&self.batch);
+        let Self {
+            attention,
+            selection,
+            batch,
+            append,
+        } = self;
+        let batch: &'a DecodeBatch = batch;
+        let selects = batch.selection_due() || cache.selection_pending(batch);
         Ok(PlannedStep {
-            step: self,
+            attend: AppendAttendPlan::new(gpu, cache, batch, attention, *append)?,
+            select: None,
+            batch,
+            attention,
+            selection,
             manager,
             selects,
             selected: false,
@@ -259,7 +270,14 @@ impl DecodeStep {
 /// ```
 #[must_use = "a planned step ends with `finish` (or `replayed` after a graph replay)"]
 pub struct PlannedStep<'a> {
-    step: &'a mut DecodeStep,
+    /// The step's batch description, as the plan wrote it.
+    batch: &'a DecodeBatch,
+    attention: &'a mut DecodeWorkspace,
+    selection: &'a mut SelectWorkspace,
+    /// Every layer's append and attention, planned with the step.
+    attend: AppendAttendPlan<'a>,
+    /// Every layer's selection, planned at the first layer that launches the selector.
+    select: Option<SelectPlan<'a>>,
     manager: &'a mut KvCacheManager,
     /// Whether the step launches the selector (decided when planned).
     selects: bool,
@@ -267,7 +285,7 @@ pub struct PlannedStep<'a> {
     selected: bool,
 }
 
-impl PlannedStep<'_> {
+impl<'a> PlannedStep<'a> {
     /// Whether the step launches the selector: when some sequence's selection is due by the
     /// manager's step counters ([`DecodeBatch::selection_due`]), or a slot of the batch holds
     /// no selection yet (the cache was made, or the slot changed hands, since its last selecting
@@ -278,9 +296,9 @@ impl PlannedStep<'_> {
     }
 
     /// The batch description the step's launches read (for launches of one's own beside the
-    /// step's, e.g. [`decode_attention`](super::decode_attention)).
-    pub fn batch(&self) -> &DecodeBatch {
-        &self.step.batch
+    /// step's, e.g. a [`DecodePlan`](super::DecodePlan) made with it).
+    pub fn batch(&self) -> &'a DecodeBatch {
+        self.batch
     }
 
     /// The manager, as the step planned it (the step's tokens reserved).
@@ -376,43 +394,27 @@ impl PlannedStep<'_> {
     ) -> Result<()> {
         let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
         let (q, k, v) = (&q, &k, &v);
-        let step = &mut *self.step;
-        let batch = &step.batch;
-        // Every launch is checked before the first is enqueued (the batch against the cache's
-        // tables first): an error leaves the cache as it was.
-        cache.check_batch(batch)?;
-        let attend = AppendAttend::check(
-            step.append,
-            gpu,
-            cache,
-            layer,
-            batch,
-            q,
-            (k, v),
-            &out,
-            &step.attention,
-        )?;
-        let select = selects
-            .then(|| SelectLaunch::check(gpu, cache, layer, batch, q, &step.selection))
-            .transpose()?;
+        // Every launch is checked before the first is enqueued (the cache's tables first): an
+        // error leaves the cache as it was.
+        let attend = self
+            .attend
+            .check(gpu, cache, layer, q, (k, v), &out, self.attention)?;
+        if selects && self.select.is_none() {
+            self.select = Some(SelectPlan::new(gpu, cache, self.batch, self.selection)?);
+        }
+        let select = match self.select.as_ref().filter(|_| selects) {
+            Some(plan) => Some(plan.check(gpu, cache, layer, q, self.selection)?),
+            None => None,
+        };
         // The append kernel (where the append is not inside the attention launch), then the
         // selector: it may also run before the append, since it never ranks the newest page (always
         // attended), the one page whose statistics the append changes.
-        attend.append_first(gpu, cache, layer, batch, (k, v))?;
+        attend.append_first(gpu, cache, layer, (k, v))?;
         if let Some(select) = select {
-            select.launch(gpu, cache, layer, batch, q, &mut step.selection)?;
+            select.launch(gpu, cache, layer, self.batch, q, self.selection)?;
             self.selected = true;
         }
-        attend.attend(
-            gpu,
-            cache,
-            layer,
-            batch,
-            q,
-            (k, v),
-            &mut out,
-            &mut step.attention,
-        )
+        attend.attend(gpu, cache, layer, q, (k, v), &mut out, self.attention)
     }
 
     /// Ends the step: advances the device's step counters of the batch's slots (a launch, part
@@ -425,7 +427,7 @@ impl PlannedStep<'_> {
         gpu: &GpuContext,
         cache: &mut DeviceKvCache<E>,
     ) -> Result<()> {
-        advance_decode_steps(gpu, cache, &self.step.batch)?;
+        advance_decode_steps(gpu, cache, self.batch)?;
         let selected = self.selected;
         self.end(cache, selected)
     }
@@ -442,18 +444,18 @@ impl PlannedStep<'_> {
         cache: &mut DeviceKvCache<E>,
         selected: bool,
     ) -> Result<()> {
-        cache.check_batch(&self.step.batch)?;
-        cache.mirror.advanced(&self.step.batch.host_slots);
+        cache.check_batch(self.batch)?;
+        cache.mirror.advanced(&self.batch.host_slots);
         self.end(cache, selected)
     }
 
     /// The host's half of the step's end: the manager's counters, the selection marks.
     fn end<E: DeviceElement>(self, cache: &mut DeviceKvCache<E>, selected: bool) -> Result<()> {
-        for &seq in &self.step.batch.host_seqs {
+        for &seq in &self.batch.host_seqs {
             self.manager.advance_decode_step(seq)?;
         }
         if selected {
-            cache.clear_selection_pending(&self.step.batch);
+            cache.clear_selection_pending(self.batch);
         }
         Ok(())
     }
