@@ -405,6 +405,31 @@ impl SelectLaunch<'_> {
 /// }
 /// # Ok::<(), lserve::LserveError>(())
 /// ```
+///
+/// The batch stays borrowed by the plan: it cannot be set again under it.
+///
+/// ```compile_fail,E0502
+/// # use half::bf16;
+/// # use lserve::config::SparsityConfig;
+/// # use lserve::geometry::ModelGeometry;
+/// # use lserve::gpu::{DecodeBatch, DeviceKvCache, GpuContext, SelectPlan, SelectWorkspace};
+/// # use lserve::head_pattern::HeadPattern;
+/// # use lserve::paging::KvCacheManager;
+/// # let gpu = GpuContext::new(0)?;
+/// # let g = ModelGeometry::llama3_8b();
+/// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 4, 65536)?;
+/// # let seq = mgr.add_sequence()?;
+/// # mgr.reserve(seq, 20_000)?;
+/// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// # let mut ws = SelectWorkspace::new(&gpu, &cache, 4)?;
+/// # let q = gpu.stream().alloc_zeros::<bf16>(g.q_heads() * g.head_dim())?;
+/// let mut batch = DecodeBatch::new(&gpu, 4)?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?;
+/// let plan = SelectPlan::new(&gpu, &cache, &batch, &ws)?;
+/// batch.set(&gpu, &mgr, &mut cache, &[seq])?; // error: `batch` is borrowed by the plan
+/// plan.run(&gpu, &mut cache, 0, &q, &mut ws)?;
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
 pub struct SelectPlan<'b> {
     batch: &'b DecodeBatch,
     /// The workspace the plan was checked with.
