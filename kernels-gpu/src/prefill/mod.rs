@@ -48,14 +48,15 @@ use crate::math::{opaque, opaque_u32};
 use crate::mma::{mma_m16n8k16, FragA, FragC, MmaElement};
 use crate::sync::sync_threads;
 use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_block, WARP_SIZE};
+use crate::tile::fragments::{
+    k_steps, load_k_fragments, load_q_fragment, load_v_fragments, n_tiles, p_fragment,
+};
+use crate::tile::SmemTile;
 use crate::warp::shfl_idx_u32;
 use block_iter::Window;
 use mask::{BlockMask, HeadPattern, Mask};
 use softmax::{rescale_unless_settled, RowSoftmax};
-use tiles::{
-    load_k_fragments, load_q_fragment, load_tiles_async, load_v_fragments, p_fragment, SmemLayout,
-    Tile, MAX_O_TILES, S_TILES,
-};
+use tiles::{load_tiles_async, KvTile, QRows, SmemLayout, MAX_O_TILES, S_TILES};
 
 /// Warps per launch block.
 const WARPS: u32 = PREFILL_THREADS / WARP_SIZE;
@@ -92,15 +93,16 @@ type Output<const ROW_TILES: usize> = [[FragC; MAX_O_TILES]; ROW_TILES];
 #[inline(always)]
 unsafe fn scores<E: MmaElement, const D: usize, const ROW_TILES: usize>(
     q: impl Fn(usize, usize) -> FragA<E>,
-    k_tile: u32,
+    k_tile: SmemTile<KvTile<D>>,
     lane: u32,
 ) -> Scores<ROW_TILES> {
     let mut s = [[FragC::default(); S_TILES]; ROW_TILES];
-    crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+    crate::unroll8!(kk in 0..k_steps(D) => {
         let q: [FragA<E>; ROW_TILES] = core::array::from_fn(|m| q(m, kk));
         crate::unroll8!(pair in 0..S_TILES / 2 => {
+            let (row, col) = (16 * pair as u32, 16 * kk as u32);
             // SAFETY: forwarded.
-            let b = unsafe { load_k_fragments::<E, D>(k_tile, pair as u32, kk as u32, lane) };
+            let b = unsafe { load_k_fragments::<E, KvTile<D>>(k_tile.addr(), row, col, lane) };
             crate::unroll8!(m in 0..ROW_TILES => {
                 // SAFETY: the whole warp executes the products.
                 unsafe {
@@ -121,16 +123,17 @@ unsafe fn scores<E: MmaElement, const D: usize, const ROW_TILES: usize>(
 #[inline(always)]
 unsafe fn accumulate_pv<E: MmaElement, const D: usize, const ROW_TILES: usize>(
     s: &Scores<ROW_TILES>,
-    v_tile: u32,
+    v_tile: SmemTile<KvTile<D>>,
     o: &mut Output<ROW_TILES>,
     lane: u32,
 ) {
     crate::unroll8!(kk in 0..S_TILES / 2 => {
         let p: [FragA<E>; ROW_TILES] =
-            core::array::from_fn(|m| p_fragment::<E>(&s[m][2 * kk], &s[m][2 * kk + 1]));
-        crate::unroll8!(pair in 0..Tile::<D>::O_TILES / 2 => {
+            core::array::from_fn(|m| p_fragment::<E, 16>(&s[m][2 * kk], &s[m][2 * kk + 1]));
+        crate::unroll8!(pair in 0..n_tiles(D) / 2 => {
+            let (row, col) = (16 * kk as u32, 16 * pair as u32);
             // SAFETY: forwarded.
-            let b = unsafe { load_v_fragments::<E, D>(v_tile, kk as u32, pair as u32, lane) };
+            let b = unsafe { load_v_fragments::<E, KvTile<D>>(v_tile.addr(), row, col, lane) };
             crate::unroll8!(m in 0..ROW_TILES => {
                 // SAFETY: the whole warp executes the products.
                 unsafe {
@@ -226,7 +229,7 @@ unsafe fn prefill_attention<
             t.q.add((seq_start + q_first as usize) * q_stride + head as usize * D);
         if ROW_TILES == 1 {
             load_tiles_async::<D, BLOCK_Q, 1>(
-                SmemLayout::<D>::q(),
+                SmemLayout::<D>::q().addr(),
                 [src],
                 q_stride,
                 q_rows,
@@ -234,7 +237,7 @@ unsafe fn prefill_attention<
             );
         } else {
             load_tiles_async::<D, { 2 * BLOCK_Q }, 1>(
-                SmemLayout::<D>::q(),
+                SmemLayout::<D>::q().addr(),
                 [src],
                 q_stride,
                 q_rows,
@@ -255,7 +258,7 @@ unsafe fn prefill_attention<
         // The V tile follows the K tile (`SmemLayout`).
         unsafe {
             load_tiles_async::<D, BLOCK_KV, 2>(
-                SmemLayout::<D>::k(stage),
+                SmemLayout::<D>::k(stage).addr(),
                 [t.k.add(offset), t.v.add(offset)],
                 kv_stride,
                 rows,
@@ -268,7 +271,7 @@ unsafe fn prefill_attention<
     let my_block = warp * warp_rows / BLOCK_Q;
     let my_q_block = item.q_block + my_block;
     let q_first_warp = q_first + warp_rows * warp;
-    let q_rows_smem = SmemLayout::<D>::q() + warp_rows * warp * Tile::<D>::ROW_BYTES;
+    let q_rows_smem = SmemLayout::<D>::q().addr() + warp_rows * warp * QRows::<D>::ROW_BYTES;
 
     let mut o = [[FragC::default(); MAX_O_TILES]; ROW_TILES];
     let mut softmax: [RowSoftmax; ROW_TILES] =
@@ -283,11 +286,12 @@ unsafe fn prefill_attention<
             wait_group::<1>();
             // SAFETY: block-uniform; the query tile has landed for everyone after it.
             unsafe { sync_threads() };
-            crate::unroll8!(kk in 0..Tile::<D>::D_STEPS => {
+            crate::unroll8!(kk in 0..k_steps(D) => {
+                let col = 16 * kk as u32;
                 // SAFETY: the whole warp, after the barrier that follows the query tile's
                 // arrival.
                 q_regs[0][kk] =
-                    unsafe { load_q_fragment::<E, D>(q_rows_smem, 0, kk as u32, lane) };
+                    unsafe { load_q_fragment::<E, QRows<D>>(q_rows_smem, 0, col, lane) };
             });
         }
         q_regs
@@ -317,9 +321,10 @@ unsafe fn prefill_attention<
                 if q_resident {
                     q_regs[m][kk]
                 } else {
+                    let (row, col) = (16 * m as u32, 16 * kk as u32);
                     // SAFETY: called by the whole warp inside `scores`, after the barrier that
                     // follows the query tile's arrival.
-                    unsafe { load_q_fragment::<E, D>(q_rows_smem, m as u32, kk as u32, lane) }
+                    unsafe { load_q_fragment::<E, QRows<D>>(q_rows_smem, row, col, lane) }
                 }
             };
             let stage = i % PREFILL_STAGES;
@@ -339,16 +344,16 @@ unsafe fn prefill_attention<
                 crate::unroll8!(m in 0..ROW_TILES => {
                     // SAFETY: the whole warp.
                     corrections[m] = unsafe {
-                        softmax[m].update::<true>(&mut s[m], &mut o[m], Tile::<D>::O_TILES)
+                        softmax[m].update::<true>(&mut s[m], &mut o[m], n_tiles(D))
                     };
                 });
                 // SAFETY: the whole warp.
-                unsafe { rescale_unless_settled(&mut o, &corrections, Tile::<D>::O_TILES) };
+                unsafe { rescale_unless_settled(&mut o, &corrections, n_tiles(D)) };
             } else {
                 crate::unroll8!(m in 0..ROW_TILES => {
                     // SAFETY: the whole warp.
                     unsafe {
-                        softmax[m].update::<false>(&mut s[m], &mut o[m], Tile::<D>::O_TILES)
+                        softmax[m].update::<false>(&mut s[m], &mut o[m], n_tiles(D))
                     };
                 });
             }
@@ -374,7 +379,7 @@ unsafe fn prefill_attention<
             let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
             if row < seq_len {
                 let base = (seq_start + row as usize) * out_stride + head as usize * D;
-                crate::unroll16!(n in 0..Tile::<D>::O_TILES => {
+                crate::unroll16!(n in 0..n_tiles(D) => {
                     let c = &o[m][n].regs[2 * half..2 * half + 2];
                     let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
                     // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.

@@ -5,20 +5,22 @@
 //! state is the running maximum `m` of the raw scores and this lane's share of the running
 //! denominator `l` (the quad's shares are summed once, at the end: every lane of a quad rescales
 //! by the same factors). Scores are scaled into base 2 inside the exponent:
-//! `p = 2^(s · scale_log2 − m · scale_log2)`.
+//! `p = 2^(s · scale_log2 − m · scale_log2)`. Each row's `(m, l)` is the tile layer's
+//! [`SoftmaxState`], moved by [`SoftmaxState::rescale_add`] once per block; a prefill block owns
+//! its rows over all their keys, so it never merges.
 
 use super::tiles::{MAX_O_TILES, S_TILES};
 use crate::math::{exp2, fma};
 use crate::mma::FragC;
+use crate::tile::SoftmaxState;
 use crate::unroll8;
-use crate::warp::{ballot, quad_max_f32, quad_sum_f32};
+use crate::warp::{ballot, quad_max_f32};
 
 /// The softmax state of this lane's two rows.
 pub struct RowSoftmax {
-    /// Running maximum raw score per row (`-inf` before any visible key).
-    m: [f32; 2],
-    /// This lane's share of the running denominator per row.
-    l: [f32; 2],
+    /// Per row: the running maximum raw score (`-inf` before any visible key) and this lane's
+    /// share of the running denominator.
+    rows: [SoftmaxState; 2],
     scale_log2: f32,
 }
 
@@ -27,8 +29,7 @@ impl RowSoftmax {
     #[inline(always)]
     pub fn new(scale_log2: f32) -> Self {
         Self {
-            m: [f32::NEG_INFINITY; 2],
-            l: [0.0; 2],
+            rows: [SoftmaxState::EMPTY; 2],
             scale_log2,
         }
     }
@@ -74,7 +75,7 @@ impl RowSoftmax {
                 block_max
             };
             // SAFETY: forwarded: the whole warp is here.
-            let m_new = self.m[r].max(unsafe { quad_max_f32(block_max) });
+            let m_new = self.rows[r].m.max(unsafe { quad_max_f32(block_max) });
             // A row that has seen only masked keys keeps m = -inf: use 0 as its reference so
             // that no `-inf - -inf` appears (its p are all 0 and its correction is irrelevant).
             let m_scaled = if m_new == f32::NEG_INFINITY {
@@ -85,10 +86,10 @@ impl RowSoftmax {
             // With `LATENCY_TUNED` a maximum that did not move gives a correction of exactly 1
             // (the formula would give `2^` of the rounding residual of `m · scale_log2`, a few
             // ulp off 1 for logits of any size, and `o` would be rescaled for nothing).
-            let correction = if LATENCY_TUNED && m_new == self.m[r] {
+            let correction = if LATENCY_TUNED && m_new == self.rows[r].m {
                 1.0
             } else {
-                exp2(fma(self.m[r], self.scale_log2, -m_scaled))
+                exp2(fma(self.rows[r].m, self.scale_log2, -m_scaled))
             };
             let row_sum = if LATENCY_TUNED {
                 let mut v = [0.0f32; 2 * S_TILES];
@@ -111,7 +112,7 @@ impl RowSoftmax {
                 });
                 row_sum
             };
-            self.l[r] = fma(self.l[r], correction, row_sum);
+            self.rows[r].rescale_add(m_new, correction, row_sum);
             if LATENCY_TUNED {
                 corrections[r] = correction;
             } else {
@@ -120,7 +121,6 @@ impl RowSoftmax {
                     o[n].regs[2 * r + 1] *= correction;
                 });
             }
-            self.m[r] = m_new;
         });
         corrections
     }
@@ -133,7 +133,12 @@ impl RowSoftmax {
     #[inline(always)]
     pub unsafe fn inverse_denominators(&self) -> [f32; 2] {
         // SAFETY: forwarded.
-        unsafe { [1.0 / quad_sum_f32(self.l[0]), 1.0 / quad_sum_f32(self.l[1])] }
+        unsafe {
+            [
+                1.0 / self.rows[0].quad_total().l,
+                1.0 / self.rows[1].quad_total().l,
+            ]
+        }
     }
 }
 

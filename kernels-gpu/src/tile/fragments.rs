@@ -3,10 +3,12 @@
 //! Every loader reads one 16 x 16 block of a tile with one `ldmatrix.x4` and takes
 //! `(tile, row, col, lane)` and the tile's [`Layout`] `L` as a type parameter: `tile` is the
 //! tile's shared-window address ([`SmemTile::addr`]), `row` the block's first row, `col` its
-//! first element column (a multiple of 8), `lane` the caller's lane. (The address rather than
-//! the [`SmemTile`]: with the struct passed in, LLVM folds the lane's part of the addresses
-//! differently and the decode kernels' loop preheaders grow by 6 instructions and 2 registers.) In attention the tile rows are the query rows (`Q`)
-//! or the keys (`K`, `V`), the columns the head dimensions:
+//! first element column (a multiple of 8), `lane` the caller's lane; the lane's part of the
+//! address joins the block's as the layout says ([`Layout::block_addr`]). (The address rather
+//! than the [`SmemTile`]: with the struct passed in, LLVM folds the lane's part of the addresses
+//! differently and the decode kernels' loop preheaders grow by 6 instructions and 2 registers.)
+//! In attention the tile rows are the query rows (`Q`) or the keys (`K`, `V`), the columns the
+//! head dimensions:
 //! - [`load_q_fragment`]: an A fragment, rows x columns (`Q` of `S = Q Kᵀ`);
 //! - [`load_k_fragments`]: the B fragments of `Kᵀ` (keys are B's `n`), plain `ldmatrix`;
 //! - [`load_v_fragments`]: the B fragments of `V` (keys are B's `k`), `ldmatrix.trans`;
@@ -50,7 +52,7 @@ pub unsafe fn load_q_fragment<E: MmaElement, L: Layout>(
     col: u32,
     lane: u32,
 ) -> FragA<E> {
-    let at = L::chunk_addr(tile, lane % 16 + row, lane / 16 + col / 8);
+    let at = L::block_addr(tile, row, col, lane % 16, lane / 16);
     // SAFETY: inside the tile (the caller's contract); forwarded barrier.
     FragA::from_regs(unsafe { ldmatrix_x4(at) })
 }
@@ -72,7 +74,7 @@ pub unsafe fn load_k_fragments<E: MmaElement, L: Layout>(
     lane: u32,
 ) -> [FragB<E>; 2] {
     let (matrix, r) = (lane / 8, lane % 8);
-    let at = L::chunk_addr(tile, r + 8 * (matrix / 2) + row, matrix % 2 + col / 8);
+    let at = L::block_addr(tile, row, col, r + 8 * (matrix / 2), matrix % 2);
     // SAFETY: inside the tile (the caller's contract); forwarded barrier.
     let m = unsafe { ldmatrix_x4(at) };
     [
@@ -98,7 +100,7 @@ pub unsafe fn load_v_fragments<E: MmaElement, L: Layout>(
     lane: u32,
 ) -> [FragB<E>; 2] {
     let (matrix, r) = (lane / 8, lane % 8);
-    let at = L::chunk_addr(tile, r + 8 * (matrix % 2) + row, matrix / 2 + col / 8);
+    let at = L::block_addr(tile, row, col, r + 8 * (matrix % 2), matrix / 2);
     // SAFETY: inside the tile (the caller's contract); forwarded barrier.
     let m = unsafe { ldmatrix_x4_trans(at) };
     [

@@ -21,6 +21,12 @@ pub trait Layout {
     /// The shared-window address of chunk `chunk` (elements `8 chunk .. + 8`) of row `row` of
     /// the tile at `tile`.
     fn chunk_addr(tile: u32, row: u32, chunk: u32) -> u32;
+
+    /// The address a lane gives an `ldmatrix` load of the 16 x 16 block whose first row is `row`
+    /// and first element column `col` (a multiple of 8): row `row + lane_row`, chunk
+    /// `lane_chunk` (0 or 1) of the block, for the lane's part (`lane_row`, `lane_chunk`) that
+    /// the loader derives from the lane.
+    fn block_addr(tile: u32, row: u32, col: u32, lane_row: u32, lane_chunk: u32) -> u32;
 }
 
 /// The 128-byte swizzle: `D / 64` boxes of `ROWS` rows x 64 elements, chunk `c` of box row `r`
@@ -50,6 +56,13 @@ impl<const D: usize, const ROWS: u32> Layout for Swizzled<D, ROWS> {
         // first.
         tile + box_index * Self::BOX_BYTES + row * Self::BOX_ROW_BYTES + ((c ^ (row % 8)) * 16)
     }
+
+    /// [`Self::chunk_addr`] of the lane's row and chunk (the chunk is swizzled, so the column
+    /// goes in as a chunk).
+    #[inline(always)]
+    fn block_addr(tile: u32, row: u32, col: u32, lane_row: u32, lane_chunk: u32) -> u32 {
+        Self::chunk_addr(tile, lane_row + row, lane_chunk + col / 8)
+    }
 }
 
 /// Rows of `D` elements, `D + PAD` elements apart (`PAD` a multiple of 8: rows stay 16-byte
@@ -68,6 +81,13 @@ impl<const D: usize, const ROWS: u32, const PAD: u32> Layout for Padded<D, ROWS,
     #[inline(always)]
     fn chunk_addr(tile: u32, row: u32, chunk: u32) -> u32 {
         tile + row * Self::ROW_BYTES + chunk * 16
+    }
+
+    /// Row and element column summed first, then scaled: with the column in elements (not
+    /// chunks) the per-step offsets of an unrolled loop fold into the instruction's immediate.
+    #[inline(always)]
+    fn block_addr(tile: u32, row: u32, col: u32, lane_row: u32, lane_chunk: u32) -> u32 {
+        tile + (row + lane_row) * Self::ROW_BYTES + (col + 8 * lane_chunk) * 2
     }
 }
 

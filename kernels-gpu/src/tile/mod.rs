@@ -1,6 +1,6 @@
 //! The tile layer of the attention kernels: one shared-memory tile type, one set of `ldmatrix`
-//! fragment loaders, one online-softmax state. [`crate::decode`] is built on it;
-//! [`crate::prefill`] still has its own (`tile/DESIGN.md` says why).
+//! fragment loaders, one online-softmax state. [`crate::decode`] and [`crate::prefill`] are built
+//! on it (`tile/DESIGN.md`).
 //!
 //! - [`layout`]: [`SmemTile`], a tile of rows in shared memory addressed by 16-byte chunks
 //!   (`tile.chunk(row, chunk)`), generic over how its chunks are placed: [`Swizzled`] (boxes of
