@@ -451,7 +451,10 @@ fn an_empty_selection_budget_is_a_typed_error() {
     let g = ModelGeometry::new(1, 2, 1, D).unwrap();
     let pattern = lserve::head_pattern::HeadPattern::all_dense(g);
     let made = KvCacheManager::new(g, pattern, config, 16, 1, 256);
-    assert_eq!(field(made.err().expect("a manager")), "token_budget");
+    assert_eq!(
+        field(made.expect_err("a manager of no budget")),
+        "token_budget"
+    );
     // Less than one page is no budget either: not a multiple of `page_tokens`.
     let short = SparsityConfig {
         token_budget: 32,
