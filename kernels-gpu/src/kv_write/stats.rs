@@ -3,7 +3,9 @@
 //!
 //! Comparisons are strict and in `f32` (`E -> f32` is exact): a channel keeps its current bound
 //! unless the new key is strictly below (above) it. That is the CPU reference's rule
-//! (`update_key_stats`; `page_stats` agrees except on `-0.0` against `+0.0`, which compare equal).
+//! (`update_key_stats` and `page_stats`): a NaN in a logical page's first key stays in that
+//! channel's bounds, a NaN in a later key is never taken, and of `-0.0` and `+0.0` the first is
+//! kept.
 
 use crate::convert::Half16;
 use crate::math::Vec16;

@@ -76,6 +76,19 @@ impl KeyStats {
 
 /// The statistics of one page: per-channel `(kmin, kmax)` over `rows` (each `head_dim` long).
 ///
+/// The rule of [`update_key_stats`](super::update_key_stats) and of the kernels: the first row
+/// sets both bounds; a later row replaces a bound only where it is strictly below (above) it, in
+/// `f32`. So a NaN in the first row stays in that channel's bounds, a NaN in a later row is
+/// never taken, and of `-0.0` and `+0.0` the first is kept (pooling and appending the same keys
+/// give the same bits; `docs/ARCHITECTURE.md`, "Non-finite and extreme inputs").
+///
+/// ```
+/// use lserve::reference::kv_write::page_stats;
+/// let (lo, hi) = page_stats([&[f32::NAN, 1.0][..], &[2.0, f32::NAN][..], &[-1.0, 3.0][..]]);
+/// assert!(lo[0].is_nan() && hi[0].is_nan());
+/// assert_eq!((lo[1], hi[1]), (1.0, 3.0));
+/// ```
+///
 /// # Panics
 /// If `rows` is empty (a page with no tokens has no statistics).
 pub fn page_stats<'a>(rows: impl IntoIterator<Item = &'a [f32]>) -> (Vec<f32>, Vec<f32>) {
@@ -85,8 +98,12 @@ pub fn page_stats<'a>(rows: impl IntoIterator<Item = &'a [f32]>) -> (Vec<f32>, V
     let mut kmax = first.to_vec();
     for row in rows {
         for ((lo, hi), &x) in kmin.iter_mut().zip(kmax.iter_mut()).zip(row) {
-            *lo = lo.min(x);
-            *hi = hi.max(x);
+            if x < *lo {
+                *lo = x;
+            }
+            if x > *hi {
+                *hi = x;
+            }
         }
     }
     (kmin, kmax)
