@@ -14,9 +14,10 @@ rounds="${3:-2}"
 out="${4:-ab-reports}"
 mkdir -p "$out"
 
-# The issue-3 (decode) and issue-4 (prefill) cases.
-DECODE_CASES="attention/dense/b1/131072,attention/dense/b1/262144,attention/dense/b16/131072,attention/dense/b16/262144,attention/static/b1/4096,step/lserve/b1/16384,step/lserve/b1/262144,step/lserve/b16/262144,step/dynamic/b1/262144"
-PREFILL_CASES="prefill/dense/4096,prefill/dense/16384,prefill/dense/65536,prefill/streaming50/65536,prefill_block_sparse/sparsity_percent/80"
+# The decode and prefill cases the speed promises are about (AB_DECODE_CASES / AB_PREFILL_CASES
+# replace them, e.g. to time only the side a change touches).
+DECODE_CASES="${AB_DECODE_CASES:-attention/dense/b1/131072,attention/dense/b1/262144,attention/dense/b16/131072,attention/dense/b16/262144,attention/static/b1/4096,step/lserve/b1/16384,step/lserve/b1/262144,step/lserve/b16/262144,step/dynamic/b1/262144}"
+PREFILL_CASES="${AB_PREFILL_CASES:-prefill/dense/4096,prefill/dense/16384,prefill/dense/65536,prefill/streaming50/65536,prefill_block_sparse/sparsity_percent/80}"
 
 run_bench() { # label bundle bench cases
     local label="$1" bundle="$2" bench="$3" cases="$4"

@@ -1,8 +1,10 @@
 //! Numerical edge cases on the GPU (`docs/ARCHITECTURE.md`, "Non-finite and extreme inputs")
 //! against the CPU reference, the cases of `tests/numerical_edge_cases.rs` where a GPU path
 //! exists:
-//! - queries and keys of large magnitude (|x| up to 6e4) through prefill and a decode step with
-//!   selection, bf16 and f16: finite outputs that match the reference;
+//! - queries and keys of large magnitude through a decode step with selection (|x| up to 6e4)
+//!   and prefill (|x| up to 3e3: scaled logits up to 1e8, inside prefill's `2^30`), bf16 and
+//!   f16: finite outputs that match the reference; two top keys of scaled logits 7.7e7, one f32
+//!   step apart, in different KV blocks weigh as the reference says;
 //! - all-equal page scores: the device's top-K takes the lowest pages, exactly the reference's;
 //! - one-token pages: a typed error from the device cache (its pages are whole decode tiles);
 //!   one-token logical pages decode and select as the reference;
@@ -48,9 +50,14 @@ const PREFILL_TILE_Q: usize = 128;
 
 /// `n` values of magnitude `10^3 ..= 6e4` (log-uniform), random sign.
 fn large_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    large_vec_in(rng, n, 3.0..4.778)
+}
+
+/// `n` values of magnitude `10^e` for `e` uniform in `exponents`, random sign.
+fn large_vec_in(rng: &mut StdRng, n: usize, exponents: core::ops::Range<f32>) -> Vec<f32> {
     (0..n)
         .map(|_| {
-            let m = 10f32.powf(rng.gen_range(3.0f32..4.778));
+            let m = 10f32.powf(rng.gen_range(exponents.clone()));
             if rng.gen() {
                 m
             } else {
@@ -418,12 +425,54 @@ fn large_magnitude_prefill<E: DeviceElement>(gpu: &GpuContext) {
     let mut rng = StdRng::seed_from_u64(21);
     let lens = [1, 100, 200];
     let t: usize = lens.iter().sum();
-    let q = large_vec(&mut rng, t * 4 * D);
-    let k = large_vec(&mut rng, t * 2 * D);
+    // |q · k| <= 64 · 3e3², scaled by log2(e) / 8: below 1.1e8, inside the 2^30 of the prefill
+    // softmax (`kernels-gpu/src/prefill/softmax.rs`).
+    let q = large_vec_in(&mut rng, t * 4 * D, 2.0..3.477);
+    let k = large_vec_in(&mut rng, t * 2 * D, 2.0..3.477);
     let v = unit_vec(&mut rng, t * 2 * D);
     let (got, want) = prefill_pair::<E>(gpu, &[false, true], 2, &lens, &q, &k, &v);
     assert!(want.iter().all(|x| x.is_finite()));
     assert_rows_match(&got, &want, 4, &format!("{} prefill", E::DTYPE));
+}
+
+/// Two keys whose scores are `12992 · 32768 ≈ 4.3e8` and one f32 step (32) above it (scaled
+/// logits about 7.7e7, weights 1 : 2^5.77), in KV blocks 0 and 1, every other key scoring 0; their
+/// values are all `+1` and all `-1`, so a row that sees both outputs the weights' difference. The
+/// running maximum moves between the blocks, so the block-0 weight passes through one
+/// correction: the kernel's exponents must share one reference across it (the rounding residual
+/// of the first maximum is -1.7 in the exponent, which would weigh the first key by 2^-1.7 more).
+fn near_tied_large_logits_across_blocks<E: DeviceElement>(gpu: &GpuContext) {
+    let len = 128;
+    let mut q = vec![0.0f32; len * D];
+    let mut k = vec![0.0f32; len * D];
+    let mut rng = StdRng::seed_from_u64(22);
+    let mut v = unit_vec(&mut rng, len * D);
+    for t in 0..len {
+        q[t * D] = 12992.0;
+        q[t * D + 1] = 1.0;
+    }
+    for (pos, second, value) in [(10, 0.0, 1.0), (100, 32.0, -1.0)] {
+        k[pos * D] = 32768.0;
+        k[pos * D + 1] = second;
+        v[pos * D..][..D].fill(value);
+    }
+    let (got, want) = prefill_pair::<E>(gpu, &[false], 1, &[len], &q, &k, &v);
+    let w_first = 1.0 / (1.0 + (32.0 * std::f64::consts::LOG2_E / 8.0).exp2());
+    assert!((want[127 * D] - (2.0 * w_first - 1.0)).abs() < 1e-9);
+    assert_rows_match(
+        &got,
+        &want,
+        1,
+        &format!("{} near-tied large logits", E::DTYPE),
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn near_tied_large_logits_across_blocks_match_reference() {
+    let gpu = gpu();
+    near_tied_large_logits_across_blocks::<bf16>(&gpu);
+    near_tied_large_logits_across_blocks::<f16>(&gpu);
 }
 
 #[test]

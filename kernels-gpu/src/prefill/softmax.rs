@@ -2,10 +2,14 @@
 //!
 //! A lane holds two query rows of the warp's 16 (`group` and `group + 8`, see [`crate::mma`]);
 //! each row is spread over the 4 lanes of a quad, so row maxima are quad reductions. Per row the
-//! state is the running maximum `m` of the raw scores and this lane's share of the running
-//! denominator `l` (the quad's shares are summed once, at the end: every lane of a quad rescales
-//! by the same factors). Scores are scaled into base 2 inside the exponent:
-//! `p = 2^(s · scale_log2 − m · scale_log2)`. Each row's `(m, l)` is the tile layer's
+//! state is the running maximum `m` of the scores in base-2 units (`max s · scale_log2`, rounded
+//! to f32) and this lane's share of the running denominator `l` (the quad's shares are summed
+//! once, at the end: every lane of a quad rescales by the same factors). Scores are scaled inside
+//! the exponent, one `fma` per score: `p = 2^(s · scale_log2 − m)`. The maximum score's
+//! exponent is the rounding residual of `m` (at most half an ulp of `m`, the same for every `p`
+//! of the row after the corrections, so it cancels in `O / l`): exact softmax up to rounding
+//! while `|m| < 2^30` (scaled logits of about 10^9), not finite beyond (`docs/ARCHITECTURE.md`,
+//! "Non-finite and extreme inputs"). Each row's `(m, l)` is the tile layer's
 //! [`SoftmaxState`], moved by [`SoftmaxState::rescale_add`] once per block; a prefill block owns
 //! its rows over all their keys, so it never merges.
 
@@ -18,8 +22,8 @@ use crate::warp::{ballot, quad_max_f32};
 
 /// The softmax state of this lane's two rows.
 pub struct RowSoftmax {
-    /// Per row: the running maximum raw score (`-inf` before any visible key) and this lane's
-    /// share of the running denominator.
+    /// Per row: the running maximum of the scaled scores (`-inf` before any visible key) and
+    /// this lane's share of the running denominator.
     rows: [SoftmaxState; 2],
     scale_log2: f32,
 }
@@ -74,28 +78,33 @@ impl RowSoftmax {
                 });
                 block_max
             };
+            // The row maximum in base-2 units: `m = max(m, block_max · scale_log2)` (rounding is
+            // monotone, so this is the rounded maximum of the scaled scores).
             // SAFETY: forwarded: the whole warp is here.
-            let m_new = self.rows[r].m.max(unsafe { quad_max_f32(block_max) });
+            let m_new = self.rows[r]
+                .m
+                .max(unsafe { quad_max_f32(block_max) } * self.scale_log2);
             // A row that has seen only masked keys keeps m = -inf: use 0 as its reference so
             // that no `-inf - -inf` appears (its p are all 0 and its correction is irrelevant).
-            let m_scaled = if m_new == f32::NEG_INFINITY {
+            let m_ref = if m_new == f32::NEG_INFINITY {
                 0.0
             } else {
-                m_new * self.scale_log2
+                m_new
             };
-            // With `LATENCY_TUNED` a maximum that did not move gives a correction of exactly 1
-            // (the formula would give `2^` of the rounding residual of `m · scale_log2`, a few
-            // ulp off 1 for logits of any size, and `o` would be rescaled for nothing).
+            // Every `p` of the row is relative to the stored `m`, and the correction moves them
+            // from the old stored `m` to the new one, so the exponents of all blocks share one
+            // reference. With `LATENCY_TUNED` a maximum that did not move gives exactly 1 (and
+            // `o` is not rescaled for nothing).
             let correction = if LATENCY_TUNED && m_new == self.rows[r].m {
                 1.0
             } else {
-                exp2(fma(self.rows[r].m, self.scale_log2, -m_scaled))
+                exp2(self.rows[r].m - m_ref)
             };
             let row_sum = if LATENCY_TUNED {
                 let mut v = [0.0f32; 2 * S_TILES];
                 unroll8!(n in 0..S_TILES => {
                     unroll8!(c in 0..2 => {
-                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_scaled));
+                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_ref));
                         s[n].regs[2 * r + c] = p;
                         v[2 * n + c] = p;
                     });
@@ -105,7 +114,7 @@ impl RowSoftmax {
                 let mut row_sum = 0.0;
                 unroll8!(n in 0..S_TILES => {
                     unroll8!(c in 0..2 => {
-                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_scaled));
+                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_ref));
                         s[n].regs[2 * r + c] = p;
                         row_sum += p;
                     });
