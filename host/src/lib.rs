@@ -9,6 +9,8 @@
 //!   are streaming, the sparsity configuration (LServe's defaults, validated), element types.
 //! - [`paging`]: the two-way paged KV cache: page pool, block tables, streaming sink+ring store,
 //!   sequence lifecycle; [`index_table`] and [`block_iter`]: what each kernel visits.
+//! - [`quant`]: the quantized KV formats (INT8/INT4 codes, 8-bit key statistics) and their row
+//!   layout.
 //! - [`reference`](mod@reference): the CPU reference of every operation (the executable specification).
 //! - [`gpu`]: the device context, the embedded PTX and the kernel launches.
 //!
@@ -24,6 +26,7 @@ pub mod gpu;
 pub mod head_pattern;
 pub mod index_table;
 pub mod paging;
+pub mod quant;
 pub mod reference;
 
 /// The `cudarc` lserve is built on (device buffers, streams, graphs), re-exported so callers use

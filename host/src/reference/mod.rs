@@ -14,6 +14,8 @@
 //!   physical-page scores, top-K with the always-include rules) and its reuse across steps;
 //! - [`decode`]: decode attention (one query row over explicit rows, a GQA group over a token
 //!   set, a layer's batch over index tables) and a whole decode step of a layer for a batch;
+//! - [`quant`]: the quantized KV formats' codes and 8-bit key statistics (the quantized kernels'
+//!   rounding rules; [`crate::quant`] has the formats);
 //! - [`prefill`]: prefill attention of a ragged batch (causal / Λ per KV head, optional caller
 //!   block mask, LSE per row), on plain slices or a layer on the crate's types.
 //!
@@ -48,6 +50,7 @@ use crate::error::{LserveError, Result};
 pub mod decode;
 pub mod kv_write;
 pub mod prefill;
+pub mod quant;
 pub mod select;
 
 /// Converts a slice of elements (bf16, f16, or anything with a lossless conversion to `f32`) to
