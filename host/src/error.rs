@@ -124,6 +124,16 @@ pub enum LserveError {
         /// What it was made against, and what the cache holds.
         reason: String,
     },
+    /// A table lists a page id that is a page of the pool but not one of the sequence whose
+    /// table it is (another sequence's page, a free page, or any page in a slot no sequence
+    /// holds): uploading it would let one sequence read another's pages.
+    #[error("page {page} listed for slot {slot} is not a page of the sequence in that slot")]
+    PageNotOwned {
+        /// The page id.
+        page: u32,
+        /// The slot (block-table row) whose table lists it.
+        slot: u32,
+    },
     // New variants go above this line (helpers: append, do not reorder).
 }
 

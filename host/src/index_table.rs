@@ -278,6 +278,102 @@ impl IndexTables {
         Ok(())
     }
 
+    /// Checks that these tables may be uploaded beside `manager`'s block tables
+    /// (`DeviceKvCache::upload` calls it before anything is allocated): shaped for it (its
+    /// layers, slots and each layer's dense heads, one entry capacity in every layer), every
+    /// listed page below the manager's pool capacity (`PageOutOfRange`), and every listed page
+    /// one of the pages of the sequence in that slot, per its block table (`PageNotOwned`; a
+    /// slot no sequence holds lists none). The first bad entry is reported, by layer, slot,
+    /// head, position.
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::index_table::IndexTables;
+    /// use lserve::paging::KvCacheManager;
+    /// use lserve::LserveError;
+    /// let g = ModelGeometry::new(1, 2, 2, 64)?;
+    /// let pattern = HeadPattern::all_dense(g);
+    /// let mut mgr = KvCacheManager::new(g, pattern, SparsityConfig::default(), 8, 2, 1024)?;
+    /// let (a, b) = (mgr.add_sequence()?, mgr.add_sequence()?);
+    /// mgr.reserve(a, 64)?;
+    /// mgr.reserve(b, 64)?;
+    /// let (page_a, page_b) = (mgr.block_table(a)?.pages()[0], mgr.block_table(b)?.pages()[0]);
+    /// let mut t = IndexTables::for_manager(&mgr)?;
+    /// t.set(0, 0, 0, &[page_a])?;
+    /// assert!(t.check_against(&mgr).is_ok());
+    /// t.set(0, 0, 1, &[page_b])?; // slot 0 holds `a`: `page_b` is another sequence's
+    /// assert!(matches!(t.check_against(&mgr), Err(LserveError::PageNotOwned { slot: 0, .. })));
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn check_against(&self, manager: &KvCacheManager) -> Result<()> {
+        let pattern = manager.pattern();
+        let slots = manager.max_sequences();
+        let capacity = manager.pool().capacity();
+        let entry_capacity = self.layers.first().map_or(0, |t| t.entry_capacity);
+        if self.layers.len() != pattern.geometry().layers() {
+            return Err(LserveError::InvalidArgument {
+                what: "index tables",
+                reason: format!(
+                    "{} layers, the manager's model has {}",
+                    self.layers.len(),
+                    pattern.geometry().layers()
+                ),
+            });
+        }
+        // The slot each page of the pool belongs to (`u32::MAX`: none).
+        let mut owner_of = vec![u32::MAX; capacity];
+        for slot in 0..slots as u32 {
+            if let Some((_, table)) = manager.slot_owner(slot) {
+                for &page in table.pages() {
+                    if let Some(owner) = owner_of.get_mut(page as usize) {
+                        *owner = slot;
+                    }
+                }
+            }
+        }
+        for (layer, t) in self.layers.iter().enumerate() {
+            if t.slots != slots
+                || t.heads != pattern.dense_heads(layer)
+                || t.entry_capacity != entry_capacity
+            {
+                return Err(LserveError::InvalidArgument {
+                    what: "index tables",
+                    reason: format!(
+                        "layer {layer} is {} slots x {} dense heads x {} pages; the manager \
+                         needs {slots} x {} x the first layer's {entry_capacity}",
+                        t.slots,
+                        t.heads,
+                        t.entry_capacity,
+                        pattern.dense_heads(layer)
+                    ),
+                });
+            }
+            for slot in 0..slots {
+                for head in 0..t.heads {
+                    let e = t.entry(slot, head);
+                    let start = e * t.entry_capacity;
+                    for &page in &t.pages[start..start + t.lens[e] as usize] {
+                        let Some(&owner) = owner_of.get(page as usize) else {
+                            return Err(LserveError::PageOutOfRange {
+                                page,
+                                capacity: capacity as u32,
+                            });
+                        };
+                        if owner != slot as u32 {
+                            return Err(LserveError::PageNotOwned {
+                                page,
+                                slot: slot as u32,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The pages of (`layer`, `slot`, `dense_head`).
     pub fn get(&self, layer: usize, slot: usize, dense_head: usize) -> Result<&[PageId]> {
         let (layer, entry) = self.locate(layer, slot, dense_head)?;

@@ -22,6 +22,9 @@
 //! - [`select`]: the page scorer, the top-K selector and the decode step counters;
 //! - [`decode`]: paged sparse decode attention and its split combine.
 //!
+//! [`pool_page`] is the one check of a page id read from a device table before the pool is
+//! addressed with it (an id past the pool is skipped).
+//!
 //! [`shapes`] lists the (element type, head dim, GQA group) shapes the grouped kernels serve.
 //!
 //! The crate builds one of two PTX modules: the kernels above (the default), or, with the
@@ -58,6 +61,8 @@ pub mod kv_write;
 pub mod ldmatrix;
 pub mod math;
 pub mod mma;
+#[cfg(not(feature = "test-kernels"))]
+pub mod pool_page;
 #[cfg(not(feature = "test-kernels"))]
 pub mod prefill;
 #[cfg(feature = "test-kernels")]

@@ -195,6 +195,9 @@ pub struct DeviceKvCache<E> {
     pub(crate) mirror: TableMirror,
     /// `[max_pages]` of `PAD_PAGE`: the source of the copies that clear a row's entries.
     pad_row: Vec<u32>,
+    /// `[most dense heads of a layer x entry_capacity]` of `PAD_PAGE`: the source of the copies
+    /// that clear a slot's index entries when it changes hands.
+    pad_entries: Vec<u32>,
     /// Sequences up to this length decode densely (`SparsityConfig::dynamic_min_len`).
     pub(crate) dynamic_min_len: u32,
     /// Softmax scale of the attention (`SparsityConfig::softmax_scale_for`).
@@ -291,12 +294,21 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     /// tables and decode step counters of `manager`. The three must describe the same cache.
     /// Held selections start empty, so each sequence past `dynamic_min_len` selects at its next
     /// decode step.
+    ///
+    /// `index` is checked first, before anything is allocated
+    /// ([`IndexTables::check_against`]): a page past the pool is `PageOutOfRange`, a page that
+    /// is not one of the sequence in that slot (another sequence's, a free one, any in a slot no
+    /// sequence holds) is `PageNotOwned`.
     pub fn upload(
         gpu: &GpuContext,
         manager: &KvCacheManager,
         host: &HostKvCache<E>,
         index: &IndexTables,
     ) -> Result<Self> {
+        // Before anything is allocated: the tables list only pages of the pool, each in the
+        // slot of the sequence that owns it (the kernels cannot tell another sequence's page
+        // from their own).
+        index.check_against(manager)?;
         if host.pattern() != manager.pattern() || host.layers() != index.layers() {
             return Err(LserveError::InvalidArgument {
                 what: "host cache / index tables",
@@ -334,13 +346,18 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             let dense_heads = paged.heads as usize;
             let layer_buffers = match &contents {
                 Contents::Zeroed { entry_capacity } => LayerBuffers {
+                    // `PAD_PAGE` (past the pool), not page 0 (a page of some sequence): an entry
+                    // read before any selection wrote it reads nothing (`pool_page`).
                     k_pool: zeros(stream, paged.kv_elements())?,
                     v_pool: zeros(stream, paged.kv_elements())?,
                     kmin: zeros(stream, paged.stats_elements())?,
                     kmax: zeros(stream, paged.stats_elements())?,
                     k_stream: zeros(stream, streaming.kv_elements())?,
                     v_stream: zeros(stream, streaming.kv_elements())?,
-                    index_pages: zeros(stream, slots * dense_heads * entry_capacity)?,
+                    index_pages: upload(
+                        stream,
+                        &vec![PAD_PAGE; slots * dense_heads * entry_capacity],
+                    )?,
                     index_lens: zeros(stream, slots * dense_heads)?,
                 },
                 Contents::Host { host, index } => {
@@ -393,6 +410,10 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             });
         }
         let pattern_head_dim = pattern.geometry().head_dim();
+        let max_dense_heads = (0..geometry.layers())
+            .map(|layer| pattern.dense_heads(layer))
+            .max()
+            .unwrap_or(0);
         let tables = manager.device_block_tables();
         let entry_capacity = match &contents {
             Contents::Zeroed { entry_capacity } => *entry_capacity,
@@ -410,6 +431,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             slots: tables.slots as u32,
             mirror: TableMirror::of(manager),
             pad_row: vec![PAD_PAGE; tables.max_pages_per_seq],
+            pad_entries: vec![PAD_PAGE; max_dense_heads * entry_capacity as usize],
             dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
             softmax_scale: cfg.softmax_scale_for(pattern_head_dim),
             config: *cfg,
@@ -453,6 +475,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             pad_row,
             layers,
             decode_steps,
+            pad_entries,
             ..
         } = self;
         mirror.sync(manager, |copy| {
@@ -479,7 +502,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                     )?;
                 }
                 RowCopy::ResetSelection { slot } => {
-                    zero_selection_state(stream, layers, decode_steps, slot as usize)?;
+                    zero_selection_state(stream, layers, decode_steps, pad_entries, slot as usize)?;
                 }
             }
             Ok(())
@@ -493,6 +516,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             gpu.stream(),
             &mut self.layers,
             &mut self.decode_steps,
+            &self.pad_entries,
             slot as usize,
         )
     }
@@ -702,18 +726,29 @@ impl<E: DeviceElement> DeviceKvCache<E> {
 }
 
 /// Zeroes `slot`'s decode step counter and, in every layer, the held selections of its dense
-/// heads (enqueued on `stream`).
+/// heads, and empties their index entries (lengths 0, pages `PAD_PAGE` from `pad_entries`, at
+/// least a layer's dense heads x entry capacity long), so that nothing of a slot's previous
+/// owner is listed for the next (enqueued on `stream`).
 pub(crate) fn zero_selection_state<E>(
     stream: &Arc<CudaStream>,
     layers: &mut [DeviceLayer<E>],
     decode_steps: &mut CudaSlice<u32>,
+    pad_entries: &[u32],
     slot: usize,
 ) -> Result<()> {
     stream.memset_zeros(&mut decode_steps.slice_mut(slot..slot + 1))?;
     for l in layers {
         let heads = l.paged.heads as usize;
         if heads > 0 {
-            stream.memset_zeros(&mut l.held_lens.slice_mut(slot * heads..(slot + 1) * heads))?;
+            let entries = slot * heads..(slot + 1) * heads;
+            stream.memset_zeros(&mut l.held_lens.slice_mut(entries.clone()))?;
+            stream.memset_zeros(&mut l.index_lens.slice_mut(entries))?;
+            let words = l.index_pages.len() / (l.index_lens.len().max(1));
+            let pages = slot * heads * words..(slot + 1) * heads * words;
+            stream.memcpy_htod(
+                &pad_entries[..heads * words],
+                &mut l.index_pages.slice_mut(pages),
+            )?;
         }
     }
     Ok(())

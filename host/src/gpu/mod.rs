@@ -15,6 +15,7 @@ mod ptx;
 mod select;
 mod step;
 mod table_sync;
+mod tamper;
 mod tensor_map;
 mod tokens;
 
@@ -37,4 +38,6 @@ pub use select::{
     SelectionState,
 };
 pub use step::{DecodeStep, PlannedStep};
+#[doc(hidden)]
+pub use tamper::{overwrite_device_table, DeviceTable};
 pub use tokens::{Tokens, TokensMut};

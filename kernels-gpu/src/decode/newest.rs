@@ -20,6 +20,7 @@ use crate::global::store_u32;
 use crate::kv_write::stats::Bounds;
 use crate::kv_write::target::{chunk_at, load, store, write_chunk, RowTarget};
 use crate::math::Vec16;
+use crate::pool_page::in_pool;
 
 /// The newest row as one lane of the warp that holds it keeps it: lane `l < D / 8` holds chunk
 /// `l` (8 channels, 16 bytes) of the key and of the value; other lanes hold nothing.
@@ -118,6 +119,10 @@ pub fn target(p: &DecodeParams, pair: &PairInputs, src: &RowSource) -> RowTarget
                 row: src.newest_row,
             }
         }
+    } else if !in_pool(&p.cache.paged, pair.newest_page) {
+        // A block table entry past the pool: the token is not stored, its statistics not
+        // updated (`pool_page`'s invariant); the attention still sees it (the stage patch).
+        RowTarget::Nowhere
     } else {
         RowTarget::Dense {
             page: pair.newest_page,

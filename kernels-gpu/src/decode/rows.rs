@@ -15,6 +15,7 @@ use lserve_abi::select::held_newest_at;
 use super::newest::EntryTail;
 use crate::global::load_u32;
 use crate::math::opaque_u32;
+use crate::pool_page::pool_page;
 
 /// The rows of one (sequence, KV head) pair.
 #[derive(Clone, Copy)]
@@ -25,6 +26,10 @@ pub struct RowSource {
     maps: *const u8,
     /// Dense: the page list; null for streaming heads.
     pages: *const u32,
+    /// Element offsets at or past this are no rows of `k`/`v`: the pool's end for dense heads
+    /// (where [`tile_offset`](Self::tile_offset) puts a page past the pool), none for
+    /// streaming heads.
+    pub offset_end: usize,
     /// Dense: pages taken from `pages`; any after them is `newest_page`.
     listed: u32,
     /// Dense: the physical id of the sequence's newest page.
@@ -148,6 +153,7 @@ impl RowSource {
                         .add(TENSOR_MAP_STREAM * TENSOR_MAP_BYTES)
                 },
                 pages: core::ptr::null(),
+                offset_end: usize::MAX,
                 listed: 0,
                 newest_page: 0,
                 newest_after_listed: false,
@@ -264,6 +270,7 @@ impl RowSource {
             // SAFETY (pointer arithmetic): inside the maps buffer.
             maps: unsafe { a.tensor_maps.get().add(TENSOR_MAP_POOL * TENSOR_MAP_BYTES) },
             pages: pages_at,
+            offset_end: p.cache.paged.kv_elements(),
             listed,
             newest_page,
             newest_after_listed: appending,
@@ -321,8 +328,11 @@ impl RowSource {
         }
     }
 
-    /// Element offset of the first row of tile `t` in the K (and V) buffer. For dense heads
-    /// this reads the page list (global memory): the kernel asks for it a tile ahead.
+    /// Element offset of the first row of tile `t` in the K (and V) buffer; for a dense tile
+    /// whose page is past the pool, an offset at or past [`offset_end`](Self::offset_end)
+    /// (`crate::pool_page`: the copy reads nothing for it).
+    /// For dense heads this reads the page list (global memory): the kernel asks for it a tile
+    /// ahead.
     ///
     /// # Safety
     /// `t < self.tiles()`.
@@ -335,16 +345,19 @@ impl RowSource {
             let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
             // SAFETY: forwarded; the head is dense.
             let page = unsafe { self.page_of(p, t) };
-            p.cache
-                .paged
-                .kv_row(page, self.head, (t % tiles_per_page) * DECODE_TILE_ROWS)
+            p.cache.paged.kv_row(
+                pool_page(&p.cache.paged, page),
+                self.head,
+                (t % tiles_per_page) * DECODE_TILE_ROWS,
+            )
         }
     }
 
     /// Pointers to the first K and V rows of the tile at element offset `offset`.
     ///
     /// # Safety
-    /// `offset` is a [`tile_offset`](Self::tile_offset) of this source.
+    /// `offset` is a [`tile_offset`](Self::tile_offset) of this source below
+    /// [`offset_end`](Self::offset_end), or 0 (the buffers' first rows).
     #[inline(always)]
     pub unsafe fn tile_at(&self, offset: usize) -> (*const u16, *const u16) {
         // SAFETY: forwarded; offsets stay inside the buffers by the layouts.
@@ -352,8 +365,10 @@ impl RowSource {
     }
 
     /// Tile `t` as a tensor-map box: `(block, row)`, the block (`page * heads + head`, or
-    /// `slot * heads + head`) and its first row within the block. For dense heads this reads the
-    /// page list, as [`tile_offset`](Self::tile_offset) does.
+    /// `slot * heads + head`) and its first row within the block; a page past the pool gives a
+    /// block past the map's (`crate::pool_page::pool_page`), whose box the copy engine fills
+    /// with zeros without reading. For dense heads this reads the page list, as
+    /// [`tile_offset`](Self::tile_offset) does.
     ///
     /// # Safety
     /// `t < self.tiles()`.
@@ -364,8 +379,9 @@ impl RowSource {
             (self.slot * p.cache.streaming.heads + self.head, row)
         } else {
             let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
-            // SAFETY: forwarded; the head is dense.
-            let page = unsafe { self.page_of(p, t) };
+            // SAFETY: forwarded; the head is dense. A page past the pool becomes block
+            // `capacity * heads + head`, outside the map: the box lands as zeros.
+            let page = pool_page(&p.cache.paged, unsafe { self.page_of(p, t) });
             (
                 page * p.cache.paged.heads + self.head,
                 (t % tiles_per_page) * DECODE_TILE_ROWS,

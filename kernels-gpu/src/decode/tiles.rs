@@ -37,7 +37,7 @@ use crate::bulk_copy::{
     mbarrier_wait_parity, tensor_copy_3d_with_policy,
 };
 use crate::cp_async::{
-    commit_group, cp_async_16_with_policy, l2_evict_first, wait_all, wait_group,
+    commit_group, cp_async_16_zfill_with_policy, l2_evict_first, wait_all, wait_group,
 };
 use crate::mma::{FragA, MmaElement};
 use crate::smem::{dynamic_smem, shared_addr, st_shared_v4_u32};
@@ -211,8 +211,12 @@ impl TileCopy for AsyncCopy {
         valid_rows: u32,
         lane: u32,
     ) {
-        // SAFETY: `at` is a tile offset of `src`.
-        let (k_src, v_src) = unsafe { src.tile_at(at) };
+        // A tile whose page is past the pool (an offset past the pool's end) copies 0 bytes from
+        // the buffers' first rows: it lands as zeros, nothing is read (`crate::pool_page`).
+        let copied = at < src.offset_end;
+        let bytes = if copied { 16 } else { 0 };
+        // SAFETY: `at` is a tile offset of `src` below its end, or 0.
+        let (k_src, v_src) = unsafe { src.tile_at(if copied { at } else { 0 }) };
         // K and V are read once per step: keep them from pushing other lines out of the L2.
         let policy = l2_evict_first();
         let k_dst = Stages::<D>::k_tile(warp, j % DECODE_STAGES);
@@ -223,13 +227,15 @@ impl TileCopy for AsyncCopy {
             let (row, chunk) = (c / row_chunks, c % row_chunks);
             let from = (row.min(valid_rows - 1) * D as u32 + chunk * 8) as usize;
             let dst = k_dst.chunk(row, chunk);
-            // SAFETY: the source row exists and `chunk * 8 + 8 <= D`; the destination is chunk
-            // `chunk` of row `row < 16` of the stage's K (and V) tile, 16-byte aligned.
+            // SAFETY: the source row exists (or nothing is read) and `chunk * 8 + 8 <= D`; the
+            // destination is chunk `chunk` of row `row < 16` of the stage's K (and V) tile,
+            // 16-byte aligned.
             unsafe {
-                cp_async_16_with_policy(dst, k_src.add(from) as *const u8, policy);
-                cp_async_16_with_policy(
+                cp_async_16_zfill_with_policy(dst, k_src.add(from) as *const u8, bytes, policy);
+                cp_async_16_zfill_with_policy(
                     dst + KvLayout::<D>::BYTES,
                     v_src.add(from) as *const u8,
+                    bytes,
                     policy,
                 );
             }

@@ -101,14 +101,17 @@ pub unsafe fn append_kv<E: Half16>(a: &AppendArgs) {
 ///
 /// # Safety
 /// `entry` is a `[slots][dense_heads]` index of `index`'s buffers whose first `held` pages are
-/// written; held lengths are below `p.selection.entry_capacity`.
+/// written. (A held length at or past `p.selection.entry_capacity` is not trusted: nothing is
+/// written.)
 #[inline(always)]
 unsafe fn keep_index_entry(p: &AppendParams, index: &SelectionPtrs, entry: u32, page: u32) {
-    // SAFETY: forwarded; `0 < held < entry_capacity`, so positions `held - 1` and `held` are
-    // inside the entry.
+    // SAFETY: forwarded; `0 < held < entry_capacity` (checked), so positions `held - 1` and
+    // `held` are inside the entry.
     unsafe {
         let held = *index.held_lens.get().add(entry as usize);
-        if held != 0 {
+        // `1 <= held < entry_capacity` in one compare: a held length past the entry (memory
+        // corruption) keeps nothing rather than write past the pair's own entry.
+        if held.wrapping_sub(1) < p.selection.entry_capacity - 1 {
             let pages = index
                 .index_pages
                 .get()

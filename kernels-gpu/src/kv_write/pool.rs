@@ -13,6 +13,7 @@ use lserve_abi::kv_write::{
 use super::stats::Bounds;
 use super::target::{chunk_at, load, store};
 use crate::convert::Half16;
+use crate::pool_page::in_pool;
 use crate::thread::{block_idx_x, block_idx_y, block_idx_z, thread_idx_x};
 
 /// The pooling body for element type `E`.
@@ -57,6 +58,10 @@ pub unsafe fn pool_key_stats<E: Half16>(a: &PoolArgs) {
     let page = unsafe {
         *block_tables.add(r.slot as usize * c.max_pages as usize + (token0 / n_p) as usize)
     };
+    if !in_pool(layout, page) {
+        // A block table entry past the pool: nothing is read or written (`pool_page`).
+        return;
+    }
     let row0 = chunk_at(layout.kv_row(page, head, token0 % n_p), chunk);
     let stride = layout.head_dim as usize;
     // SAFETY: rows `token0 % n_p ..` + `tokens` lie in the same physical page (a logical page

@@ -8,6 +8,7 @@ use lserve_abi::kv_write::CHUNK_ELEMS;
 use lserve_abi::layout::CacheLayout;
 
 use crate::math::Vec16;
+use crate::pool_page::in_pool;
 
 /// Where one KV head keeps one token.
 #[derive(Clone, Copy)]
@@ -28,7 +29,8 @@ pub enum RowTarget {
         /// Sink or ring row (`StreamingLayout::row_of_token`).
         row: u32,
     },
-    /// A streaming head that does not hold the position at the sequence's length.
+    /// A streaming head that does not hold the position at the sequence's length, or a dense
+    /// head whose block table entry is not a page of the pool (`crate::pool_page`).
     Nowhere,
 }
 
@@ -36,8 +38,8 @@ impl RowTarget {
     /// Where KV head `kv_head` keeps position `pos` of the sequence in `slot` of length `len`.
     ///
     /// # Safety
-    /// `kv_head < c.kv_heads`, `slot` is a row of the block tables, `pos < len` and the block
-    /// table maps page `pos / N_P` of the sequence (a dense head reads it).
+    /// `kv_head < c.kv_heads`, `slot` is a row of the block tables and `pos / N_P` is below its
+    /// width (a dense head reads that entry; an entry past the pool gives `Nowhere`).
     #[inline(always)]
     pub unsafe fn of(
         c: &CacheLayout,
@@ -61,13 +63,17 @@ impl RowTarget {
             };
         }
         let n_p = c.paged.page_tokens;
-        // SAFETY: the caller guarantees the block table holds the page of `pos`.
+        // SAFETY: the caller guarantees the block table row reaches page `pos / N_P`.
         let page = unsafe {
             *bufs
                 .block_tables
                 .get()
                 .add(slot as usize * c.max_pages as usize + (pos / n_p) as usize)
         };
+        if !in_pool(&c.paged, page) {
+            // A block table entry past the pool: nothing is written (`pool_page`'s invariant).
+            return RowTarget::Nowhere;
+        }
         RowTarget::Dense {
             page,
             head,

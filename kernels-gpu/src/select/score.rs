@@ -17,6 +17,7 @@ use lserve_abi::select::{score_offset, selection_due, ScoreArgs, AGGREGATE_MEAN,
 
 use crate::convert::Half16;
 use crate::math::{fma, Vec16};
+use crate::pool_page::in_pool;
 use crate::thread::{block_idx_x, block_idx_y, grid_dim_x, lane, thread_in_block, WARP_SIZE};
 use crate::unroll8;
 use crate::warp::group_sum_f32;
@@ -187,6 +188,9 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(a: &ScoreAr
         } else {
             0
         };
+        // A block table entry past the pool loads no statistics and scores `-inf`
+        // (`crate::pool_page`).
+        let stored = live && in_pool(&p.cache.paged, physical);
         let stats = p.cache.paged.stats_row(physical, dense_head, 0) + col as usize * 8;
         let mut best = f32::NEG_INFINITY;
         let mut first = 0;
@@ -198,7 +202,7 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(a: &ScoreAr
             let mut hi = [Vec16([0; 4]); 8];
             unroll8!(u in 0..Rows::<D, G>::IN_FLIGHT => {
                 let l = first + u as u32;
-                if live && l < per_page && page * per_page + l < logical_rows {
+                if stored && l < per_page && page * per_page + l < logical_rows {
                     let at = stats + l as usize * D;
                     // SAFETY: an existing logical page of a page of the sequence: inside the
                     // statistics; rows are 16-byte aligned.
@@ -213,7 +217,7 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(a: &ScoreAr
                 if l < per_page {
                     // SAFETY: `l < per_page` is warp-uniform, so every lane of the warp is here.
                     let s = unsafe { aggregated_score::<E, D, G>(&pos, &neg, lo[u], hi[u], mean) };
-                    if page * per_page + l < logical_rows {
+                    if stored && page * per_page + l < logical_rows {
                         best = best.max(s);
                     }
                 }

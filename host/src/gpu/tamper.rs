@@ -1,0 +1,57 @@
+//! A test-only door to the device tables: overwrites words of a block table, an index table or
+//! a held selection behind the host's back, as an engine bug or memory corruption would
+//! (`tests/gpu_isolation.rs` checks what the kernels then read and write). Nothing here is
+//! checked against the manager, and the cache's host mirror is not told: the next sync leaves
+//! the overwritten words as they are unless their row changes.
+
+use super::{DeviceElement, DeviceKvCache, GpuContext};
+use crate::{LserveError, Result};
+
+/// Which device table [`overwrite_device_table`] writes, and its row-major index space.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceTable {
+    /// `[slots][max_pages]` block tables (all layers).
+    BlockTables,
+    /// Layer `.0`'s `[slots][dense_heads][entry_capacity]` index-table pages.
+    IndexPages(usize),
+    /// Layer `.0`'s `[slots][dense_heads]` index-table lengths.
+    IndexLens(usize),
+    /// Layer `.0`'s `[slots][dense_heads][held_capacity]` held selections.
+    HeldPages(usize),
+    /// Layer `.0`'s `[slots][dense_heads]` held-selection lengths.
+    HeldLens(usize),
+}
+
+/// Writes `words` into `table` from index `at` on (enqueued on the context's stream). A range
+/// past the table is `InvalidArgument`, nothing written.
+#[doc(hidden)]
+pub fn overwrite_device_table<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    table: DeviceTable,
+    at: usize,
+    words: &[u32],
+) -> Result<()> {
+    let stream = gpu.stream().clone();
+    let buffer = match table {
+        DeviceTable::BlockTables => &mut cache.block_tables,
+        DeviceTable::IndexPages(layer) => &mut cache.layer_mut(layer)?.index_pages,
+        DeviceTable::IndexLens(layer) => &mut cache.layer_mut(layer)?.index_lens,
+        DeviceTable::HeldPages(layer) => &mut cache.layer_mut(layer)?.held_pages,
+        DeviceTable::HeldLens(layer) => &mut cache.layer_mut(layer)?.held_lens,
+    };
+    let end = at.checked_add(words.len()).filter(|&e| e <= buffer.len());
+    let Some(end) = end else {
+        return Err(LserveError::InvalidArgument {
+            what: "table range",
+            reason: format!(
+                "{at}.. + {} words past {table:?}'s {}",
+                words.len(),
+                buffer.len()
+            ),
+        });
+    };
+    stream.memcpy_htod(words, &mut buffer.slice_mut(at..end))?;
+    Ok(())
+}
