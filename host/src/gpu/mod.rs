@@ -15,6 +15,7 @@ mod ptx;
 mod select;
 mod step;
 mod table_sync;
+#[cfg(feature = "test-kernels")]
 mod tamper;
 mod tensor_map;
 mod tokens;
@@ -38,6 +39,7 @@ pub use select::{
     SelectionState,
 };
 pub use step::{DecodeStep, PlannedStep};
+#[cfg(feature = "test-kernels")]
 #[doc(hidden)]
 pub use tamper::{overwrite_device_table, DeviceTable};
 pub use tokens::{Tokens, TokensMut};
