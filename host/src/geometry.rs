@@ -155,6 +155,46 @@ impl ModelGeometry {
     pub fn default_softmax_scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
     }
+
+    /// The geometry of tensor-parallel shard `rank` of `ranks`: each shard holds `kv_heads /
+    /// ranks` consecutive KV heads (shard `r` the KV heads `r · kv_heads / ranks ..`) and their
+    /// query heads (`q_heads / ranks`, the group unchanged), as engines split attention across
+    /// GPUs. Every layer is in every shard. A cache built for the shard's geometry (and
+    /// [`HeadPattern::shard`](crate::head_pattern::HeadPattern::shard)) is sized for its heads
+    /// only.
+    ///
+    /// Errors: `InvalidConfig { field: "ranks" }` for `ranks == 0` or a `kv_heads` that `ranks`
+    /// does not divide; `InvalidConfig { field: "rank" }` for `rank >= ranks`.
+    ///
+    /// ```
+    /// use lserve::geometry::ModelGeometry;
+    /// let shard = ModelGeometry::llama3_8b().shard(1, 4)?;
+    /// assert_eq!((shard.q_heads(), shard.kv_heads(), shard.group()), (8, 2, 4));
+    /// assert!(ModelGeometry::llama3_8b().shard(0, 3).is_err()); // 8 KV heads over 3 ranks
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn shard(&self, rank: usize, ranks: usize) -> Result<Self> {
+        if ranks == 0 || self.kv_heads % ranks != 0 {
+            return Err(invalid(
+                "ranks",
+                format!(
+                    "{} KV heads cannot be split evenly over {ranks} ranks",
+                    self.kv_heads
+                ),
+            ));
+        }
+        if rank >= ranks {
+            return Err(invalid(
+                "rank",
+                format!("{rank} is not below {ranks} ranks"),
+            ));
+        }
+        Ok(Self {
+            kv_heads: self.kv_heads / ranks,
+            q_heads: self.q_heads / ranks,
+            ..*self
+        })
+    }
 }
 
 fn invalid(field: &'static str, reason: String) -> LserveError {

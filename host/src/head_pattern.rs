@@ -111,6 +111,33 @@ impl HeadPattern {
         })
     }
 
+    /// The pattern of tensor-parallel shard `rank` of `ranks` (the heads of
+    /// [`ModelGeometry::shard`]): per layer, the kinds of the shard's KV heads `r · kv_heads /
+    /// ranks ..`, in order. KV head `h` of the shard is KV head `rank · kv_heads / ranks + h` of
+    /// the model.
+    ///
+    /// Errors: as [`ModelGeometry::shard`].
+    ///
+    /// ```
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::{HeadKind, HeadPattern};
+    /// let g = ModelGeometry::new(1, 8, 4, 64)?;
+    /// use HeadKind::{Dense, Streaming};
+    /// let p = HeadPattern::from_kinds(g, vec![vec![Dense, Streaming, Streaming, Dense]])?;
+    /// assert_eq!(p.shard(1, 2)?.layer_kinds(0), &[Streaming, Dense]);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn shard(&self, rank: usize, ranks: usize) -> Result<Self> {
+        let geometry = self.geometry.shard(rank, ranks)?;
+        let per_shard = geometry.kv_heads();
+        let kinds = self
+            .kinds
+            .iter()
+            .map(|row| row[rank * per_shard..][..per_shard].to_vec())
+            .collect();
+        Self::from_kinds(geometry, kinds)
+    }
+
     /// Every head dense (no static sparsity).
     pub fn all_dense(geometry: ModelGeometry) -> Self {
         let kinds = vec![vec![HeadKind::Dense; geometry.kv_heads()]; geometry.layers()];
