@@ -24,7 +24,7 @@
 
 mod common;
 
-use common::{check_selection, gpu, head_kinds, head_pattern, tolerance};
+use common::{check_selection, gpu, head_kinds, head_pattern, prefilled, tolerance};
 use half::{bf16, f16};
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
@@ -34,7 +34,6 @@ use lserve::gpu::{prefill_attention, DecodeStep, DeviceElement, DeviceKvCache, G
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
 use lserve::reference::decode::{decode_attention_tables, decode_step};
-use lserve::reference::kv_write::write_tokens;
 use lserve::reference::prefill::PrefillInput;
 use lserve::reference::select::{select_from_cache, ReuseState};
 use lserve::reference::{self, TokenPattern};
@@ -117,40 +116,20 @@ fn model<E: DeviceElement>(
     group: usize,
     config: SparsityConfig,
     prompts: &[usize],
-    mut kv: impl FnMut(usize, usize) -> (Vec<f32>, Vec<f32>),
+    kv: impl FnMut(usize, usize) -> (Vec<f32>, Vec<f32>),
 ) -> Model<E> {
     let hkv = streaming.len();
     let g = ModelGeometry::new(1, hkv * group, hkv, D).unwrap();
     let pattern = head_pattern(g, &[streaming.to_vec()]);
     let max_len = prompts.iter().max().unwrap() + 8;
-    let pages = prompts.len() * config.pages_for_len(max_len) + 2;
-    let mut mgr = KvCacheManager::new(g, pattern, config, pages, prompts.len(), max_len).unwrap();
-    let mut host = HostKvCache::<E>::for_manager(&mgr).unwrap();
-    let tables = IndexTables::for_manager(&mgr).unwrap();
-    let reuse = ReuseState::new(config.reuse_interval).unwrap();
-    let mut seqs = Vec::new();
-    for (b, &n) in prompts.iter().enumerate() {
-        let seq = mgr.add_sequence().unwrap();
-        seqs.push(seq);
-        if n == 0 {
-            continue;
-        }
-        mgr.reserve(seq, n).unwrap();
-        let (mut k, mut v) = (Vec::new(), Vec::new());
-        for pos in 0..n {
-            let (kp, vp) = kv(b, pos);
-            k.extend(rounded::<E>(&kp));
-            v.extend(rounded::<E>(&vp));
-        }
-        write_tokens(&mut host, 0, &mgr.view(seq).unwrap(), 0, &k, &v).unwrap();
-    }
+    let p = prefilled::<E>(pattern, config, prompts, max_len, 2, kv);
     Model {
         config,
-        mgr,
-        host,
-        tables,
-        reuse,
-        seqs,
+        mgr: p.mgr,
+        host: p.host,
+        tables: p.tables,
+        reuse: p.reuse,
+        seqs: p.seqs,
     }
 }
 

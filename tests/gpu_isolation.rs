@@ -18,7 +18,7 @@
 
 mod common;
 
-use common::{gpu, head_pattern, random_vec, tolerance};
+use common::{gpu, head_pattern, layer_arrays, random_vec, tolerance};
 use half::bf16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
@@ -386,20 +386,14 @@ fn appending_through_a_newest_entry_past_the_pool_writes_nothing_of_it() {
             let mut with_both = with_b.clone();
             let view_a = w.mgr.view(w.seqs[0]).unwrap();
             write_tokens(&mut with_both, 0, &view_a, len - 1, &k[..row], &v[..row]).unwrap();
-            let (gd, wd) = (after.dense(0).unwrap(), with_b.dense(0).unwrap());
-            assert!(
-                gd.k() == wd.k() && gd.v() == wd.v(),
-                "{what}: the dense pool's K/V"
+            // The dense arrays (K, V, kmin, kmax) as `with_b`, the streaming ones as `with_both`.
+            let (dense, streaming) = (
+                layer_arrays(&after, &with_b, 0),
+                layer_arrays(&after, &with_both, 0),
             );
-            assert!(
-                gd.kmin() == wd.kmin() && gd.kmax() == wd.kmax(),
-                "{what}: the key statistics"
-            );
-            let (gs, ws) = (after.streaming(0).unwrap(), with_both.streaming(0).unwrap());
-            assert!(
-                gs.k() == ws.k() && gs.v() == ws.v(),
-                "{what}: the streaming store"
-            );
+            for (name, got, want) in dense[..4].iter().chain(&streaming[4..]) {
+                assert!(got == want, "{what}: {name}");
+            }
         }
     }
 }
@@ -674,20 +668,9 @@ fn cache_writes_through_a_page_past_the_pool_write_nothing_of_it() {
         for buffer in [lo, hi] {
             buffer[stats.clone()].fill(E::from_f32(0.0));
         }
-        let (gd, wd) = (after.dense(0).unwrap(), want.dense(0).unwrap());
-        assert!(
-            gd.k() == wd.k() && gd.v() == wd.v(),
-            "{bad:?}: the dense pool's K/V"
-        );
-        assert!(
-            gd.kmin() == wd.kmin() && gd.kmax() == wd.kmax(),
-            "{bad:?}: the key statistics"
-        );
-        let (gs, ws) = (after.streaming(0).unwrap(), want.streaming(0).unwrap());
-        assert!(
-            gs.k() == ws.k() && gs.v() == ws.v(),
-            "{bad:?}: the streaming store"
-        );
+        for (name, got, want) in layer_arrays(&after, &want, 0) {
+            assert!(got == want, "{bad:?}: {name}");
+        }
     }
 }
 

@@ -12,7 +12,9 @@
 
 mod common;
 
-use common::{gpu, head_pattern, tolerance};
+use common::{
+    gpu, head_pattern, heads_of, prefilled, prompt_rows, random_vec_in, tolerance, Prefilled,
+};
 use half::bf16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
@@ -20,23 +22,14 @@ use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::reference::kv_write::write_tokens;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 const D: usize = 64;
 
+/// `n` values uniform in `[-2, 2)`, as bf16.
 fn random(rng: &mut StdRng, n: usize) -> Vec<bf16> {
-    (0..n)
-        .map(|_| bf16::from_f32(rng.gen_range(-2.0f32..2.0)))
-        .collect()
-}
-
-/// Rows `[tokens][heads][D]` of `x` restricted to heads `first .. first + count`.
-fn heads_of<T: Copy>(x: &[T], heads: usize, first: usize, count: usize) -> Vec<T> {
-    x.chunks(heads * D)
-        .flat_map(|row| row[first * D..(first + count) * D].iter().copied())
-        .collect()
+    random_vec_in(rng, n, -2.0..2.0)
 }
 
 fn config() -> SparsityConfig {
@@ -69,30 +62,15 @@ impl Model {
         k: &[bf16],
         v: &[bf16],
     ) -> Self {
-        let g = *pattern.geometry();
-        let c = config();
         let max_len = prompts.iter().max().unwrap() + 16;
-        let pages = prompts.len() * c.pages_for_len(max_len);
-        let mut mgr =
-            KvCacheManager::new(g, pattern.clone(), c, pages, prompts.len(), max_len).unwrap();
-        let mut host = HostKvCache::<bf16>::for_manager(&mgr).unwrap();
-        let tables = IndexTables::for_manager(&mgr).unwrap();
-        let row = g.kv_heads() * D;
-        let (mut seqs, mut start) = (Vec::new(), 0);
-        for &n in prompts {
-            let seq = mgr.add_sequence().unwrap();
-            mgr.reserve(seq, n).unwrap();
-            let view = mgr.view(seq).unwrap();
-            let (k, v) = (
-                &k[start * row..(start + n) * row],
-                &v[start * row..(start + n) * row],
-            );
-            for layer in 0..g.layers() {
-                write_tokens(&mut host, layer, &view, 0, k, v).unwrap();
-            }
-            seqs.push(seq);
-            start += n;
-        }
+        let kv = prompt_rows(prompts, pattern.geometry().kv_heads(), D, k, v);
+        let Prefilled {
+            mgr,
+            host,
+            tables,
+            seqs,
+            ..
+        } = prefilled::<bf16>(pattern.clone(), config(), prompts, max_len, 0, kv);
         let cache = DeviceKvCache::upload(gpu, &mgr, &host, &tables).unwrap();
         let step = DecodeStep::new(gpu, &cache, seqs.len()).unwrap();
         Self {
@@ -185,7 +163,8 @@ fn shards_decode_as_the_unsharded_model() {
         let (sq, skv) = (hq / ranks, hkv / ranks);
         for rank in 0..ranks {
             let shard = pattern.shard(rank, ranks).unwrap();
-            let part = |x: &[bf16], heads: usize, per: usize| heads_of(x, heads, rank * per, per);
+            let part =
+                |x: &[bf16], heads: usize, per: usize| heads_of(x, heads, D, rank * per, per);
             let mut m = Model::new(
                 &gpu,
                 &shard,
@@ -202,7 +181,7 @@ fn shards_decode_as_the_unsharded_model() {
                 );
                 let (want_outs, want_tables) = &want[s];
                 for layer in 0..g.layers() {
-                    let expected = heads_of(&want_outs[layer], hq, rank * sq, sq);
+                    let expected = heads_of(&want_outs[layer], hq, D, rank * sq, sq);
                     for (r, (got, exp)) in outs[layer].chunks(D).zip(expected.chunks(D)).enumerate()
                     {
                         let err = relative_error(got, exp);

@@ -15,19 +15,18 @@
 
 mod common;
 
-use common::head_pattern;
+use common::{head_pattern, prefilled, Prefilled};
 use half::bf16;
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
-use lserve::index_table::IndexTables;
-use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
+use lserve::paging::KvCacheManager;
 use lserve::reference::decode::{
     attend_tokens, decode_attention, decode_step, DecodeStepOutput, HeadVisit,
 };
-use lserve::reference::kv_write::{key_stats, update_key_stats, write_tokens, KeyStats};
+use lserve::reference::kv_write::{key_stats, update_key_stats, KeyStats};
 use lserve::reference::prefill::{prefill_attention, PrefillInput};
-use lserve::reference::select::{select_pages, top_k_pages, ReuseState, SelectionParams};
+use lserve::reference::select::{select_pages, top_k_pages, SelectionParams};
 use lserve::reference::TokenPattern;
 use lserve::LserveError;
 use rand::rngs::StdRng;
@@ -244,53 +243,20 @@ fn all_equal_scores_select_the_lowest_pages() {
 /// A one-layer model: KV heads of the given kinds (`true`: streaming), `group` query heads
 /// each, sequences prefilled with `prompts[b]` tokens whose keys and values come from `kv`
 /// (`(seq, pos) -> (k, v)`, `[Hkv][D]` each).
-struct Model {
-    mgr: KvCacheManager,
-    host: HostKvCache<bf16>,
-    tables: IndexTables,
-    reuse: ReuseState,
-    seqs: Vec<SeqId>,
-}
+type Model = Prefilled<bf16>;
 
 fn model(
     streaming: &[bool],
     group: usize,
     config: SparsityConfig,
     prompts: &[usize],
-    mut kv: impl FnMut(usize, usize) -> (Vec<f32>, Vec<f32>),
+    kv: impl FnMut(usize, usize) -> (Vec<f32>, Vec<f32>),
 ) -> Model {
     let hkv = streaming.len();
     let g = ModelGeometry::new(1, hkv * group, hkv, D).unwrap();
     let pattern = head_pattern(g, &[streaming.to_vec()]);
     let max_len = prompts.iter().max().unwrap() + 8;
-    let pages = prompts.len() * config.pages_for_len(max_len);
-    let mut mgr = KvCacheManager::new(g, pattern, config, pages, prompts.len(), max_len).unwrap();
-    let mut host = HostKvCache::<bf16>::for_manager(&mgr).unwrap();
-    let tables = IndexTables::for_manager(&mgr).unwrap();
-    let reuse = ReuseState::new(config.reuse_interval).unwrap();
-    let mut seqs = Vec::new();
-    for (b, &n) in prompts.iter().enumerate() {
-        let seq = mgr.add_sequence().unwrap();
-        seqs.push(seq);
-        if n == 0 {
-            continue;
-        }
-        mgr.reserve(seq, n).unwrap();
-        let (mut k, mut v) = (Vec::new(), Vec::new());
-        for pos in 0..n {
-            let (kp, vp) = kv(b, pos);
-            k.extend(kp.iter().map(|&x| bf16::from_f32(x)));
-            v.extend(vp.iter().map(|&x| bf16::from_f32(x)));
-        }
-        write_tokens(&mut host, 0, &mgr.view(seq).unwrap(), 0, &k, &v).unwrap();
-    }
-    Model {
-        mgr,
-        host,
-        tables,
-        reuse,
-        seqs,
-    }
+    prefilled(pattern, config, prompts, max_len, 0, kv)
 }
 
 impl Model {

@@ -6,52 +6,27 @@
 
 mod common;
 
-use common::head_pattern;
+use common::{head_pattern, heads_of, prefilled, prompt_rows, random_vec_in, Prefilled};
 use half::bf16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::HeadPattern;
-use lserve::index_table::IndexTables;
-use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
 use lserve::reference::decode::decode_step;
-use lserve::reference::kv_write::write_tokens;
 use lserve::reference::prefill::{prefill_attention, PrefillInput};
-use lserve::reference::select::ReuseState;
 use lserve::reference::TokenPattern;
 use lserve::LserveError;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 const D: usize = 64;
 
+/// `n` values uniform in `[-2, 2)`, as bf16.
 fn random(rng: &mut StdRng, n: usize) -> Vec<bf16> {
-    (0..n)
-        .map(|_| bf16::from_f32(rng.gen_range(-2.0f32..2.0)))
-        .collect()
-}
-
-/// Rows `[tokens][heads][D]` of `x` restricted to heads `first .. first + count`.
-fn heads_of(x: &[bf16], heads: usize, first: usize, count: usize) -> Vec<bf16> {
-    x.chunks(heads * D)
-        .flat_map(|row| row[first * D..(first + count) * D].iter().copied())
-        .collect()
-}
-
-/// Same as [`heads_of`] for `f64` outputs.
-fn out_heads(x: &[f64], heads: usize, first: usize, count: usize) -> Vec<f64> {
-    x.chunks(heads * D)
-        .flat_map(|row| row[first * D..(first + count) * D].iter().copied())
-        .collect()
+    random_vec_in(rng, n, -2.0..2.0)
 }
 
 /// One model's (or shard's) cache: manager, host cache, index tables, reuse state, sequences.
-struct Cache {
-    mgr: KvCacheManager,
-    host: HostKvCache<bf16>,
-    tables: IndexTables,
-    reuse: ReuseState,
-    seqs: Vec<SeqId>,
-}
+type Cache = Prefilled<bf16>;
 
 fn config() -> SparsityConfig {
     SparsityConfig {
@@ -66,8 +41,8 @@ fn config() -> SparsityConfig {
     }
 }
 
-/// A cache for `pattern` with `prompts` prefilled on `layers` from `k`, `v` (`[T][Hkv][D]` of
-/// the pattern's heads, sequences one after another).
+/// A cache for `pattern` with `prompts` prefilled on every layer from `k`, `v` (`[T][Hkv][D]`
+/// of the pattern's heads, sequences one after another).
 fn cache(
     pattern: &HeadPattern,
     prompts: &[usize],
@@ -75,37 +50,9 @@ fn cache(
     v: &[bf16],
     max_len: usize,
 ) -> Cache {
-    let g = *pattern.geometry();
-    let c = config();
-    let pages = prompts.len() * c.pages_for_len(max_len);
-    let mut mgr =
-        KvCacheManager::new(g, pattern.clone(), c, pages, prompts.len(), max_len).unwrap();
-    let mut host = HostKvCache::<bf16>::for_manager(&mgr).unwrap();
-    let tables = IndexTables::for_manager(&mgr).unwrap();
-    let row = g.kv_heads() * D;
-    let mut seqs = Vec::new();
-    let mut start = 0;
-    for &n in prompts {
-        let seq = mgr.add_sequence().unwrap();
-        mgr.reserve(seq, n).unwrap();
-        let view = mgr.view(seq).unwrap();
-        for layer in 0..g.layers() {
-            let (k, v) = (
-                &k[start * row..(start + n) * row],
-                &v[start * row..(start + n) * row],
-            );
-            write_tokens(&mut host, layer, &view, 0, k, v).unwrap();
-        }
-        seqs.push(seq);
-        start += n;
-    }
-    Cache {
-        mgr,
-        host,
-        tables,
-        reuse: ReuseState::new(c.reuse_interval).unwrap(),
-        seqs,
-    }
+    let heads = pattern.geometry().kv_heads();
+    let kv = prompt_rows(prompts, heads, D, k, v);
+    prefilled(pattern.clone(), config(), prompts, max_len, 0, kv)
 }
 
 impl Cache {
@@ -186,7 +133,8 @@ fn shards_decode_exactly_as_the_unsharded_model() {
                     &pattern.layer_kinds(layer)[rank * skv..][..skv]
                 );
             }
-            let part = |x: &[bf16], heads: usize, per: usize| heads_of(x, heads, rank * per, per);
+            let part =
+                |x: &[bf16], heads: usize, per: usize| heads_of(x, heads, D, rank * per, per);
             let mut c = cache(
                 &shard,
                 &prompts,
@@ -200,7 +148,7 @@ fn shards_decode_exactly_as_the_unsharded_model() {
                 for (layer, got) in got.iter().enumerate() {
                     assert_eq!(
                         got,
-                        &out_heads(&want[s][layer], hq, rank * sq, sq),
+                        &heads_of(&want[s][layer], hq, D, rank * sq, sq),
                         "{ranks} ranks, rank {rank}, step {s}, layer {layer}"
                     );
                 }
@@ -248,26 +196,21 @@ fn shards_prefill_exactly_as_the_unsharded_model() {
         .unwrap()
     };
     let full = input(&q, &k, &v, hq, hkv, &patterns);
-    let rows = |x: &[f32], heads: usize, first: usize, count: usize| -> Vec<f32> {
-        x.chunks(heads * D)
-            .flat_map(|row| row[first * D..(first + count) * D].iter().copied())
-            .collect()
-    };
     for ranks in [2, 3, 6] {
         let shard_g = g.shard(0, ranks).unwrap();
         let (sq, skv) = (shard_g.q_heads(), shard_g.kv_heads());
         for rank in 0..ranks {
             let got = input(
-                &rows(&q, hq, rank * sq, sq),
-                &rows(&k, hkv, rank * skv, skv),
-                &rows(&v, hkv, rank * skv, skv),
+                &heads_of(&q, hq, D, rank * sq, sq),
+                &heads_of(&k, hkv, D, rank * skv, skv),
+                &heads_of(&v, hkv, D, rank * skv, skv),
                 sq,
                 skv,
                 &patterns[rank * skv..][..skv],
             );
             assert_eq!(
                 got.out,
-                out_heads(&full.out, hq, rank * sq, sq),
+                heads_of(&full.out, hq, D, rank * sq, sq),
                 "{ranks} ranks, rank {rank}"
             );
         }

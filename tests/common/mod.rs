@@ -2,12 +2,17 @@
 //! own and uses only some of them, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
+use std::ops::Range;
+
+use lserve::config::SparsityConfig;
 use lserve::dtype::{DType, Element};
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::GpuContext;
 use lserve::head_pattern::{HeadKind, HeadPattern};
-use lserve::paging::HostKvCache;
-use lserve::reference::select::Selection;
+use lserve::index_table::IndexTables;
+use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
+use lserve::reference::kv_write::write_tokens;
+use lserve::reference::select::{ReuseState, Selection};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -66,9 +71,102 @@ pub fn layer_arrays<'a, E: Element>(
 
 /// `n` values uniform in `[-1, 1)`, rounded to `E`.
 pub fn random_vec<E: Element>(rng: &mut StdRng, n: usize) -> Vec<E> {
+    random_vec_in(rng, n, -1.0..1.0)
+}
+
+/// `n` values uniform in `range`, rounded to `E`.
+pub fn random_vec_in<E: Element>(rng: &mut StdRng, n: usize, range: Range<f32>) -> Vec<E> {
     (0..n)
-        .map(|_| E::from_f32(rng.gen_range(-1.0f32..1.0)))
+        .map(|_| E::from_f32(rng.gen_range(range.clone())))
         .collect()
+}
+
+/// Rows `[tokens][heads][d]` of `x` restricted to heads `first .. first + count`.
+pub fn heads_of<T: Copy>(x: &[T], heads: usize, d: usize, first: usize, count: usize) -> Vec<T> {
+    x.chunks(heads * d)
+        .flat_map(|row| row[first * d..(first + count) * d].iter().copied())
+        .collect()
+}
+
+/// The prompt rows of `k`, `v` (`[T][heads][d]`, the prompts' tokens one after another) as
+/// [`prefilled`]'s `kv`: token `pos` of sequence `b`, as `f32`.
+pub fn prompt_rows<'a, E: Element>(
+    prompts: &[usize],
+    heads: usize,
+    d: usize,
+    k: &'a [E],
+    v: &'a [E],
+) -> impl FnMut(usize, usize) -> (Vec<f32>, Vec<f32>) + 'a {
+    let starts: Vec<usize> = prompts
+        .iter()
+        .scan(0, |start, &n| {
+            let first = *start;
+            *start += n;
+            Some(first)
+        })
+        .collect();
+    let row = heads * d;
+    move |b, pos| {
+        let at = (starts[b] + pos) * row;
+        let f32s = |x: &[E]| x[at..at + row].iter().map(|e| e.to_f32()).collect();
+        (f32s(k), f32s(v))
+    }
+}
+
+/// A host-side cache with its prompts prefilled: the manager, host cache, index tables and
+/// reuse state of the CPU reference, and the sequences in the order of the prompts.
+pub struct Prefilled<E> {
+    pub mgr: KvCacheManager,
+    pub host: HostKvCache<E>,
+    pub tables: IndexTables,
+    pub reuse: ReuseState,
+    pub seqs: Vec<SeqId>,
+}
+
+/// A cache for `pattern` and `config` with room for `prompts.len()` sequences of up to
+/// `max_len` tokens (plus `spare_pages` pages), and sequence `b` prefilled on every layer with
+/// `prompts[b]` tokens whose keys and values are `kv(b, pos)` (`[Hkv][D]` each, rounded to `E`).
+/// Sequences are added, reserved and written in order, so page ids follow from the prompts.
+pub fn prefilled<E: Element>(
+    pattern: HeadPattern,
+    config: SparsityConfig,
+    prompts: &[usize],
+    max_len: usize,
+    spare_pages: usize,
+    mut kv: impl FnMut(usize, usize) -> (Vec<f32>, Vec<f32>),
+) -> Prefilled<E> {
+    let g = *pattern.geometry();
+    let pages = prompts.len() * config.pages_for_len(max_len) + spare_pages;
+    let mut mgr = KvCacheManager::new(g, pattern, config, pages, prompts.len(), max_len).unwrap();
+    let mut host = HostKvCache::<E>::for_manager(&mgr).unwrap();
+    let tables = IndexTables::for_manager(&mgr).unwrap();
+    let reuse = ReuseState::new(config.reuse_interval).unwrap();
+    let mut seqs = Vec::new();
+    for (b, &n) in prompts.iter().enumerate() {
+        let seq = mgr.add_sequence().unwrap();
+        seqs.push(seq);
+        if n == 0 {
+            continue;
+        }
+        mgr.reserve(seq, n).unwrap();
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for pos in 0..n {
+            let (kp, vp) = kv(b, pos);
+            k.extend(kp.iter().map(|&x| E::from_f32(x)));
+            v.extend(vp.iter().map(|&x| E::from_f32(x)));
+        }
+        let view = mgr.view(seq).unwrap();
+        for layer in 0..g.layers() {
+            write_tokens(&mut host, layer, &view, 0, &k, &v).unwrap();
+        }
+    }
+    Prefilled {
+        mgr,
+        host,
+        tables,
+        reuse,
+        seqs,
+    }
 }
 
 /// The relative error a GPU attention output of element type `E` must stay under against the
