@@ -56,35 +56,15 @@ pub fn l2_evict_first() -> u64 {
     policy
 }
 
-/// [`cp_async_16`] with an L2 cache policy (`.L2::cache_hint`, see [`l2_evict_first`]).
+/// [`cp_async_16_zfill`] with an L2 cache policy (`.L2::cache_hint`, see [`l2_evict_first`]):
+/// reads only the first `src_bytes` (0 ..= 16) bytes of `src` and zero-fills the rest (with 0,
+/// nothing is read: a copy that must not touch its source).
 ///
 /// # Safety
-/// As [`cp_async_16`]; `policy` comes from `createpolicy`.
-#[inline(always)]
-pub unsafe fn cp_async_16_with_policy(dst: u32, src: *const u8, policy: u64) {
-    // SAFETY: as `cp_async_16`; the policy is a hint and changes no semantics.
-    unsafe {
-        asm!(
-            "{{",
-            ".reg .u64 gsrc;",
-            "cvta.to.global.u64 gsrc, {1};",
-            "cp.async.cg.shared.global.L2::cache_hint [{0}], [gsrc], 16, {2};",
-            "}}",
-            in(reg32) dst, in(reg64) src as u64, in(reg64) policy,
-            options(nostack),
-        );
-    }
-}
-
-/// [`cp_async_16_with_policy`] reading only the first `src_bytes` (0 ..= 16) bytes of `src`,
-/// zero-filling the rest (with 0, nothing is read: a copy that must not touch its source).
-///
-/// # Safety
-/// As [`cp_async_16_with_policy`], with `src` readable for `src_bytes` bytes (pass a valid
-/// 16-byte-aligned global address with 0).
+/// As [`cp_async_16_zfill`]; `policy` comes from `createpolicy`.
 #[inline(always)]
 pub unsafe fn cp_async_16_zfill_with_policy(dst: u32, src: *const u8, src_bytes: u32, policy: u64) {
-    // SAFETY: as `cp_async_16_with_policy`; the copy reads `src_bytes` bytes only.
+    // SAFETY: as `cp_async_16_zfill`; the policy is a hint and changes no semantics.
     unsafe {
         asm!(
             "{{",
