@@ -103,7 +103,7 @@ pub unsafe fn load_tiles_async<const D: usize, const ROWS: u32, const N: usize>(
         thread / KvTile::<D>::ROW_CHUNKS,
         thread % KvTile::<D>::ROW_CHUNKS,
     );
-    let dst = dst + row * KvTile::<D>::ROW_BYTES + chunk * 16;
+    let dst = KvTile::<D>::chunk_addr(dst, row, chunk);
     // Rows `row + i * row_step` exist for `i * row_step < rows_left`.
     let rows_left = valid_rows.saturating_sub(row);
     // This thread's first row that exists (its own, or the last one: a source for the
