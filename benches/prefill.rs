@@ -152,6 +152,8 @@ fn cache_case(gpu: &GpuContext, len: usize) -> lserve::Result<CacheCase> {
             local_tokens: config.local_tokens,
             block_masks: None,
             softmax_scale: Some(config.softmax_scale_for(D)),
+            prefix_lens: None,
+            with_lse: false,
         },
     )?;
     let t = tensors(gpu, len)?;
@@ -313,6 +315,8 @@ fn prefill(c: &mut Criterion) {
                 local_tokens: 256,
                 block_masks: None,
                 softmax_scale: None,
+                prefix_lens: None,
+                with_lse: false,
             };
             let plan = PrefillPlan::new(&gpu, &args).expect("plan");
             bench_plan(
@@ -357,6 +361,8 @@ fn prefill(c: &mut Criterion) {
                 local_tokens: 256,
                 block_masks: Some(&masks),
                 softmax_scale: None,
+                prefix_lens: None,
+                with_lse: false,
             };
             let plan = PrefillPlan::new(&gpu, &args).expect("plan");
             bench_plan(

@@ -359,6 +359,8 @@ fn prefill_pair<E: DeviceElement>(
         local_tokens: local,
         block_masks: None,
         softmax_scale: None,
+        prefix_lens: None,
+        with_lse: false,
     };
     let (qe, ke, ve) = (rounded::<E>(q), rounded::<E>(k), rounded::<E>(v));
     let s = gpu.stream();

@@ -155,6 +155,8 @@ fn args<'a>(
         local_tokens: case.local,
         block_masks: masks,
         softmax_scale: None,
+        prefix_lens: None,
+        with_lse: false,
     }
 }
 
@@ -479,6 +481,8 @@ fn invalid_arguments_are_typed_errors() {
         local_tokens: 64,
         block_masks: Some(&masks),
         softmax_scale: None,
+        prefix_lens: None,
+        with_lse: false,
     };
     assert_eq!(good.validate().unwrap(), 100);
 

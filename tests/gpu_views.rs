@@ -112,6 +112,8 @@ fn prefill_on_a_fused_qkv_buffer_equals_packed_tensors() {
         local_tokens: 256,
         block_masks: None,
         softmax_scale: None,
+        prefix_lens: None,
+        with_lse: false,
     };
     let (q, k, v) = (
         s.clone_htod(&a.q).unwrap(),
@@ -267,6 +269,8 @@ fn views_that_break_the_length_rule_are_typed_errors() {
         local_tokens: 256,
         block_masks: None,
         softmax_scale: None,
+        prefix_lens: None,
+        with_lse: false,
     };
     let fused = s.alloc_zeros::<bf16>(t * ROW).unwrap();
     let mut out = s.clone_htod(&vec![bf16::NAN; t * HQ * D]).unwrap();

@@ -123,6 +123,60 @@ pub struct PoolArgs {
     pub cache: CachePtrs,
 }
 
+/// One sequence of a `gather_kv_rows_*` launch: its positions `0..end` become rows
+/// `out_row .. out_row + end` of contiguous K/V buffers (`[rows][kv_heads][head_dim]`, packed).
+/// Positions below `prefix` come from the cache, as it holds them at length `prefix` (a
+/// streaming head's rows it no longer holds are zero), positions `prefix..end` from activation
+/// rows `first_row ..`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GatherRange {
+    /// The sequence's slot (block-table row, streaming-store slot).
+    pub slot: u32,
+    /// Positions already in the cache.
+    pub prefix: u32,
+    /// One past the last position gathered.
+    pub end: u32,
+    /// Activation row of position `prefix`.
+    pub first_row: u32,
+    /// Output row of position 0.
+    pub out_row: u32,
+}
+
+/// Scalars of one `gather_kv_rows_*` launch: grid `(ceil(max_end * chunks_per_token /
+/// KV_WRITE_THREADS), sequences)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatherParams {
+    /// Entries of the range list (`grid.y`).
+    pub sequences: u32,
+    /// Where the cached rows are.
+    pub cache: CacheLayout,
+    /// Token strides; `kv` (the activation rows of `k`/`v`) is the one the gather uses.
+    pub strides: TokenStrides,
+}
+
+/// The one argument of a `gather_kv_rows_*` launch: reads the cache and the activations, writes
+/// `k_out` and `v_out`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GatherArgs {
+    /// Scalars.
+    pub params: GatherParams,
+    /// `[sequences]` ranges.
+    pub ranges: GlobalPtr<GatherRange>,
+    /// Activation rows of `[kv_heads][head_dim]` keys, `params.strides.kv` heads apart.
+    pub k: GlobalPtr<u16>,
+    /// The values, as `k`.
+    pub v: GlobalPtr<u16>,
+    /// The layer's cache (read only).
+    pub cache: CachePtrs,
+    /// `[rows][kv_heads][head_dim]` keys out.
+    pub k_out: GlobalPtrMut<u16>,
+    /// The values out, as `k_out`.
+    pub v_out: GlobalPtrMut<u16>,
+}
+
 /// Logical pages one `pool_key_stats_*` block pools: each takes `head_dim / 8` threads.
 pub const fn pool_pages_per_block(head_dim: u32) -> u32 {
     KV_WRITE_THREADS / (head_dim / CHUNK_ELEMS)

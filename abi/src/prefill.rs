@@ -50,6 +50,12 @@ pub const fn mask_words_per_row(seq_len: u32) -> u32 {
 }
 
 /// One (sequence, query tile) of a prefill launch (`u32` words, `#[repr(C)]`).
+///
+/// The keys and values of the sequence are rows `seq_start .. seq_start + seq_len` of `k` / `v`
+/// (positions `0 .. seq_len`); its queries are the positions `q_first .. seq_len`, rows
+/// `q_row ..` of `q` and `out`. A whole prompt has `q_first == 0` and `q_row == seq_start`; a
+/// chunk prefilled after a cached prefix has the prefix as leading key rows (`q_first` = its
+/// length).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefillWorkItem {
@@ -68,6 +74,14 @@ pub struct PrefillWorkItem {
     /// Words between the rows of consecutive query heads for this sequence
     /// (`q_blocks * words_per_row`; unused without a mask).
     pub mask_head_stride: u32,
+    /// The sequence's first position that has a query: 0 for a whole prompt, the cached
+    /// prefix's length for a chunk (positions below it are keys only; their query rows in the
+    /// tile are zero and their outputs are not written).
+    pub q_first: u32,
+    /// Row of `q` / `out` (and `lse`) that holds position `q_first`'s query (the chunk's
+    /// `cu_seqlens[b]`); position `t >= q_first` is row `q_row + t - q_first`. For a whole
+    /// prompt equal to `seq_start`.
+    pub q_row: u32,
 }
 
 /// Scalars of one prefill launch (by value).
@@ -115,4 +129,8 @@ pub struct PrefillArgs {
     pub v: crate::ptr::GlobalPtr<u16>,
     /// `[tokens]` rows of `[q_heads][D]` outputs, `params.strides.out` heads apart.
     pub out: crate::ptr::GlobalPtrMut<u16>,
+    /// Optional `[tokens][q_heads]` log-sum-exp of each output row's scaled scores (natural
+    /// log, `ln Σ_j exp(scale · q·k_j)` over the keys the row sees), for merging with attention
+    /// computed elsewhere; null: not written.
+    pub lse: crate::ptr::GlobalPtrMut<f32>,
 }

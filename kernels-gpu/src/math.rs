@@ -15,6 +15,18 @@ pub fn exp2(x: f32) -> f32 {
     y
 }
 
+/// `log2(x)` with the hardware's approximate `lg2` (absolute error ~2^-22 near 1, relative
+/// ~2^-22 elsewhere; `0 -> -inf`).
+#[inline(always)]
+pub fn log2(x: f32) -> f32 {
+    let y: f32;
+    // SAFETY: register-only instruction.
+    unsafe {
+        asm!("lg2.approx.f32 {0}, {1};", out(reg32) y, in(reg32) x, options(pure, nomem, nostack))
+    };
+    y
+}
+
 /// `a * b + c` rounded once (`fma.rn.f32`). rustc never contracts a multiply and an add (and
 /// emits them as `mul.rn` / `add.rn`, which ptxas may not fuse either), so every dot product and
 /// accumulation in the kernels goes through this: one instruction instead of two.

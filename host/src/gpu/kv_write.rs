@@ -48,7 +48,8 @@ use std::ops::Range;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::kv_write::{
     logical_pages_of, pool_pages_per_block, AppendArgs, AppendParams, FillArgs, FillParams,
-    PoolArgs, PoolParams, SeqRange, WriteRowsArgs, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
+    GatherArgs, GatherParams, PoolArgs, PoolParams, SeqRange, WriteRowsArgs, WriteRowsParams,
+    CHUNK_ELEMS, KV_WRITE_THREADS,
 };
 use lserve_abi::layout::TokenStrides;
 
@@ -682,6 +683,73 @@ pub fn pool_key_stats<E: DeviceElement>(
     // SAFETY: `pool_key_stats_*`'s argument struct, of the buffers registered above; the ranges are valid for
     // a cache of this shape (checked, see `write_kv_rows`); the grid is `(logical page blocks,
     // dense heads, ranges)` as the kernel expects.
+    unsafe { launch.launch(cfg, &args) }?;
+    Ok(())
+}
+
+/// Gathers positions `0..end` of each range of `ranges` (`sequences` [`GatherRange`]s as
+/// words; `max_end` the longest) into `k_out` / `v_out` (packed `[rows][Hkv][D]`): the cached
+/// positions below `prefix` from `layer` of the cache, the rest from `k` / `v` (activation rows
+/// `stride` heads apart). For [`super::prefill_chunks_into_cache`], which checked the ranges
+/// (live slots of the cache's current tables, `prefix < end`, activation rows inside `k` / `v`,
+/// output rows inside `k_out` / `v_out`, disjoint).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gather_kv_rows<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+    ranges: &CudaSlice<u32>,
+    sequences: usize,
+    max_end: u32,
+    stride: u32,
+    k: &Tokens<'_, E>,
+    v: &Tokens<'_, E>,
+    k_out: &mut CudaSlice<E>,
+    v_out: &mut CudaSlice<E>,
+) -> Result<()> {
+    let g = *cache.pattern().geometry();
+    let (hkv, d) = (g.kv_heads(), g.head_dim());
+    let l = cache.layer(layer)?;
+    let chunks = max_end as usize * hkv * d / CHUNK_ELEMS as usize;
+    if chunks == 0 || sequences == 0 {
+        return Ok(());
+    }
+    if sequences > MAX_GRID_YZ {
+        return Err(invalid(
+            "ranges",
+            format!("{sequences} sequences, at most {MAX_GRID_YZ}"),
+        ));
+    }
+    let params = GatherParams {
+        sequences: sequences as u32,
+        cache: l.layout(hkv, cache.max_pages),
+        strides: TokenStrides {
+            kv: stride,
+            ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
+        },
+    };
+    let f = gpu.function(kernel_of::<E>("gather_kv_rows_bf16", "gather_kv_rows_f16"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks_for(chunks)?, sequences as u32, 1),
+        block_dim: (KV_WRITE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = Launch::new(gpu, &f);
+    let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
+    let ranges = launch.read(ranges).cast();
+    let (cache_ptrs, _) = l.ptrs(&mut launch, &cache.block_tables);
+    let args = GatherArgs {
+        params,
+        ranges,
+        k,
+        v,
+        cache: cache_ptrs,
+        k_out: launch.write(k_out).cast(),
+        v_out: launch.write(v_out).cast(),
+    };
+    // SAFETY: `gather_kv_rows_*`'s argument struct, of the buffers registered above (the cache
+    // read only, as the kernel only reads it); the ranges meet the kernel's contract (the
+    // caller's checks above); the grid covers the longest range's chunks.
     unsafe { launch.launch(cfg, &args) }?;
     Ok(())
 }

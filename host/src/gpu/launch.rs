@@ -80,6 +80,7 @@ kernel_args!(
     lserve_abi::decode::CombineArgs,
     lserve_abi::kv_write::AppendArgs,
     lserve_abi::kv_write::WriteRowsArgs,
+    lserve_abi::kv_write::GatherArgs,
     lserve_abi::kv_write::PoolArgs,
     lserve_abi::kv_write::FillArgs,
     lserve_abi::select::ScoreArgs,

@@ -30,7 +30,10 @@ pub use kv_write::{
     append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, AppendPlan,
     DeviceKvWritePlan, KvWritePlan,
 };
-pub use prefill::{prefill_attention, prefill_into_cache, PrefillArgs, PrefillPlan};
+pub use prefill::{
+    prefill_attention, prefill_chunks_into_cache, prefill_into_cache, PrefillArgs, PrefillPlan,
+    PrefillScratch,
+};
 pub use profile::{profile_dynamic_min_len, CrossoverProfile, ProfilePoint};
 pub use ptx::{module_for, KernelPtx, KERNEL_PTX, PTX_ARCH_VAR};
 pub use select::{

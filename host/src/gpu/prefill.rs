@@ -18,9 +18,10 @@ use lserve_abi::prefill::{
     mask_words_per_row, prefill_smem_bytes, PrefillArgs as KernelArgs, PrefillParams,
     PrefillWorkItem, BLOCK_Q, MASKED_TILE_Q_BLOCKS, PREFILL_THREADS, TILE_Q_BLOCKS,
 };
+use lserve_abi::ptr::GlobalPtrMut;
 
 use super::cache::{DeviceElement, DeviceKvCache};
-use super::kv_write::{pool_key_stats, write_kv_rows, DeviceKvWritePlan};
+use super::kv_write::{gather_kv_rows, pool_key_stats, write_kv_rows, DeviceKvWritePlan};
 use super::launch::Launch;
 use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
@@ -58,11 +59,25 @@ pub struct PrefillArgs<'a> {
     pub block_masks: Option<&'a [BlockMask]>,
     /// Softmax scale; `None` is `1 / sqrt(head_dim)`.
     pub softmax_scale: Option<f32>,
+    /// Whether the plan's launches may write the log-sum-exp ([`PrefillPlan::run_with_lse`]).
+    /// Without caller masks such a plan takes the kernel of 64-query tiles (the 128-query one
+    /// has no register left for it; prefill DESIGN.md), with them the masked kernel as always.
+    pub with_lse: bool,
+    /// Per sequence, the leading positions that are keys only (a cached prefix before a chunk):
+    /// sequence `b`'s queries are then its positions `prefix_lens[b]..len`, and `q` / `out` hold
+    /// only those rows, sequence after sequence (`Σ (len - prefix)` rows); `k` / `v` hold every
+    /// position (`cu_seqlens`). `None`: every position has a query (whole prompts). Each prefix
+    /// is below its sequence's length.
+    pub prefix_lens: Option<&'a [usize]>,
 }
 
 /// A prefill batch's schedule on the device (see the module docs).
 pub struct PrefillPlan {
     params: PrefillParams,
+    /// The kernel the schedule was built for.
+    kernel: Kernel,
+    /// Rows of `q` / `out` (and of `lse`): `tokens` less the prefixes.
+    q_tokens: usize,
     /// `[items]` [`PrefillWorkItem`]s as words.
     items: CudaSlice<u32>,
     /// `[kv_heads]` kinds (`HEAD_STREAMING` bit), as `DeviceLayer::head_map` entries.
@@ -77,24 +92,45 @@ fn to_u32(what: &'static str, x: usize) -> Result<u32> {
     u32::try_from(x).map_err(|_| invalid(what, format!("{x} does not fit in 32 bits")))
 }
 
-/// The kernel for an element type and head dimension: `prefill_masked_attention_*` (one query
-/// block per work item) for launches with caller block masks, `prefill_attention_*` (two query
-/// blocks per work item) otherwise.
-fn kernel_name<E: DeviceElement>(head_dim: usize, masked: bool) -> String {
-    let kind = if masked {
-        "masked_attention"
-    } else {
-        "attention"
-    };
-    format!("prefill_{kind}_{}_d{head_dim}", E::DTYPE.name())
+/// Which prefill kernel a launch takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// `prefill_attention_*`: no caller mask, no log-sum-exp, two query blocks per work item.
+    Attention,
+    /// `prefill_lse_attention_*`: no caller mask, writes the log-sum-exp, one query block per
+    /// work item (the two-block kernel has no register left for it).
+    Lse,
+    /// `prefill_masked_attention_*`: caller block masks (and the log-sum-exp if asked), one
+    /// query block per work item.
+    Masked,
 }
 
-/// Query blocks per work item of the kernel a launch uses (see [`kernel_name`]).
-fn tile_q_blocks(masked: bool) -> u32 {
-    if masked {
-        MASKED_TILE_Q_BLOCKS
-    } else {
-        TILE_Q_BLOCKS
+impl Kernel {
+    /// The kernel of a launch with or without caller masks and the log-sum-exp.
+    fn of(masked: bool, lse: bool) -> Self {
+        match (masked, lse) {
+            (true, _) => Kernel::Masked,
+            (false, true) => Kernel::Lse,
+            (false, false) => Kernel::Attention,
+        }
+    }
+
+    /// The entry point for an element type and head dimension.
+    fn name<E: DeviceElement>(self, head_dim: usize) -> String {
+        let kind = match self {
+            Kernel::Attention => "attention",
+            Kernel::Lse => "lse_attention",
+            Kernel::Masked => "masked_attention",
+        };
+        format!("prefill_{kind}_{}_d{head_dim}", E::DTYPE.name())
+    }
+
+    /// Query blocks per work item.
+    fn tile_q_blocks(self) -> u32 {
+        match self {
+            Kernel::Attention => TILE_Q_BLOCKS,
+            Kernel::Lse | Kernel::Masked => MASKED_TILE_Q_BLOCKS,
+        }
     }
 }
 
@@ -170,6 +206,29 @@ impl PrefillArgs<'_> {
                 format!("{tokens} tokens: at most 2^31 - 1"),
             ));
         }
+        if let Some(prefixes) = self.prefix_lens {
+            if prefixes.len() + 1 != cu.len() {
+                return Err(LserveError::ShapeMismatch {
+                    what: "prefix_lens (one per sequence)",
+                    expected: cu.len() - 1,
+                    actual: prefixes.len(),
+                });
+            }
+            if let Some((b, (&p, w))) = prefixes
+                .iter()
+                .zip(cu.windows(2))
+                .enumerate()
+                .find(|(_, (&p, w))| p >= w[1] - w[0])
+            {
+                return Err(invalid(
+                    "prefix_lens",
+                    format!(
+                        "sequence {b}: a prefix of {p} of {} positions leaves no query",
+                        w[1] - w[0]
+                    ),
+                ));
+            }
+        }
         if let Some(masks) = self.block_masks {
             if masks.len() + 1 != cu.len() {
                 return Err(LserveError::ShapeMismatch {
@@ -185,15 +244,36 @@ impl PrefillArgs<'_> {
         Ok(tokens)
     }
 
+    /// The kernel this launch takes.
+    fn kernel(&self) -> Kernel {
+        Kernel::of(self.block_masks.is_some(), self.with_lse)
+    }
+
+    /// The sequence's first position with a query.
+    fn prefix(&self, b: usize) -> usize {
+        self.prefix_lens.map_or(0, |p| p[b])
+    }
+
+    /// Rows of `q` / `out`: every position past its sequence's prefix.
+    pub fn query_rows(&self) -> usize {
+        let tokens = self.cu_seqlens.last().copied().unwrap_or(0);
+        tokens - self.prefix_lens.map_or(0, |p| p.iter().sum())
+    }
+
     /// The work items, one per query tile of the kernel the launch uses ([`TILE_Q_BLOCKS`] query
     /// blocks without masks, [`MASKED_TILE_Q_BLOCKS`] with; heaviest first: causal work grows
-    /// with the block index) and the concatenated mask words.
+    /// with the block index) that holds a query (tiles inside a cached prefix are left out), and
+    /// the concatenated mask words.
     fn schedule(&self) -> Result<(Vec<u32>, Vec<u32>)> {
-        let tile_blocks = tile_q_blocks(self.block_masks.is_some()) as usize;
+        let tile_blocks = self.kernel().tile_q_blocks() as usize;
         let mut items = Vec::new();
         let mut mask_words = Vec::new();
+        let mut q_row = 0usize;
         for (b, w) in self.cu_seqlens.windows(2).enumerate() {
             let (start, len) = (w[0], w[1] - w[0]);
+            let prefix = self.prefix(b);
+            // The first tile that holds a query.
+            let first_block = prefix / BLOCK_Q as usize / tile_blocks * tile_blocks;
             let blocks = num_blocks(len);
             let (mask_base, head_stride) = match self.block_masks {
                 Some(masks) => {
@@ -207,15 +287,18 @@ impl PrefillArgs<'_> {
             // A two-block tile finds its second query block's row `mask_words_per_row` words on.
             let words_per_row = mask_words_per_row(len as u32) as usize;
             debug_assert_eq!(words_per_row, blocks.div_ceil(32));
-            for q_block in (0..blocks).step_by(tile_blocks) {
+            for q_block in (first_block..blocks).step_by(tile_blocks) {
                 items.push(PrefillWorkItem {
                     seq_start: start as u32,
                     seq_len: len as u32,
                     q_block: q_block as u32,
                     mask_row: mask_base + (q_block * words_per_row) as u32,
                     mask_head_stride: head_stride as u32,
+                    q_first: prefix as u32,
+                    q_row: q_row as u32,
                 });
             }
+            q_row += len - prefix;
         }
         to_u32("block_masks", mask_words.len())?;
         items.sort_by_key(|item| std::cmp::Reverse(item.q_block));
@@ -228,6 +311,8 @@ impl PrefillArgs<'_> {
                     i.q_block,
                     i.mask_row,
                     i.mask_head_stride,
+                    i.q_first,
+                    i.q_row,
                 ]
             })
             .collect();
@@ -238,7 +323,7 @@ impl PrefillArgs<'_> {
     }
 }
 
-const _: () = assert!(ITEM_WORDS == 5 && BLOCK_Q == 64);
+const _: () = assert!(ITEM_WORDS == 7 && BLOCK_Q == 64);
 
 impl PrefillPlan {
     /// Validates `args` and uploads the batch's schedule (allocates; once per batch).
@@ -277,6 +362,8 @@ impl PrefillPlan {
         let stream = gpu.stream();
         Ok(Self {
             params,
+            kernel: args.kernel(),
+            q_tokens: args.query_rows(),
             items: stream.clone_htod(&items)?,
             head_map: stream.clone_htod(&head_map)?,
             mask: stream.clone_htod(&mask_words)?,
@@ -285,9 +372,15 @@ impl PrefillPlan {
         })
     }
 
-    /// Tokens in the batch (`T`).
+    /// Tokens in the batch (`T`: rows of `k` / `v`).
     pub fn tokens(&self) -> usize {
         self.tokens
+    }
+
+    /// Rows of `q` and `out` (and of the log-sum-exp): [`tokens`](Self::tokens) less the
+    /// prefixes of [`PrefillArgs::prefix_lens`].
+    pub fn query_rows(&self) -> usize {
+        self.q_tokens
     }
 
     /// Work items (grid `x`): query tiles over all sequences (pairs of query blocks without
@@ -314,11 +407,75 @@ impl PrefillPlan {
     ) -> Result<()> {
         let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
         let strides = self.check_tensors(gpu, &q, &k, &v, &out)?;
-        self.launch(gpu, strides, &q, &k, &v, &mut out)
+        self.launch(gpu, strides, &q, &k, &v, &mut out, None)
+    }
+
+    /// [`run`](Self::run), and the log-sum-exp of every output row into `lse`
+    /// (`[query_rows][q_heads]` f32, natural log: `ln Σ_j exp(scale · q·k_j)` over the keys the
+    /// row sees), so that the output can be merged with attention over other keys computed
+    /// elsewhere (`o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})`).
+    ///
+    /// Errors: as [`run`](Self::run); `InvalidArgument` for a plan made without
+    /// [`PrefillArgs::with_lse`]; `ShapeMismatch` if `lse` holds fewer than
+    /// `query_rows * q_heads` values.
+    ///
+    /// ```no_run
+    /// use lserve::gpu::{GpuContext, PrefillArgs, PrefillPlan};
+    /// use lserve::head_pattern::HeadKind;
+    /// let gpu = GpuContext::new(0)?;
+    /// let (t, hq, hkv, d) = (100, 8, 2, 64);
+    /// let args = PrefillArgs {
+    ///     q_heads: hq, kv_heads: hkv, head_dim: d,
+    ///     cu_seqlens: &[0, t],
+    ///     kinds: &[HeadKind::Dense; 2],
+    ///     sink_tokens: 0, local_tokens: 0,
+    ///     block_masks: None, softmax_scale: None, prefix_lens: None, with_lse: true,
+    /// };
+    /// let plan = PrefillPlan::new(&gpu, &args)?;
+    /// let q = gpu.stream().alloc_zeros::<half::bf16>(t * hq * d)?;
+    /// let kv = gpu.stream().alloc_zeros::<half::bf16>(t * hkv * d)?;
+    /// let mut out = gpu.stream().alloc_zeros::<half::bf16>(t * hq * d)?;
+    /// let mut lse = gpu.stream().alloc_zeros::<f32>(t * hq)?;
+    /// plan.run_with_lse(&gpu, &q, &kv, &kv, &mut out, &mut lse)?;
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn run_with_lse<'t, E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        q: impl Into<Tokens<'t, E>>,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
+        if !(self.kernel == Kernel::Masked || self.kernel == Kernel::Lse) {
+            return Err(invalid(
+                "lse",
+                "the plan was made without `with_lse`: its kernel does not write the log-sum-exp",
+            ));
+        }
+        let strides = self.check_tensors(gpu, &q, &k, &v, &out)?;
+        self.check_lse(lse)?;
+        self.launch(gpu, strides, &q, &k, &v, &mut out, Some(lse))
+    }
+
+    /// `ShapeMismatch` unless `lse` holds a value per query row and head.
+    fn check_lse(&self, lse: &CudaSlice<f32>) -> Result<()> {
+        let want = self.q_tokens * self.params.q_heads as usize;
+        if lse.len() < want {
+            return Err(LserveError::ShapeMismatch {
+                what: "lse ([query rows][q_heads] f32)",
+                expected: want,
+                actual: lse.len(),
+            });
+        }
+        Ok(())
     }
 
     /// Enqueues the kernel on tensors [`check_tensors`](Self::check_tensors) accepted with
-    /// `strides`.
+    /// `strides` (and an `lse` [`check_lse`](Self::check_lse) accepted).
+    #[allow(clippy::too_many_arguments)]
     fn launch<E: DeviceElement>(
         &self,
         gpu: &GpuContext,
@@ -327,16 +484,16 @@ impl PrefillPlan {
         k: &Tokens<'_, E>,
         v: &Tokens<'_, E>,
         out: &mut TokensMut<'_, E>,
+        lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<()> {
         let d = self.head_dim;
         let p = &PrefillParams {
             strides,
             ..self.params
         };
-        // The schedule was built for the kernel that matches `has_mask`.
-        let masked = p.has_mask != 0;
-        let smem = prefill_smem_bytes(d as u32, tile_q_blocks(masked));
-        let f = gpu.function_with_smem(&kernel_name::<E>(d, masked), smem)?;
+        // The schedule was built for this kernel (`has_mask` set for the masked one).
+        let smem = prefill_smem_bytes(d as u32, self.kernel.tile_q_blocks());
+        let f = gpu.function_with_smem(&self.kernel.name::<E>(d), smem)?;
         let cfg = LaunchConfig {
             grid_dim: (p.items, p.q_heads, 1),
             block_dim: (PREFILL_THREADS, 1, 1),
@@ -352,16 +509,23 @@ impl PrefillPlan {
             k: launch.read(k.view()).cast(),
             v: launch.read(v.view()).cast(),
             out: launch.write(out.view_mut()).cast(),
+            lse: match lse {
+                Some(lse) => launch.write(lse),
+                None => GlobalPtrMut::NULL,
+            },
         };
         // SAFETY: `args` is the argument struct of
-        // `prefill_{masked_,}attention_{bf16,f16}_d{64,128}`, of the buffers registered above. The plan was validated: every work item's sequence lies
+        // `prefill_{,lse_,masked_}attention_{bf16,f16}_d{64,128}`, of the buffers registered above. The plan was validated: every work item's sequence lies
         // inside `T` tokens, which the tensors hold at their strides (`check_tensors`: views
         // 16-byte aligned, strides whole heads of `D` elements, 16-byte multiples); `head_map` has
         // `kv_heads` entries and `group = q_heads / kv_heads`; the work items are tiles of the
-        // chosen kernel's query blocks (`tile_q_blocks(masked)`, built by `schedule` from the
+        // chosen kernel's query blocks (`Kernel::tile_q_blocks`, built by `schedule` from the
         // same `block_masks`); with a mask (the masked kernel), every item's row offset plus
         // `mask_words_per_row(len)` words lies inside the uploaded mask words (each sequence's
-        // mask was shape-checked: `[q_heads][q_blocks][words_per_row]`). The grid is
+        // mask was shape-checked: `[q_heads][q_blocks][words_per_row]`); every item's queries
+        // are rows `q_row .. q_row + seq_len - q_first` of the `query_rows` that `q` and `out`
+        // hold (and `lse`, if given, `query_rows * q_heads` values: `check_lse`), and each item's
+        // tile holds a query (`schedule`). The grid is
         // `(items, q_heads)`, the block and shared memory are what the kernel is written for.
         unsafe { launch.launch(cfg, &args) }?;
         Ok(())
@@ -380,16 +544,17 @@ impl PrefillPlan {
         out: &TokensMut<'_, E>,
     ) -> Result<TokenStrides> {
         let p = &self.params;
-        let (t, hq, hkv, d) = (
+        let (t, tq, hq, hkv, d) = (
             self.tokens,
+            self.q_tokens,
             p.q_heads as usize,
             p.kv_heads as usize,
             self.head_dim,
         );
         Ok(TokenStrides {
-            q: q.heads_stride(gpu, "q", t, hq, d)?,
+            q: q.heads_stride(gpu, "q", tq, hq, d)?,
             kv: kv_stride(gpu, k, v, t, hkv, d)?,
-            out: out.heads_stride(gpu, "out", t, hq, d)?,
+            out: out.heads_stride(gpu, "out", tq, hq, d)?,
         })
     }
 }
@@ -411,7 +576,7 @@ impl PrefillPlan {
 ///     cu_seqlens: &[0, 100, 300],
 ///     kinds: &[HeadKind::Dense, HeadKind::Streaming],
 ///     sink_tokens: 64, local_tokens: 256,
-///     block_masks: None, softmax_scale: None,
+///     block_masks: None, softmax_scale: None, prefix_lens: None, with_lse: false,
 /// };
 /// prefill_attention(&gpu, &args, &q, &k, &v, &mut out)?;
 /// # Ok::<(), lserve::LserveError>(())
@@ -492,6 +657,8 @@ pub fn prefill_into_cache<'t, E: DeviceElement>(
         local_tokens: cache.config.local_tokens,
         block_masks,
         softmax_scale: Some(cache.softmax_scale),
+        prefix_lens: None,
+        with_lse: false,
     };
     // Every check before the first launch: the attention's plan and tensors, then the writes
     // (which check the cache and `k`, `v` before launching).
@@ -499,7 +666,227 @@ pub fn prefill_into_cache<'t, E: DeviceElement>(
     let strides = plan.check_tensors(gpu, &q, &k, &v, &out)?;
     write_kv_rows(gpu, cache, layer, kv_plan, k.reborrow(), v.reborrow())?;
     pool_key_stats(gpu, cache, layer, kv_plan)?;
-    plan.launch(gpu, strides, &q, &k, &v, &mut out)
+    plan.launch(gpu, strides, &q, &k, &v, &mut out, None)
+}
+
+/// Contiguous K/V rows for [`prefill_chunks_into_cache`]: each sequence's cached positions and
+/// its new chunk, gathered per layer so that the chunk's attention reads them as a whole
+/// prompt's (`[rows][kv_heads][head_dim]` each for K and V). Allocated once for the longest
+/// batch (the sum over a batch of its sequences' lengths after the chunk) and reused by every
+/// layer and chunk.
+pub struct PrefillScratch<E> {
+    k: CudaSlice<E>,
+    v: CudaSlice<E>,
+    rows: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl<E: DeviceElement> PrefillScratch<E> {
+    /// Room for `rows` positions of `geometry`'s KV heads (zeroed), `2 * rows * Hkv * D`
+    /// elements.
+    ///
+    /// Errors: `InvalidArgument` for `rows == 0` or a size that overflows; driver errors.
+    ///
+    /// ```no_run
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{GpuContext, PrefillScratch};
+    /// let gpu = GpuContext::new(0)?;
+    /// // Chunks of one sequence of up to 32K tokens: 32K rows (256 MiB for Llama-3-8B, bf16).
+    /// let scratch = PrefillScratch::<half::bf16>::new(&gpu, &ModelGeometry::llama3_8b(), 32768)?;
+    /// assert_eq!(scratch.rows(), 32768);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn new(gpu: &GpuContext, geometry: &ModelGeometry, rows: usize) -> Result<Self> {
+        let (kv_heads, head_dim) = (geometry.kv_heads(), geometry.head_dim());
+        if rows == 0 {
+            return Err(invalid("rows", "must be positive"));
+        }
+        let len = rows
+            .checked_mul(kv_heads * head_dim)
+            .filter(|&n| n <= u32::MAX as usize)
+            .ok_or_else(|| invalid("rows", format!("{rows} rows overflow")))?;
+        let stream = gpu.stream();
+        Ok(Self {
+            k: stream.alloc_zeros(len)?,
+            v: stream.alloc_zeros(len)?,
+            rows,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// Positions it holds.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Prefill of a chunk of each sequence of a batch into the paged cache, for one layer, after
+/// the positions the cache already holds: the chunk's queries attend to the cached prefix and
+/// to the chunk itself exactly as a one-shot prefill of the whole prompt would (dense heads
+/// causal over every position; streaming heads their sinks and local window, from the
+/// streaming store for cached positions), and the chunk's K/V is written into `layer` of the
+/// cache with the statistics of the logical pages it touches pooled. This is also how a later
+/// turn extends a sequence, and how a few query tokens attend to the cache at once (a
+/// speculative decoding verify step).
+///
+/// `kv_plan` lists each sequence's chunk: a range `start..len` (ending at the sequence's
+/// length; `start` is the cached prefix, 0 for a first chunk). `q [T][Hq][D]`, `k`, `v
+/// [T][Hkv][D]`, `out [T][Hq][D]` hold the chunks' rows (`T = kv_plan.rows()`), as
+/// [`prefill_into_cache`]. `scratch` must hold the batch's whole lengths (`Σ len`). The result
+/// is bit for bit the output rows of [`prefill_into_cache`] over the whole prompts: the chunk's
+/// tiles are the one-shot launch's tiles, and they visit the same key blocks in the same order.
+///
+/// Per sequence with a prefix, the launch reads its cached rows into `scratch`
+/// (`gather_kv_rows`: every position below `start` of every KV head, `2 · len · Hkv · D`
+/// elements written), then writes the chunk into the cache, pools, and runs the attention over
+/// `scratch`. A batch whose ranges all start at 0 is [`prefill_into_cache`] (no gather).
+///
+/// Errors (nothing launched): `StaleTables` as [`prefill_into_cache`]; `InvalidArgument` for a
+/// range that does not end at its sequence's length or an empty one, a bad layer;
+/// `ShapeMismatch` for tensors shorter than the chunks or a scratch shorter than the batch's
+/// lengths; the errors of [`PrefillPlan::new`] and [`write_kv_rows`]. Enqueued on the context's
+/// stream; allocates the attention's plan and the gather's ranges.
+///
+/// ```no_run
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::gpu::{prefill_chunks_into_cache, DeviceKvCache, GpuContext, KvWritePlan, PrefillScratch};
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::paging::KvCacheManager;
+///
+/// let gpu = GpuContext::new(0)?;
+/// let g = ModelGeometry::llama3_8b();
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+/// let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+/// let mut scratch = PrefillScratch::<bf16>::new(&gpu, &g, 65536)?;
+/// let seq = mgr.add_sequence()?;
+/// let (hq, hkv, d, chunk) = (g.q_heads(), g.kv_heads(), g.head_dim(), 8192);
+/// let q = gpu.stream().alloc_zeros::<bf16>(chunk * hq * d)?;
+/// let kv = gpu.stream().alloc_zeros::<bf16>(chunk * hkv * d)?;
+/// let mut out = gpu.stream().alloc_zeros::<bf16>(chunk * hq * d)?;
+/// for _ in 0..4 {
+///     // The engine's Q/K/V of the next 8K tokens (zeros here), layer by layer.
+///     let range = mgr.reserve(seq, chunk)?;
+///     let plan = KvWritePlan::new(&mgr, &[(seq, range)])?.upload(&gpu, &mgr, &mut cache)?;
+///     for layer in 0..g.layers() {
+///         prefill_chunks_into_cache(&gpu, &mut cache, layer, &plan, &mut scratch, &q, &kv, &kv, &mut out)?;
+///     }
+/// }
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_chunks_into_cache<'t, E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    layer: usize,
+    kv_plan: &DeviceKvWritePlan,
+    scratch: &mut PrefillScratch<E>,
+    q: impl Into<Tokens<'t, E>>,
+    k: impl Into<Tokens<'t, E>>,
+    v: impl Into<Tokens<'t, E>>,
+    out: impl Into<TokensMut<'t, E>>,
+) -> Result<()> {
+    let ranges = kv_plan.plan().ranges();
+    if ranges.iter().all(|r| r.start == 0) {
+        return prefill_into_cache(gpu, cache, layer, kv_plan, None, q, k, v, out);
+    }
+    let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
+    kv_plan.check_current(cache)?;
+    let pattern = cache.pattern();
+    let g = *pattern.geometry();
+    if layer >= g.layers() {
+        return Err(invalid(
+            "layer",
+            format!("{layer} is not below {}", g.layers()),
+        ));
+    }
+    if let Some(r) = ranges.iter().find(|r| r.end != r.len || r.start == r.end) {
+        return Err(invalid(
+            "kv_plan",
+            format!(
+                "range {}..{} of a sequence of {}: a prefill chunk is a non-empty range that ends \
+                 at the sequence's length",
+                r.start, r.end, r.len
+            ),
+        ));
+    }
+    if (scratch.kv_heads, scratch.head_dim) != (g.kv_heads(), g.head_dim()) {
+        return Err(invalid(
+            "scratch",
+            "made for another geometry's KV heads or head dimension",
+        ));
+    }
+    // The gathered rows: sequence after sequence, each from position 0.
+    let mut cu = vec![0usize];
+    for r in ranges {
+        cu.push(cu[cu.len() - 1] + r.len as usize);
+    }
+    let total = cu[cu.len() - 1];
+    if total > scratch.rows {
+        return Err(LserveError::ShapeMismatch {
+            what: "scratch rows (the batch's lengths after the chunk)",
+            expected: total,
+            actual: scratch.rows,
+        });
+    }
+    let prefixes: Vec<usize> = ranges.iter().map(|r| r.start as usize).collect();
+    let args = PrefillArgs {
+        q_heads: g.q_heads(),
+        kv_heads: g.kv_heads(),
+        head_dim: g.head_dim(),
+        cu_seqlens: &cu,
+        kinds: pattern.layer_kinds(layer),
+        sink_tokens: cache.config.sink_tokens,
+        local_tokens: cache.config.local_tokens,
+        block_masks: None,
+        softmax_scale: Some(cache.softmax_scale),
+        prefix_lens: Some(&prefixes),
+        with_lse: false,
+    };
+    let plan = PrefillPlan::new(gpu, &args)?;
+    // `q` and `out` hold the chunks; `k` and `v` are checked by the gather and the write.
+    let q_stride = q.heads_stride(gpu, "q", plan.query_rows(), g.q_heads(), g.head_dim())?;
+    let out_stride = out.heads_stride(gpu, "out", plan.query_rows(), g.q_heads(), g.head_dim())?;
+    let kv = kv_stride(
+        gpu,
+        &k,
+        &v,
+        kv_plan.plan().rows(),
+        g.kv_heads(),
+        g.head_dim(),
+    )?;
+    let gathered: Vec<u32> = ranges
+        .iter()
+        .zip(&cu)
+        .flat_map(|(r, &row)| [r.slot, r.start, r.end, r.first_row, row as u32])
+        .collect();
+    let gathered = gpu.stream().clone_htod(&gathered)?;
+    // The gather reads the streaming rows the write then replaces.
+    gather_kv_rows(
+        gpu,
+        cache,
+        layer,
+        &gathered,
+        ranges.len(),
+        ranges.iter().map(|r| r.end).max().unwrap_or(0),
+        kv,
+        &k,
+        &v,
+        &mut scratch.k,
+        &mut scratch.v,
+    )?;
+    write_kv_rows(gpu, cache, layer, kv_plan, k.reborrow(), v.reborrow())?;
+    pool_key_stats(gpu, cache, layer, kv_plan)?;
+    let strides = TokenStrides {
+        q: q_stride,
+        kv: g.kv_heads() as u32,
+        out: out_stride,
+    };
+    let (sk, sv) = (Tokens::from(&scratch.k), Tokens::from(&scratch.v));
+    plan.launch(gpu, strides, &q, &sk, &sv, &mut out, None)
 }
 
 #[cfg(test)]
@@ -514,11 +901,8 @@ mod tests {
     #[test]
     fn every_accepted_head_dim_has_its_prefill_kernels() {
         for &d in &ModelGeometry::SUPPORTED_HEAD_DIMS {
-            for masked in [false, true] {
-                for name in [
-                    kernel_name::<bf16>(d, masked),
-                    kernel_name::<f16>(d, masked),
-                ] {
+            for kernel in [Kernel::Attention, Kernel::Lse, Kernel::Masked] {
+                for name in [kernel.name::<bf16>(d), kernel.name::<f16>(d)] {
                     assert!(ptx_has_kernel(&name), "{name} is not in the PTX");
                 }
             }
@@ -526,6 +910,8 @@ mod tests {
         for name in [
             "write_kv_rows_bf16",
             "write_kv_rows_f16",
+            "gather_kv_rows_bf16",
+            "gather_kv_rows_f16",
             "pool_key_stats_bf16",
             "pool_key_stats_f16",
             "append_kv_bf16",

@@ -27,7 +27,7 @@
 //!     cu_seqlens: &[0, t],
 //!     kinds: &[HeadKind::Dense, HeadKind::Streaming],
 //!     sink_tokens: 16, local_tokens: 32,
-//!     block_masks: None, softmax_scale: None,
+//!     block_masks: None, softmax_scale: None, prefix_lens: None, with_lse: false,
 //! };
 //! let out: Tensor = lserve_candle_check::prefill_attention(&gpu, &args, &q, &k, &v)?;
 //! assert_eq!(out.dims(), &[t, hq, d]);
@@ -202,6 +202,8 @@ mod tests {
             local_tokens: 40,
             block_masks: None,
             softmax_scale: None,
+            prefix_lens: None,
+            with_lse: false,
         };
         let out = prefill_attention(
             &gpu,

@@ -13,24 +13,27 @@
 //! - [`rows`]: the tokens of a ragged batch (`write_kv_rows_*`), as prefill produces them.
 //! - [`pool`]: `kmin`/`kmax` recomputed for every logical page a token range touches
 //!   (`pool_key_stats_*`).
+//! - [`gather`]: a sequence's cached positions and its new chunk as contiguous rows
+//!   (`gather_kv_rows_*`), for chunked prefill's attention.
 //! - [`fill`]: deterministic pseudo-random values (`fill_random_*`).
 //!
 //! [`KV_WRITE_THREADS`]: lserve_abi::kv_write::KV_WRITE_THREADS
 
 pub mod append;
 pub mod fill;
+pub mod gather;
 pub mod pool;
 pub mod rows;
 pub mod stats;
 pub mod target;
 
-use lserve_abi::kv_write::{AppendArgs, FillArgs, PoolArgs, WriteRowsArgs};
+use lserve_abi::kv_write::{AppendArgs, FillArgs, GatherArgs, PoolArgs, WriteRowsArgs};
 
 use crate::convert::{Bf16, F16};
 
 /// Declares the `extern "gpu-kernel"` entry points of one element type.
 macro_rules! kv_write_kernels {
-    ($elem:ty, $append:ident, $rows:ident, $pool:ident, $fill:ident) => {
+    ($elem:ty, $append:ident, $rows:ident, $gather:ident, $pool:ident, $fill:ident) => {
         /// Appends one decode token per sequence (see [`append`]).
         ///
         /// # Safety
@@ -49,6 +52,16 @@ macro_rules! kv_write_kernels {
         pub unsafe extern "gpu-kernel" fn $rows(a: WriteRowsArgs) {
             // SAFETY: forwarded launch contract.
             unsafe { rows::write_kv_rows(&a) }
+        }
+
+        /// Gathers cached positions and a new chunk into contiguous rows (see [`gather`]).
+        ///
+        /// # Safety
+        /// As [`gather::gather_kv_rows`]: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $gather(a: GatherArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe { gather::gather_kv_rows(&a) }
         }
 
         /// Pools `kmin`/`kmax` over token ranges (see [`pool`]).
@@ -77,6 +90,7 @@ kv_write_kernels!(
     Bf16,
     append_kv_bf16,
     write_kv_rows_bf16,
+    gather_kv_rows_bf16,
     pool_key_stats_bf16,
     fill_random_bf16
 );
@@ -84,6 +98,7 @@ kv_write_kernels!(
     F16,
     append_kv_f16,
     write_kv_rows_f16,
+    gather_kv_rows_f16,
     pool_key_stats_f16,
     fill_random_f16
 );

@@ -157,3 +157,33 @@ pub unsafe fn write_chunk(
         store(v_dst.add(offset), v);
     }
 }
+
+/// Reads one chunk of a token's K and V rows from where `target` says; zeros for
+/// [`RowTarget::Nowhere`].
+///
+/// # Safety
+/// As [`write_chunk`].
+#[inline(always)]
+pub unsafe fn read_chunk(
+    c: &CacheLayout,
+    bufs: &CachePtrs,
+    target: RowTarget,
+    slot: u32,
+    chunk: u32,
+) -> (Vec16, Vec16) {
+    let (k_src, v_src, offset) = match target {
+        RowTarget::Dense { page, head, token } => (
+            bufs.k_pool.get(),
+            bufs.v_pool.get(),
+            chunk_at(c.paged.kv_row(page, head, token), chunk),
+        ),
+        RowTarget::Streaming { head, row } => (
+            bufs.k_stream.get(),
+            bufs.v_stream.get(),
+            chunk_at(c.streaming.kv_row(slot, head, row), chunk),
+        ),
+        RowTarget::Nowhere => return (Vec16([0; 4]), Vec16([0; 4])),
+    };
+    // SAFETY: as `write_chunk`'s stores.
+    unsafe { (load(k_src.add(offset)), load(v_src.add(offset))) }
+}

@@ -2,18 +2,17 @@
 //! or intersected with caller block masks), and the element masks of partially visible blocks
 //! ([`apply`]).
 //!
-//! The two [`Mask`] types are the two kernels of [`super`]: [`HeadPattern`] for launches
-//! without caller masks (tiles of [`TILE_Q_BLOCKS`] query blocks), [`BlockMask`] for launches
-//! with them (tiles of [`MASKED_TILE_Q_BLOCKS`]).
+//! The two [`Mask`] types are the kernels of [`super`]: [`HeadPattern`] for launches without
+//! caller masks (tiles of [`TILE_Q_BLOCKS`](lserve_abi::prefill::TILE_Q_BLOCKS) query blocks,
+//! one for the kernels that write the log-sum-exp), [`BlockMask`] for launches with them (tiles
+//! of [`MASKED_TILE_Q_BLOCKS`]).
 //!
 //! Element masks: only blocks that [`Window::needs_mask`] flags come to [`apply`]: the diagonal
 //! (causal edge, sequence end) and, for streaming heads, blocks crossing the sink edge or the
 //! local window's edge. Invisible scores become `-inf`, so they weigh `2^-inf = 0` in the
 //! softmax.
 
-use lserve_abi::prefill::{
-    mask_words_per_row, PrefillWorkItem, MASKED_TILE_Q_BLOCKS, TILE_Q_BLOCKS,
-};
+use lserve_abi::prefill::{mask_words_per_row, PrefillWorkItem, MASKED_TILE_Q_BLOCKS};
 
 use super::block_iter::{TileBlocks, TileMask, TileSpan, Window};
 use super::tiles::S_TILES;
@@ -55,13 +54,14 @@ pub trait Mask<const N: usize>: Copy {
     );
 }
 
-/// No caller masks: the heads' causal or Λ patterns alone, for tiles of two query blocks.
+/// No caller masks: the heads' causal or Λ patterns alone, for tiles of two query blocks (one
+/// for the kernels that write the log-sum-exp).
 /// The union of the tile's sets is two ranges, so block `i` of the walk is arithmetic in `i`
 /// ([`TileSpan`]).
 #[derive(Clone, Copy)]
 pub struct HeadPattern;
 
-impl Mask<{ TILE_Q_BLOCKS as usize }> for HeadPattern {
+impl<const N: usize> Mask<N> for HeadPattern {
     const LATENCY_TUNED_SOFTMAX: bool = true;
 
     #[inline(always)]

@@ -51,12 +51,14 @@ use crate::thread::{block_idx_x, block_idx_y, lane, thread_in_block, warp_in_blo
 use crate::tile::fragments::{
     k_steps, load_k_fragments, load_q_fragment, load_v_fragments, n_tiles, p_fragment,
 };
-use crate::tile::SmemTile;
+use crate::tile::{SmemTile, SoftmaxState};
 use crate::warp::shfl_idx_u32;
 use block_iter::Window;
 use mask::{BlockMask, HeadPattern, Mask};
-use softmax::{rescale_unless_settled, RowSoftmax};
-use tiles::{load_tiles_async, KvTile, QRows, SmemLayout, MAX_O_TILES, S_TILES};
+use softmax::{natural_lse, rescale_unless_settled, RowSoftmax};
+use tiles::{
+    load_query_tile_async, load_tiles_async, KvTile, QRows, SmemLayout, MAX_O_TILES, S_TILES,
+};
 
 /// Warps per launch block.
 const WARPS: u32 = PREFILL_THREADS / WARP_SIZE;
@@ -152,6 +154,7 @@ struct Tensors {
     k: *const u16,
     v: *const u16,
     out: *mut u16,
+    lse: *mut f32,
 }
 
 /// `Q` fragments of a warp held in registers: per row tile, `D / 16` of them (the rest unused).
@@ -164,8 +167,10 @@ type QRegs<E, const ROW_TILES: usize> = [[FragA<E>; MAX_Q_STEPS]; ROW_TILES];
 /// # Safety
 /// Launched with grid `(p.items, p.q_heads)`, [`PREFILL_THREADS`] threads and
 /// `prefill_smem_bytes(D, ROW_TILES)` bytes of dynamic shared memory. `items` holds `p.items`
-/// work items (tiles of `ROW_TILES` query blocks) of sequences inside `q [T][Hq][D]`, `k`,
-/// `v [T][Hkv][D]`, `out [T][Hq][D]` (16-byte aligned); `head_map` holds `Hkv` entries (bit
+/// work items (tiles of `ROW_TILES` query blocks, each holding a position `>= q_first`) of
+/// sequences whose keys and values lie inside `k`, `v [Tk][Hkv][D]` and whose queries
+/// (positions `q_first .. seq_len`) inside `q [Tq][Hq][D]` and `out [Tq][Hq][D]` (16-byte
+/// aligned), and `lse [Tq][Hq]` unless it is null; `head_map` holds `Hkv` entries (bit
 /// [`HEAD_STREAMING`] = streaming); for [`BlockMask`], `mask` holds every item's rows
 /// (`mask_row + h * mask_head_stride`, each `mask_words_per_row(seq_len)` words).
 #[inline(always)]
@@ -174,6 +179,7 @@ unsafe fn prefill_attention<
     const D: usize,
     const ROW_TILES: usize,
     M: Mask<ROW_TILES>,
+    const LSE: bool,
 >(
     p: &PrefillParams,
     items: *const PrefillWorkItem,
@@ -215,31 +221,38 @@ unsafe fn prefill_attention<
         Window::CAUSAL
     };
     let (seq_start, seq_len) = (item.seq_start as usize, item.seq_len);
+    // The tile's first position (`item.q_first`, the sequence's first query, may lie after it).
     let q_first = item.q_block * BLOCK_Q;
     // Query blocks of the tile that exist (the last tile of a sequence may be short).
     let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(ROW_TILES as u32);
     let (q_stride, kv_stride) = (p.strides.q as usize * D, p.strides.kv as usize * D);
 
-    // The query tile, into shared memory (its own `cp.async` group).
+    // The query tile, into shared memory (its own `cp.async` group): positions
+    // `max(q_first, item.q_first) .. q_first + q_rows` have queries; the rows before them (a
+    // chunk's tile that starts in the cached prefix) are zero.
     let q_rows = (seq_len - q_first).min(tile_rows);
-    // SAFETY: rows `q_first .. q_first + q_rows` of the sequence exist in `q`; the tile has
-    // `tile_rows` rows (`ROW_TILES` query blocks).
+    let lead = item.q_first.saturating_sub(q_first);
+    // SAFETY: positions `q_first + lead .. q_first + q_rows` have queries, rows
+    // `item.q_row + (position - item.q_first)` of `q`; `lead < q_rows` (the host's tiles each
+    // hold a query); the tile has `tile_rows` rows (`ROW_TILES` query blocks).
     unsafe {
-        let src =
-            t.q.add((seq_start + q_first as usize) * q_stride + head as usize * D);
+        let first_query = item.q_row + (q_first + lead - item.q_first);
+        let src = t.q.add(first_query as usize * q_stride + head as usize * D);
         if ROW_TILES == 1 {
-            load_tiles_async::<D, BLOCK_Q, 1>(
+            load_query_tile_async::<D, BLOCK_Q>(
                 SmemLayout::<D>::q().addr(),
-                [src],
+                src,
                 q_stride,
+                lead,
                 q_rows,
                 thread,
             );
         } else {
-            load_tiles_async::<D, { 2 * BLOCK_Q }, 1>(
+            load_query_tile_async::<D, { 2 * BLOCK_Q }>(
                 SmemLayout::<D>::q().addr(),
-                [src],
+                src,
                 q_stride,
+                lead,
                 q_rows,
                 thread,
             );
@@ -368,21 +381,36 @@ unsafe fn prefill_attention<
     unsafe { M::new(mask).walk(&item, head, window, tile_blocks, my_block, start, step) };
     wait_all();
 
-    // O / l, rows that exist only. The output's stride is read here, opaque to LLVM, so that
-    // nothing derived from it is kept live across the walk (the D 128 kernel spilled with it).
+    // O / l, and the log-sum-exp if asked for, of the positions that have queries. The output's
+    // stride and the item's query rows are read here (the item again, from memory), opaque to
+    // LLVM, so that nothing derived from them is kept live across the walk (the D 128 kernel
+    // spilled with the stride).
     let out_stride = opaque_u32(p.strides.out) as usize * D;
+    // SAFETY: as the first read of the item.
+    let (first_query, query_row) = unsafe {
+        let it = items.add(block_idx_x() as usize);
+        (
+            core::ptr::read_volatile(&raw const (*it).q_first),
+            core::ptr::read_volatile(&raw const (*it).q_row),
+        )
+    };
+    // Row of `out` of position `t >= first_query`: `t + row_offset` (mod 2^32).
+    let row_offset = query_row.wrapping_sub(first_query);
     let (group, quad) = (lane / 4, lane % 4);
+    let mut totals = [[SoftmaxState::EMPTY; 2]; ROW_TILES];
     crate::unroll8!(m in 0..ROW_TILES => {
         // SAFETY: the whole warp.
-        let inv = unsafe { softmax[m].inverse_denominators() };
+        totals[m] = unsafe { softmax[m].totals() };
         crate::unroll8!(half in 0..2 => {
             let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
-            if row < seq_len {
-                let base = (seq_start + row as usize) * out_stride + head as usize * D;
+            if row >= first_query && row < seq_len {
+                let out_row = row.wrapping_add(row_offset) as usize;
+                let inv = 1.0 / totals[m][half].l;
+                let base = out_row * out_stride + head as usize * D;
                 crate::unroll16!(n in 0..n_tiles(D) => {
                     let c = &o[m][n].regs[2 * half..2 * half + 2];
-                    let pair = E::pack2(c[0] * inv[half], c[1] * inv[half]);
-                    // SAFETY: row `row` of the sequence exists; dims `8 n + 2 quad, +1 < D`.
+                    let pair = E::pack2(c[0] * inv, c[1] * inv);
+                    // SAFETY: position `row` has an output row; dims `8 n + 2 quad, +1 < D`.
                     unsafe {
                         crate::global::store_u32(
                             t.out.add(base + 8 * n + 2 * quad as usize).cast::<u32>(),
@@ -393,22 +421,46 @@ unsafe fn prefill_attention<
             }
         });
     });
+    // The log-sum-exp after every output (the accumulators are dead by then), one lane per row.
+    if !LSE || t.lse.is_null() || quad != 0 {
+        return;
+    }
+    crate::unroll8!(m in 0..ROW_TILES => {
+        crate::unroll8!(half in 0..2 => {
+            let row = q_first_warp + 16 * m as u32 + group + 8 * half as u32;
+            if row >= first_query && row < seq_len {
+                let out_row = row.wrapping_add(row_offset) as usize;
+                // SAFETY: `lse` holds `[query rows][q_heads]` f32 (launch contract).
+                unsafe {
+                    t.lse
+                        .add(out_row * p.q_heads as usize + head as usize)
+                        .write(natural_lse(totals[m][half]))
+                };
+            }
+        });
+    });
 }
 
 /// Declares one `extern "gpu-kernel"` entry point per (mask, element type, head dim): `rows` is
 /// the mask's query blocks per tile (the `mma` row tiles per warp).
 macro_rules! prefill_kernels {
-    ($($name:ident: $mask:ty, $elem:ty, $d:literal, rows $rows:literal;)*) => {$(
+    ($($name:ident: $mask:ty, $elem:ty, $d:literal, rows $rows:literal, lse $lse:literal;)*) => {$(
         /// Prefill attention entry point (see the module docs).
         ///
         /// # Safety
         /// As `prefill_attention`'s: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $name(a: PrefillArgs) {
-            let tensors = Tensors { q: a.q.get(), k: a.k.get(), v: a.v.get(), out: a.out.get() };
+            let tensors = Tensors {
+                q: a.q.get(),
+                k: a.k.get(),
+                v: a.v.get(),
+                out: a.out.get(),
+                lse: a.lse.get(),
+            };
             // SAFETY: forwarded launch contract.
             unsafe {
-                prefill_attention::<$elem, $d, $rows, $mask>(
+                prefill_attention::<$elem, $d, $rows, $mask, $lse>(
                     &a.params,
                     a.items.get(),
                     a.head_map.get(),
@@ -420,19 +472,29 @@ macro_rules! prefill_kernels {
     )*};
 }
 
-// Launches without caller masks: 32 rows per warp, tiles of `TILE_Q_BLOCKS` query blocks.
+// Launches without caller masks: 32 rows per warp, tiles of `TILE_Q_BLOCKS` query blocks; no
+// log-sum-exp (with it the D 128 kernel spills 24 bytes).
 prefill_kernels! {
-    prefill_attention_bf16_d64: HeadPattern, Bf16, 64, rows 2;
-    prefill_attention_bf16_d128: HeadPattern, Bf16, 128, rows 2;
-    prefill_attention_f16_d64: HeadPattern, F16, 64, rows 2;
-    prefill_attention_f16_d128: HeadPattern, F16, 128, rows 2;
+    prefill_attention_bf16_d64: HeadPattern, Bf16, 64, rows 2, lse false;
+    prefill_attention_bf16_d128: HeadPattern, Bf16, 128, rows 2, lse false;
+    prefill_attention_f16_d64: HeadPattern, F16, 64, rows 2, lse false;
+    prefill_attention_f16_d128: HeadPattern, F16, 128, rows 2, lse false;
+}
+
+// Launches without caller masks that write the log-sum-exp: 16 rows per warp, tiles of one
+// query block.
+prefill_kernels! {
+    prefill_lse_attention_bf16_d64: HeadPattern, Bf16, 64, rows 1, lse true;
+    prefill_lse_attention_bf16_d128: HeadPattern, Bf16, 128, rows 1, lse true;
+    prefill_lse_attention_f16_d64: HeadPattern, F16, 64, rows 1, lse true;
+    prefill_lse_attention_f16_d128: HeadPattern, F16, 128, rows 1, lse true;
 }
 
 // Launches with caller block masks: 16 rows per warp, tiles of `MASKED_TILE_Q_BLOCKS` (one)
-// query block.
+// query block; the log-sum-exp where the launch gives a buffer for it.
 prefill_kernels! {
-    prefill_masked_attention_bf16_d64: BlockMask, Bf16, 64, rows 1;
-    prefill_masked_attention_bf16_d128: BlockMask, Bf16, 128, rows 1;
-    prefill_masked_attention_f16_d64: BlockMask, F16, 64, rows 1;
-    prefill_masked_attention_f16_d128: BlockMask, F16, 128, rows 1;
+    prefill_masked_attention_bf16_d64: BlockMask, Bf16, 64, rows 1, lse true;
+    prefill_masked_attention_bf16_d128: BlockMask, Bf16, 128, rows 1, lse true;
+    prefill_masked_attention_f16_d64: BlockMask, F16, 64, rows 1, lse true;
+    prefill_masked_attention_f16_d128: BlockMask, F16, 128, rows 1, lse true;
 }

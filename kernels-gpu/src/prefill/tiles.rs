@@ -142,3 +142,55 @@ pub unsafe fn load_tiles_async<const D: usize, const ROWS: u32, const N: usize>(
         }
     });
 }
+
+/// Starts the asynchronous copy of the query tile (`ROWS` rows at `dst`): its rows
+/// `lead .. valid_rows` come from `src + (r - lead) * row_stride`, the others are zero-filled
+/// (a chunk's tile that starts inside the cached prefix has `lead` rows of positions without a
+/// query; the last tile of a sequence has rows past its end). Once per launch block, outside
+/// the KV loop.
+///
+/// # Safety
+/// All [`PREFILL_THREADS`] threads call it; `dst` is a tile of `ROWS` rows (64 or 128) of this
+/// layout; `lead < valid_rows <= ROWS`, and `valid_rows - lead` rows of `D` elements at
+/// `src + i * row_stride` are readable, 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_query_tile_async<const D: usize, const ROWS: u32>(
+    dst: u32,
+    src: *const u16,
+    row_stride: usize,
+    lead: u32,
+    valid_rows: u32,
+    thread: u32,
+) {
+    let row_step = PREFILL_THREADS / QRows::<D>::ROW_CHUNKS;
+    let (row, chunk) = (
+        thread / QRows::<D>::ROW_CHUNKS,
+        thread % QRows::<D>::ROW_CHUNKS,
+    );
+    let dst = QRows::<D>::chunk_addr(dst, row, chunk);
+    // SAFETY: `chunk * 8 + 8 <= D`; row `lead` of the tile (`src`) exists.
+    let fallback = unsafe { src.add(chunk as usize * 8) };
+    let mut i = 0;
+    while i < ROWS / row_step {
+        let r = row + i * row_step;
+        let (from, bytes) = if r >= lead && r < valid_rows {
+            // SAFETY: tile row `r` is source row `r - lead < valid_rows - lead`.
+            (
+                unsafe { fallback.add((r - lead) as usize * row_stride) },
+                16,
+            )
+        } else {
+            (fallback, 0)
+        };
+        // SAFETY: `from` is a readable 16-byte chunk, or nothing is read; the destination is
+        // inside the tile (`r < ROWS`), 16-byte aligned.
+        unsafe {
+            cp_async_16_zfill(
+                dst + i * row_step * QRows::<D>::ROW_BYTES,
+                from as *const u8,
+                bytes,
+            )
+        };
+        i += 1;
+    }
+}
