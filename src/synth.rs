@@ -53,27 +53,37 @@ fn outliers(h: usize, d: usize) -> [usize; OUTLIERS] {
     ]
 }
 
-/// RoPE of one head row `x` (`d` values, pairs `(i, i + d / 2)`) at position `pos`.
-fn rope(x: &mut [f32], pos: usize) {
-    let d = x.len();
-    for i in 0..d / 2 {
-        let theta = pos as f64 * 500_000f64.powf(-2.0 * i as f64 / d as f64);
-        let (s, c) = theta.sin_cos();
-        let (a, b) = (x[i] as f64, x[i + d / 2] as f64);
+/// The RoPE rotation `(cos, sin)` of each pair `(i, i + d / 2)` at position `pos`.
+fn rotation(pos: usize, d: usize) -> Vec<(f64, f64)> {
+    (0..d / 2)
+        .map(|i| {
+            let theta = pos as f64 * 500_000f64.powf(-2.0 * i as f64 / d as f64);
+            let (s, c) = theta.sin_cos();
+            (c, s)
+        })
+        .collect()
+}
+
+/// RoPE of one head row `x` (`d` values, pairs `(i, i + d / 2)`) by `rot` ([`rotation`]).
+fn rope(x: &mut [f32], rot: &[(f64, f64)]) {
+    let half = x.len() / 2;
+    for (i, &(c, s)) in rot.iter().enumerate() {
+        let (a, b) = (x[i] as f64, x[i + half] as f64);
         x[i] = (a * c - b * s) as f32;
-        x[i + d / 2] = (a * s + b * c) as f32;
+        x[i + half] = (a * s + b * c) as f32;
     }
 }
 
-/// One key row of KV head `h` at position `pos` (`d` values, after RoPE).
-fn key_row(rng: &mut SplitMix, h: usize, d: usize, pos: usize, out: &mut [f32]) {
+/// One key row of KV head `h` (`d` values), rotated by `rot`.
+fn key_row(rng: &mut SplitMix, h: usize, rot: &[(f64, f64)], out: &mut [f32]) {
+    let d = out.len();
     for x in out.iter_mut() {
         *x = 0.5 * rng.normal();
     }
     for (j, &c) in outliers(h, d).iter().enumerate() {
         out[c] += 6.0 + 2.0 * j as f32 + rng.normal();
     }
-    rope(out, pos);
+    rope(out, rot);
 }
 
 /// Keys `[tokens][kv_heads][d]` at positions `0..tokens`, for key layer `layer`.
@@ -82,8 +92,9 @@ pub fn keys(layer: usize, tokens: usize, kv_heads: usize, d: usize) -> Vec<bf16>
     let mut out = Vec::with_capacity(tokens * kv_heads * d);
     let mut row = vec![0f32; d];
     for t in 0..tokens {
+        let rot = rotation(t, d);
         for h in 0..kv_heads {
-            key_row(&mut rng, h, d, t, &mut row);
+            key_row(&mut rng, h, &rot, &mut row);
             out.extend(row.iter().map(|&x| bf16::from_f32(x)));
         }
     }
@@ -110,6 +121,7 @@ pub fn decode_inputs(
     let mut rng = SplitMix(0x6465_636f ^ (set as u64) << 40);
     let group = q_heads / kv_heads;
     let mut row = vec![0f32; d];
+    let rot = rotation(pos, d);
     let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..batch {
         for h in 0..q_heads {
@@ -119,11 +131,11 @@ pub fn decode_inputs(
             for &c in &outliers(h / group, d) {
                 row[c] += 0.5 * rng.normal();
             }
-            rope(&mut row, pos);
+            rope(&mut row, &rot);
             q.extend(row.iter().map(|&x| bf16::from_f32(x)));
         }
         for h in 0..kv_heads {
-            key_row(&mut rng, h, d, pos, &mut row);
+            key_row(&mut rng, h, &rot, &mut row);
             k.extend(row.iter().map(|&x| bf16::from_f32(x)));
             v.extend((0..d).map(|_| bf16::from_f32(rng.uniform())));
         }

@@ -42,7 +42,11 @@ fn fails_unchanged<T: std::fmt::Debug>(
         .map(|s| (s, seqs.state(s).unwrap()))
         .collect();
     let err = f(seqs).expect_err("the call must fail");
-    assert_eq!(seqs.manager(), &manager, "manager changed by a failing call: {err}");
+    assert_eq!(
+        seqs.manager(),
+        &manager,
+        "manager changed by a failing call: {err}"
+    );
     let after: Vec<_> = seqs
         .live()
         .into_iter()
@@ -55,24 +59,43 @@ fn fails_unchanged<T: std::fmt::Debug>(
 #[test]
 fn a_manager_with_sequences_is_refused() {
     let g = ModelGeometry::new(1, 2, 2, 64).unwrap();
-    let mut mgr =
-        KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 4, 2, 1024)
-            .unwrap();
+    let mut mgr = KvCacheManager::new(
+        g,
+        HeadPattern::all_dense(g),
+        SparsityConfig::default(),
+        4,
+        2,
+        1024,
+    )
+    .unwrap();
     mgr.add_sequence().unwrap();
     assert!(matches!(
         Sequences::new(mgr),
-        Err(LserveError::InvalidArgument { what: "manager", .. })
+        Err(LserveError::InvalidArgument {
+            what: "manager",
+            ..
+        })
     ));
 }
 
 #[test]
 fn prefill_reservation_is_all_or_nothing() {
     let mut seqs = sequences(10);
-    let (a, b, c) = (seqs.add().unwrap(), seqs.add().unwrap(), seqs.add().unwrap());
+    let (a, b, c) = (
+        seqs.add().unwrap(),
+        seqs.add().unwrap(),
+        seqs.add().unwrap(),
+    );
     // 7 + 4 pages needed, 10 free: nothing reserved.
     let err = fails_unchanged(&mut seqs, |s| s.reserve_prefill(&[(a, 100), (b, 64)]));
     assert!(
-        matches!(err, LserveError::PoolExhausted { needed: 11, free: 10 }),
+        matches!(
+            err,
+            LserveError::PoolExhausted {
+                needed: 11,
+                free: 10
+            }
+        ),
         "{err}"
     );
     // One chunk past max_seq_len: nothing reserved for the others either.
@@ -100,7 +123,13 @@ fn bad_prefill_chunks_are_typed_errors_that_change_nothing() {
     assert!(matches!(err, LserveError::Empty(_)), "{err}");
     let err = fails_unchanged(&mut seqs, |s| s.reserve_prefill(&[(a, 10), (a, 10)]));
     assert!(
-        matches!(err, LserveError::InvalidArgument { what: "prefill chunks", .. }),
+        matches!(
+            err,
+            LserveError::InvalidArgument {
+                what: "prefill chunks",
+                ..
+            }
+        ),
         "{err}"
     );
     let ghost = {
@@ -145,13 +174,22 @@ fn decode_batches_are_checked_before_anything_is_reserved() {
     seqs.reserve_prefill(&[(a, 20)]).unwrap();
     let err = fails_unchanged(&mut seqs, |s| s.check_decode(&[b, a]));
     assert!(
-        matches!(err, LserveError::InvalidArgument { what: "sequence", .. }),
+        matches!(
+            err,
+            LserveError::InvalidArgument {
+                what: "sequence",
+                ..
+            }
+        ),
         "{err}"
     );
     // Freeing it is the way out; its pages go back.
     seqs.free(a).unwrap();
     assert_eq!(seqs.manager().pool().free_pages(), 32);
-    assert!(matches!(seqs.state(a), Err(LserveError::UnknownSequence(_))));
+    assert!(matches!(
+        seqs.state(a),
+        Err(LserveError::UnknownSequence(_))
+    ));
     assert!(matches!(seqs.free(a), Err(LserveError::UnknownSequence(_))));
     seqs.check_decode(&[b]).unwrap();
     assert_eq!(seqs.live(), vec![b]);
