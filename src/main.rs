@@ -1,88 +1,82 @@
-//! The main job: one LServe decode step for a long sequence (Llama-3-8B geometry by default).
+//! The main job: LServe's sparse attention through the engine's view
+//! (`lserve::session::SparseAttention`) on a synthetic model of Llama-3-8B geometry (32 layers,
+//! Hq 32, Hkv 8, D 128, bf16; no weights: random Q/K/V with a few outlier channels in the keys,
+//! keys and queries rotated by RoPE at their positions).
 //!
-//! It builds one layer's paged KV cache for a `--context`-token sequence (random keys and values,
-//! statistics pooled), runs a decode step (append the token, select pages, attend) on the GPU when
-//! one is usable and on the CPU reference otherwise, and reports what LServe visits against dense
-//! attention, per stage, for the whole model: prefill KV blocks, decode pages/tokens and bytes,
-//! and the theoretical speedup `1 / (1 - r)` where `r` is the fraction skipped.
+//! On a GPU it prefills `--batch` prompts of `--context` tokens through all 32 layers (time to
+//! first token), decodes `--steps` steps over all layers (per-token attention latency), does the
+//! same with an all-dense pattern at the same cache sizes (`--dense`), reports the KV memory
+//! used, and checks sampled outputs against the CPU reference on the device's selection. Without
+//! a GPU it says so and runs a small CPU-reference version (short context, two layers).
+//! Then it prints what LServe visits against dense attention for the whole model.
 
 mod accounting;
+mod cpu;
 mod run;
+mod synth;
 
 use std::process::ExitCode;
 
+use clap::{ArgAction, Parser};
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadPattern, PublishedGating};
 
-const USAGE: &str = "\
-lserve-demo: one LServe decode step for a long sequence (Llama-3-8B geometry)
-
-USAGE: cargo run --release -- [OPTIONS]
-
-OPTIONS:
-  --context N      tokens in the sequence before the step (default 131072)
-  --pattern P      a published DuoAttention pattern by model name (Llama-3-8B-Instruct-Gradient-1048k,
-                   Llama-2-7B-32K-Instruct: that model's geometry) or a full_attention_heads.tsv
-                   file for Llama-3-8B geometry (default: built-in interleaved pattern)
-  --fraction S     streaming-head fraction (default 0.5)
-  --budget T       decode token budget (default 4096)
-  --layer L        which layer's decode step to run (default 0)
-  --cpu            run on the CPU reference even if a GPU is present
-  -h, --help       this text";
-
-/// The command line.
-struct Options {
-    context: usize,
-    pattern: Option<String>,
-    fraction: f64,
-    budget: usize,
-    layer: usize,
-    cpu: bool,
-}
-
-fn parse_args() -> Result<Option<Options>, String> {
-    let mut o = Options {
-        context: 131_072,
-        pattern: None,
-        fraction: 0.5,
-        budget: 4096,
-        layer: 0,
-        cpu: false,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
-        match a.as_str() {
-            "-h" | "--help" => return Ok(None),
-            "--context" => o.context = parse(&value("--context")?)?,
-            "--pattern" => o.pattern = Some(value("--pattern")?),
-            "--fraction" => o.fraction = parse(&value("--fraction")?)?,
-            "--budget" => o.budget = parse(&value("--budget")?)?,
-            "--layer" => o.layer = parse(&value("--layer")?)?,
-            "--cpu" => o.cpu = true,
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    Ok(Some(o))
-}
-
-fn parse<T: std::str::FromStr>(s: &str) -> Result<T, String> {
-    s.parse().map_err(|_| format!("not a valid value: {s:?}"))
+/// LServe sparse attention (streaming heads + query-aware page selection) through the
+/// session API on a synthetic Llama-3-8B-geometry model: prefill, then decode.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "lserve-demo", version, about, long_about = None)]
+pub struct Options {
+    /// Tokens in each prompt (prefilled through all layers before decoding).
+    #[arg(long, default_value_t = 131_072)]
+    pub context: usize,
+    /// Decode steps timed after the prefill (each: one token per sequence through all layers).
+    #[arg(long, default_value_t = 64)]
+    pub steps: usize,
+    /// Sequences decoded together (each with its own prompt of --context tokens).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Head pattern: a published DuoAttention pattern by model name
+    /// (Llama-3-8B-Instruct-Gradient-1048k, Llama-2-7B-32K-Instruct: that model's geometry) or a
+    /// full_attention_heads.tsv file for Llama-3-8B geometry; default: a built-in interleaved
+    /// pattern.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub pattern: Option<String>,
+    /// Streaming-head fraction of the pattern.
+    #[arg(long, default_value_t = 0.5)]
+    pub fraction: f64,
+    /// Decode token budget of the dense heads' page selection.
+    #[arg(long, default_value_t = 4096)]
+    pub budget: usize,
+    /// Also measure dense attention: an all-dense pattern without page selection, same cache
+    /// sizes (`--dense false` skips it).
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    pub dense: bool,
+    /// Prefill chunk in tokens (default: the whole prompt). Chunks shorter than the prompt need
+    /// chunked prefill, which lserve does not serve yet: an error.
+    #[arg(long)]
+    pub chunk: Option<usize>,
+    /// Replay the decode steps from CUDA graphs captured on the first step (default: eager
+    /// launches).
+    #[arg(long)]
+    pub graph: bool,
+    /// Run the small CPU-reference version even if a GPU is present.
+    #[arg(long)]
+    pub cpu: bool,
 }
 
 fn main() -> ExitCode {
-    let options = match parse_args() {
-        Ok(Some(o)) => o,
-        Ok(None) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("error: {e}\n\n{USAGE}");
+    let options = Options::parse();
+    if let Some(chunk) = options.chunk {
+        if chunk == 0 || chunk < options.context {
+            eprintln!(
+                "error: --chunk {chunk}: chunked prefill (a prompt in chunks shorter than its \
+                 {} tokens) is not served yet; leave --chunk out or give the whole prompt",
+                options.context
+            );
             return ExitCode::from(2);
         }
-    };
+    }
     match run_main(&options) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -92,8 +86,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_main(o: &Options) -> lserve::Result<()> {
-    let (pattern, source) = match &o.pattern {
+/// The head pattern the options name, and a line describing it.
+pub fn pattern(o: &Options) -> lserve::Result<(HeadPattern, String)> {
+    Ok(match &o.pattern {
         Some(name) if PublishedGating::find(name).is_ok() => (
             HeadPattern::published(name, o.fraction)?,
             format!("DuoAttention's {name} at streaming fraction {}", o.fraction),
@@ -109,30 +104,30 @@ fn run_main(o: &Options) -> lserve::Result<()> {
                 o.fraction
             ),
         ),
-    };
+    })
+}
+
+fn run_main(o: &Options) -> lserve::Result<()> {
+    let (pattern, source) = pattern(o)?;
     let config = SparsityConfig {
         token_budget: o.budget,
         dynamic_min_len: 2 * o.budget,
         ..SparsityConfig::default()
     };
     config.validate()?;
-    let geometry = *pattern.geometry();
-    if o.layer >= geometry.layers() {
+    if o.batch == 0 || o.steps == 0 || o.context == 0 {
         return Err(lserve::LserveError::InvalidArgument {
-            what: "--layer",
-            reason: format!("{} is not below {} layers", o.layer, geometry.layers()),
+            what: "options",
+            reason: "--context, --steps and --batch must be at least 1".into(),
         });
     }
-
+    let geometry = *pattern.geometry();
     println!(
-        "LServe decode step, geometry Hq {} Hkv {} D {}, {} layers, bf16",
+        "synthetic model: Hq {} Hkv {} D {}, {} layers, bf16; head pattern: {source}: {} of {} KV heads streaming",
         geometry.q_heads(),
         geometry.kv_heads(),
         geometry.head_dim(),
-        geometry.layers()
-    );
-    println!(
-        "head pattern: {source}: {} of {} KV heads streaming",
+        geometry.layers(),
         pattern.total_streaming_heads(),
         geometry.total_kv_heads()
     );
@@ -146,12 +141,28 @@ fn run_main(o: &Options) -> lserve::Result<()> {
         config.reuse_interval,
         config.dynamic_min_len
     );
-    println!("context: {} tokens before the step\n", o.context);
-
-    let step = run::decode_step(&pattern, &config, o.layer, o.context, o.cpu)?;
-    println!("{}", step.device);
-    println!("{}\n", step.summary);
-
-    accounting::report(&pattern, &config, o.context);
+    let gpu = match o.cpu {
+        true => Err("--cpu was given".to_string()),
+        false => lserve::gpu::GpuContext::new(0).map_err(|e| format!("no usable GPU: {e}")),
+    };
+    match gpu {
+        Ok(gpu) => {
+            println!(
+                "device: {} ({}); {} sequence(s) of {} tokens, {} decode steps\n",
+                gpu.device_name()?,
+                gpu.ptx().arch,
+                o.batch,
+                o.context,
+                o.steps
+            );
+            run::run(gpu, o, &pattern, &config)?;
+            accounting::report(&pattern, &config, o.context);
+        }
+        Err(why) => {
+            println!("device: CPU reference ({why})\n");
+            cpu::run(o, &pattern)?;
+            accounting::report(&pattern, &config, o.context);
+        }
+    }
     Ok(())
 }

@@ -1,209 +1,292 @@
-//! One decode step of one layer on a `context`-token sequence: on the CPU reference, and on the
-//! GPU when one is usable (then checked against the reference).
+//! The GPU run: prefill and decode through `lserve::session::SparseAttention`, timed, for the
+//! LServe pattern and (with `--dense`) an all-dense pattern at the same cache sizes, and the
+//! last step of two layers checked against the CPU reference on the device's selection.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use half::bf16;
+use indicatif::{ProgressBar, ProgressStyle};
 use lserve::config::SparsityConfig;
-use lserve::geometry::ModelGeometry;
-use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
-use lserve::head_pattern::HeadPattern;
-use lserve::index_table::IndexTables;
-use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::reference::decode::{decode_step as reference_step, HeadVisit};
-use lserve::reference::kv_write::write_tokens;
-use lserve::reference::select::ReuseState;
+use lserve::gpu::{download_selection, fill_random, random_fill_value, GpuContext};
+use lserve::head_pattern::{HeadKind, HeadPattern};
+use lserve::paging::KvCacheManager;
+use lserve::reference::decode::attend_rows;
+use lserve::session::SparseAttention;
 use lserve::Result;
 
-/// What the step ran on and what it did.
-pub struct StepReport {
-    /// "ran on ..." line.
-    pub device: String,
-    /// What the step visited.
-    pub summary: String,
+use crate::synth::{self, DECODE_SETS, KEY_LAYERS};
+use crate::Options;
+
+/// The seed of the prefill values of key layer `kl` (`fill_random` on the device).
+fn value_seed(kl: usize) -> u64 {
+    0x7661_6c00 + kl as u64
 }
 
-/// A small, fast generator for the demo's random keys and values (splitmix64).
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next_f32(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-
-    fn vec(&mut self, n: usize) -> Vec<bf16> {
-        (0..n).map(|_| bf16::from_f32(self.next_f32())).collect()
-    }
-}
-
-/// The layer's cache state after a `context`-token prompt, on the host.
-pub struct Prompt {
-    pub manager: KvCacheManager,
-    pub host: HostKvCache<bf16>,
-    pub tables: IndexTables,
-    pub seq: SeqId,
-    rng: SplitMix,
-}
-
-/// Builds one layer (the `layer`-th of `pattern`) holding a `context`-token prompt of random
-/// keys and values, statistics pooled, room for one more token.
-pub fn prompt(
-    pattern: &HeadPattern,
-    config: &SparsityConfig,
-    layer: usize,
-    context: usize,
-) -> Result<Prompt> {
-    let g = *pattern.geometry();
-    let one_layer = ModelGeometry::new(1, g.q_heads(), g.kv_heads(), g.head_dim())?;
-    let pattern = HeadPattern::from_kinds(one_layer, vec![pattern.layer_kinds(layer).to_vec()])?;
-    let max_len = context + 1;
-    let pages = config.pages_for_len(max_len);
-    let mut manager = KvCacheManager::new(one_layer, pattern, *config, pages, 1, max_len)?;
-    let mut host = HostKvCache::<bf16>::for_manager(&manager)?;
-    let tables = IndexTables::for_manager(&manager)?;
-    let seq = manager.add_sequence()?;
-    let mut rng = SplitMix(0x5eed);
-    let row = g.kv_heads() * g.head_dim();
-    let chunk = 4096;
-    let mut written = 0;
-    while written < context {
-        let n = chunk.min(context - written);
-        let range = manager.reserve(seq, n)?;
-        let view = manager.view(seq)?;
-        let (k, v) = (rng.vec(n * row), rng.vec(n * row));
-        write_tokens(&mut host, 0, &view, range.start, &k, &v)?;
-        written += n;
-    }
-    Ok(Prompt {
-        manager,
-        host,
-        tables,
-        seq,
-        rng,
-    })
-}
-
-/// Runs the step on the CPU reference, or on the GPU when present and not `force_cpu`.
-pub fn decode_step(
-    pattern: &HeadPattern,
-    config: &SparsityConfig,
-    layer: usize,
-    context: usize,
-    force_cpu: bool,
-) -> Result<StepReport> {
-    let mut p = prompt(pattern, config, layer, context)?;
-    let g = *p.manager.geometry();
-    let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
-    let q = p.rng.vec(hq * d);
-    let k = p.rng.vec(hkv * d);
-    let v = p.rng.vec(hkv * d);
-    let gpu = match force_cpu {
-        true => Err("--cpu was given".to_string()),
-        false => GpuContext::new(0).map_err(|e| format!("no usable GPU: {e}")),
-    };
-    // The GPU starts from the cache as it stood before the step (the reference appends to it);
-    // its step reserves the token itself.
-    let before = gpu
-        .as_ref()
-        .ok()
-        .map(|_| (p.manager.clone(), p.host.clone(), p.tables.clone()));
-    p.manager.reserve(p.seq, 1)?;
-    let mut reuse = ReuseState::new(config.reuse_interval)?;
-    let want = reference_step(
-        &p.manager,
-        &mut p.host,
-        &mut p.tables,
-        &mut reuse,
-        0,
-        &[p.seq],
-        &q,
-        &k,
-        &v,
-    )?;
-    let finite = want.out.iter().all(|x| x.is_finite());
-    let summary = summarize(&want.visits[0], config, context + 1, finite, &want.out, d);
-    let (gpu, (mut manager, host, tables)) = match (gpu, before) {
-        (Ok(gpu), Some(before)) => (gpu, before),
-        (Err(why), _) => {
-            return Ok(StepReport {
-                device: format!("ran on: CPU reference (f64 accumulation), layer {layer}; {why}"),
-                summary,
-            })
-        }
-        (Ok(_), None) => unreachable!("the state is cloned whenever a GPU is present"),
-    };
-
-    // The same step on the GPU: reserve, append, select, attend, advance.
-    let mut cache = DeviceKvCache::upload(&gpu, &manager, &host, &tables)?;
-    let mut step = DecodeStep::new(&gpu, &cache, 1)?;
-    let mut plan = step.plan(&gpu, &mut manager, &mut cache, &[p.seq])?;
-    let stream = gpu.stream();
-    let (q_dev, k_dev, v_dev) = (
-        stream.clone_htod(&q)?,
-        stream.clone_htod(&k)?,
-        stream.clone_htod(&v)?,
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:<28} [{bar:40}] {pos}/{len} {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
     );
-    let mut out = stream.clone_htod(&vec![bf16::NAN; hq * d])?;
-    plan.layer(&gpu, &mut cache, 0, &q_dev, &k_dev, &v_dev, &mut out)?;
-    plan.finish(&gpu, &mut cache)?;
-    let got: Vec<bf16> = stream.clone_dtoh(&out)?;
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (g, w) in got.iter().zip(&want.out) {
-        diff += (g.to_f64() - w) * (g.to_f64() - w);
-        norm += w * w;
-    }
-    let rel = (diff / norm).sqrt();
-    Ok(StepReport {
-        device: format!(
-            "ran on: GPU ({}), layer {layer}: append + page selection + attention, \
-             checked against the CPU reference: relative error {rel:.2e} over all query heads",
-            gpu.device_name()?
-        ),
-        summary,
-    })
+    pb.set_message(what.to_string());
+    pb
 }
 
-fn summarize(
-    visits: &[HeadVisit],
+/// What one pattern's run measured.
+struct Measured {
+    /// Prefill of one prompt through every layer.
+    ttft: Duration,
+    /// One decode step of the batch through every layer.
+    per_token: Duration,
+    used_bytes: u64,
+    allocated_bytes: u64,
+    /// Worst relative row error of the checked outputs against the reference.
+    error: f64,
+}
+
+pub fn run(
+    gpu: GpuContext,
+    o: &Options,
+    pattern: &HeadPattern,
     config: &SparsityConfig,
-    len: usize,
-    finite: bool,
-    out: &[f64],
-    d: usize,
-) -> String {
-    let pages = config.pages_for_len(len);
-    let mut lines = Vec::new();
-    for (h, v) in visits.iter().enumerate() {
-        let what = match v {
-            HeadVisit::Streaming => format!(
-                "streaming: sinks + ring, {} of {len} tokens",
-                len.min(config.streaming_rows())
-            ),
-            HeadVisit::AllPages => format!("dense, below dynamic_min_len: all {pages} pages"),
-            HeadVisit::Selected {
-                pages: sel,
-                selected_now,
-            } => format!(
-                "dense, {} of {pages} pages{} (first {:?}, newest {})",
-                sel.len(),
-                if *selected_now {
-                    ", selected now"
-                } else {
-                    ", reused"
-                },
-                &sel[..sel.len().min(4)],
-                sel.last().copied().unwrap_or(0)
-            ),
+) -> Result<()> {
+    let gpu = Arc::new(gpu);
+    let g = *pattern.geometry();
+    let (hkv, d) = (g.kv_heads(), g.head_dim());
+    let spin = bar(KEY_LAYERS as u64, "keys (host, RoPE)");
+    let keys: Vec<Vec<bf16>> = (0..KEY_LAYERS)
+        .map(|kl| {
+            let k = synth::keys(kl, o.context, hkv, d);
+            spin.inc(1);
+            k
+        })
+        .collect();
+    spin.finish_and_clear();
+
+    let lserve = measure(&gpu, o, pattern, config, &keys, "LServe")?;
+    report("LServe", &lserve);
+    if o.dense {
+        let dense_pattern = HeadPattern::all_dense(g);
+        let dense_config = SparsityConfig {
+            dynamic_min_len: 1 << 30,
+            ..*config
         };
-        lines.push(format!("  KV head {h}: {what}"));
+        let dense = measure(&gpu, o, &dense_pattern, &dense_config, &keys, "dense")?;
+        report("dense", &dense);
+        println!(
+            "LServe vs dense: time to first token {:.2}x, per-token attention {:.2}x, KV memory used {:.2}x less\n",
+            dense.ttft.as_secs_f64() / lserve.ttft.as_secs_f64(),
+            dense.per_token.as_secs_f64() / lserve.per_token.as_secs_f64(),
+            dense.used_bytes as f64 / lserve.used_bytes as f64
+        );
     }
-    let norm = (out.iter().map(|x| x * x).sum::<f64>() / (out.len() / d) as f64).sqrt();
-    lines.push(format!(
-        "  output: [{} query heads x {d}], finite: {finite}, mean row norm {norm:.4}",
-        out.len() / d
-    ));
-    lines.join("\n")
+    Ok(())
+}
+
+fn report(name: &str, m: &Measured) {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    println!(
+        "{name:<7} time to first token (prefill, all layers) {:>9.1} ms | per-token attention \
+         (decode step, all layers) {:>8.1} us | KV memory used {:.2} GiB of {:.2} GiB allocated \
+         | reference check: worst relative error {:.2e}",
+        m.ttft.as_secs_f64() * 1e3,
+        m.per_token.as_secs_f64() * 1e6,
+        gib(m.used_bytes),
+        gib(m.allocated_bytes),
+        m.error
+    );
+}
+
+fn measure(
+    gpu: &Arc<GpuContext>,
+    o: &Options,
+    pattern: &HeadPattern,
+    config: &SparsityConfig,
+    keys: &[Vec<bf16>],
+    name: &str,
+) -> Result<Measured> {
+    let g = *pattern.geometry();
+    let (hq, hkv, d, layers) = (g.q_heads(), g.kv_heads(), g.head_dim(), g.layers());
+    let (context, batch, steps) = (o.context, o.batch, o.steps);
+    let max_len = context + steps;
+    let pages = batch * config.pages_for_len(max_len);
+    let mgr = KvCacheManager::new(g, pattern.clone(), *config, pages, batch, max_len)?;
+    let mut session = SparseAttention::<bf16>::new(gpu.clone(), mgr, batch)?;
+    let s = gpu.stream().clone();
+
+    // Prefill activations: queries and values filled on the device, keys from the host.
+    let mut q = s.alloc_zeros::<bf16>(context * hq * d)?;
+    fill_random(gpu, &mut q, 0x7100)?;
+    let k: Vec<_> = keys
+        .iter()
+        .map(|k| s.clone_htod(k))
+        .collect::<std::result::Result<_, _>>()?;
+    let mut v = Vec::new();
+    for kl in 0..KEY_LAYERS {
+        let mut buf = s.alloc_zeros::<bf16>(context * hkv * d)?;
+        fill_random(gpu, &mut buf, value_seed(kl))?;
+        v.push(buf);
+    }
+    let mut out = s.alloc_zeros::<bf16>(context * hq * d)?;
+    s.synchronize()?;
+
+    let pb = bar((batch * layers) as u64, &format!("{name}: prefill"));
+    let mut seqs = Vec::new();
+    let mut ttft = Duration::ZERO;
+    for _ in 0..batch {
+        let seq = session.add_sequence()?;
+        let start = Instant::now();
+        let mut pf = session.prefill(&[(seq, context)])?;
+        for layer in 0..layers {
+            let kl = layer % KEY_LAYERS;
+            pf.layer(layer, &q, &k[kl], &v[kl], &mut out)?;
+            pb.inc(1);
+        }
+        pf.finish()?;
+        s.synchronize()?;
+        ttft += start.elapsed();
+        seqs.push(seq);
+    }
+    pb.finish_and_clear();
+    drop((q, out));
+
+    // Decode inputs: a few distinct sets on the device, cycled over steps and layers.
+    let sets: Vec<synth::DecodeInputs> = (0..DECODE_SETS)
+        .map(|i| synth::decode_inputs(i, batch, context, hq, hkv, d))
+        .collect();
+    let dev: Vec<_> = sets
+        .iter()
+        .map(|x| {
+            Ok((
+                s.clone_htod(&x.q)?,
+                s.clone_htod(&x.k)?,
+                s.clone_htod(&x.v)?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let mut outs: Vec<_> = (0..layers)
+        .map(|_| s.alloc_zeros::<bf16>(batch * hq * d))
+        .collect::<std::result::Result<_, _>>()?;
+    // The set layer `layer` reads at step `step`.
+    let set_of = |step: usize, layer: usize| match o.graph {
+        true => layer % DECODE_SETS,
+        false => (step + layer) % DECODE_SETS,
+    };
+    let pb = bar(steps as u64, &format!("{name}: decode"));
+    s.synchronize()?;
+    let start = Instant::now();
+    if o.graph {
+        let graphs = session.capture_decode(&seqs, |step| {
+            for (layer, out) in outs.iter_mut().enumerate() {
+                let (q, k, v) = &dev[set_of(0, layer)];
+                step.layer(layer, q, k, v, out)?;
+            }
+            Ok(())
+        })?;
+        pb.inc(1);
+        for _ in 1..steps {
+            session.replay_decode(&graphs, &seqs)?;
+            pb.inc(1);
+        }
+        s.synchronize()?;
+    } else {
+        for st in 0..steps {
+            let mut step = session.decode(&seqs)?;
+            for (layer, out) in outs.iter_mut().enumerate() {
+                let (q, k, v) = &dev[set_of(st, layer)];
+                step.layer(layer, q, k, v, out)?;
+            }
+            step.finish()?;
+            pb.inc(1);
+        }
+        s.synchronize()?;
+    }
+    let per_token = start.elapsed() / steps as u32;
+    pb.finish_and_clear();
+
+    // The last step of the first and last layer, first sequence, against the reference
+    // attending the tokens the device attended.
+    let mut error = 0f64;
+    let seq = seqs[0];
+    let len = session.manager().len(seq)?;
+    let block_table = session.manager().block_table(seq)?.pages().to_vec();
+    let slot = session.manager().slot(seq)? as usize;
+    let scale = config.softmax_scale_for(d) as f64;
+    for layer in [0, layers - 1] {
+        let kl = layer % KEY_LAYERS;
+        let got: Vec<bf16> = s.clone_dtoh(&outs[layer])?;
+        let selection = download_selection(gpu, session.cache(), layer)?;
+        // K and V of token `t` of this layer, head `h`.
+        let row = |t: usize, h: usize| -> (Vec<f32>, Vec<f32>) {
+            if t < context {
+                let at = (t * hkv + h) * d;
+                let k = keys[kl][at..at + d].iter().map(|x| x.to_f32()).collect();
+                let v = (0..d)
+                    .map(|i| {
+                        bf16::from_f32(random_fill_value(value_seed(kl), (at + i) as u64)).to_f32()
+                    })
+                    .collect();
+                (k, v)
+            } else {
+                let x = &sets[set_of(t - context, layer)];
+                let at = h * d; // batch row 0
+                let f = |y: &[bf16]| y[at..at + d].iter().map(|e| e.to_f32()).collect();
+                (f(&x.k), f(&x.v))
+            }
+        };
+        let q_last = &sets[set_of(steps - 1, layer)].q;
+        for h in 0..hkv {
+            let tokens: Vec<usize> = match pattern.kind(layer, h) {
+                HeadKind::Streaming => (0..len)
+                    .filter(|&t| t < config.sink_tokens || len - 1 - t < config.local_tokens)
+                    .collect(),
+                HeadKind::Dense if !config.uses_page_selection(len) => (0..len).collect(),
+                HeadKind::Dense => {
+                    let hd = pattern.dense_heads(layer);
+                    let e = slot * hd + pattern.compact_index(layer, h);
+                    let n = selection.index_lens[e] as usize;
+                    let entry = &selection.index_pages[e * selection.entry_capacity..][..n];
+                    let mut tokens = Vec::new();
+                    for page in entry {
+                        let p = block_table
+                            .iter()
+                            .position(|x| x == page)
+                            .unwrap_or(usize::MAX);
+                        let first = p.saturating_mul(config.page_tokens);
+                        tokens.extend(first..(first + config.page_tokens).min(len));
+                    }
+                    tokens
+                }
+            };
+            let rows: Vec<(Vec<f32>, Vec<f32>)> = tokens.iter().map(|&t| row(t, h)).collect();
+            let ks: Vec<&[f32]> = rows.iter().map(|r| r.0.as_slice()).collect();
+            let vs: Vec<&[f32]> = rows.iter().map(|r| r.1.as_slice()).collect();
+            for qh in h * g.group()..(h + 1) * g.group() {
+                let qrow: Vec<f32> = q_last[qh * d..(qh + 1) * d]
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
+                let want = attend_rows(&qrow, &ks, &vs, scale).out;
+                let (mut num, mut den) = (0f64, 0f64);
+                for (x, y) in got[qh * d..(qh + 1) * d].iter().zip(&want) {
+                    num += (x.to_f64() - y).powi(2);
+                    den += y * y;
+                }
+                error = error.max((num / den.max(1e-30)).sqrt());
+            }
+        }
+    }
+    let memory = session.memory();
+    for seq in seqs {
+        session.free_sequence(seq)?;
+    }
+    Ok(Measured {
+        ttft: ttft / batch as u32,
+        per_token,
+        used_bytes: memory.used_bytes,
+        allocated_bytes: memory.allocated_bytes,
+        error,
+    })
 }

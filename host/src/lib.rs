@@ -13,6 +13,9 @@
 //!   layout.
 //! - [`reference`](mod@reference): the CPU reference of every operation (the executable specification).
 //! - [`gpu`]: the device context, the embedded PTX and the kernel launches.
+//! - [`session`]: the engine's view, [`SparseAttention`]: one value per model that owns the
+//!   manager, the device cache, the decode workspace and each sequence's state; prefill,
+//!   decode steps layer by layer (eager or replayed CUDA graphs), sequences joining and leaving.
 //!
 //! Layouts and the semantics chosen where the paper leaves room: `docs/ARCHITECTURE.md`.
 #![warn(missing_docs)]
@@ -28,11 +31,13 @@ pub mod index_table;
 pub mod paging;
 pub mod quant;
 pub mod reference;
+pub mod session;
 
 /// The `cudarc` lserve is built on (device buffers, streams, graphs), re-exported so callers use
 /// the same version.
 pub use cudarc;
 pub use error::{LserveError, Result};
+pub use session::SparseAttention;
 
 /// The repository README's examples, compiled as doctests (the README is not in the published
 /// crate, so only where it is beside the sources).

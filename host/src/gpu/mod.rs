@@ -36,6 +36,7 @@ pub use prefill::{
 };
 pub use profile::{profile_dynamic_min_len, CrossoverProfile, ProfilePoint};
 pub use ptx::{module_for, KernelPtx, KERNEL_PTX, PTX_ARCH_VAR};
+pub(crate) use select::enqueue_advance;
 pub use select::{
     advance_decode_steps, download_selection, poison_index_tables, reset_selection_state,
     score_pages, select_pages, select_top_k, upload_key_stats, SelectPlan, SelectWorkspace,

@@ -632,6 +632,20 @@ pub fn advance_decode_steps<E: DeviceElement>(
     cache: &mut DeviceKvCache<E>,
     batch: &DecodeBatch,
 ) -> Result<()> {
+    enqueue_advance(gpu, cache, batch)?;
+    cache.mirror.advanced(&batch.host_slots);
+    Ok(())
+}
+
+/// [`advance_decode_steps`]' launch without recording it in the cache's host mirror: for a
+/// launch captured in a graph that may never run (the session captures a step twice, with and
+/// without the selector, and replays one; the replay records the advance,
+/// [`PlannedStep::replayed`](super::PlannedStep::replayed)).
+pub(crate) fn enqueue_advance<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &mut DeviceKvCache<E>,
+    batch: &DecodeBatch,
+) -> Result<()> {
     cache.check_batch(batch)?;
     let b = batch.len();
     let f = gpu.function("advance_decode_steps")?;
@@ -652,7 +666,6 @@ pub fn advance_decode_steps<E: DeviceElement>(
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
     unsafe { launch.launch(cfg, &args) }?;
-    cache.mirror.advanced(&batch.host_slots);
     Ok(())
 }
 
