@@ -141,8 +141,8 @@ fn mean(x: &[f64]) -> f64 {
 fn main() -> Result<()> {
     let args = parse_args()?;
     let t0 = Instant::now();
-    let (model, content) = Llama::load(&args.gguf)
-        .with_context(|| format!("loading the model (run scripts/fetch_smollm2.sh?)"))?;
+    let (model, content) =
+        Llama::load(&args.gguf).context("loading the model (run scripts/fetch_smollm2.sh?)")?;
     let tok = tokenizer::from_gguf(&content)?;
     let text = std::fs::read_to_string(&args.text)
         .with_context(|| format!("reading {}", args.text.display()))?;
