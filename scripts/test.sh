@@ -66,6 +66,13 @@ stable_bin="$(dirname "$(rustup +stable which cargo)")"
 step "lserve beside candle (integrations/candle-check)"
 bash scripts/candle_check.sh
 
+# The SmolLM2 engine (candle CPU, lserve's CPU reference for attention): its tests that need no
+# model (the GGUF one is ignored without scripts/fetch_smollm2.sh). It runs no kernel, so it
+# builds lserve with the PTX `cargo xtask package` made above. From scratch with
+# CARGO_BUILD_JOBS=1 on a 2-core machine (2026-12-02): 2.5 min.
+step "SmolLM2 through lserve on candle's CPU backend (integrations/candle-smollm2)"
+(cd integrations/candle-smollm2 && LSERVE_PTX_DIR="$repo/host/ptx" cargo test --locked)
+
 # The fuzz targets (fuzz/README.md), each for FUZZ_SECONDS (default 20 s). On a 2-core machine
 # (2026-12-01): cargo-fuzz's install 1.5 min, the fuzz build from scratch 1.3 min, the four runs
 # 1.5 min. They run no kernel, so they build lserve

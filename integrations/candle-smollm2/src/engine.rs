@@ -1,0 +1,249 @@
+//! The engine: the candle model with every layer's attention through lserve
+//! ([`crate::adapter`]), and the attention configurations the fidelity report compares.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Result};
+use candle_core::Tensor;
+use half::f16;
+use lserve::config::SparsityConfig;
+use lserve::geometry::ModelGeometry;
+use lserve::head_pattern::HeadPattern;
+use lserve::reference::decode::HeadVisit;
+
+use crate::adapter::{prefill_attention, to_f16, LserveAttention, Probe};
+use crate::model::Llama;
+
+/// How the dense (non-streaming) heads attend at decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// Every token (no page selection).
+    Dense,
+    /// Quest-like flat page selection: pages of 16 tokens, statistics per page (physical page =
+    /// logical page), selection every step.
+    Flat {
+        /// Tokens a dense head attends to.
+        budget: usize,
+    },
+    /// LServe's hierarchical pages: physical 64, logical 16 tokens, selection every `reuse`
+    /// steps.
+    Hierarchical {
+        /// Tokens a dense head attends to.
+        budget: usize,
+        /// Reuse interval (1: select every step).
+        reuse: usize,
+    },
+}
+
+/// One attention configuration: which heads stream, how the dense heads select.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Setting {
+    /// Fraction of KV heads that are streaming heads (sinks 64 + local 256).
+    pub streaming: f64,
+    /// The dense heads' selection.
+    pub selection: Selection,
+}
+
+impl Setting {
+    /// A short name: `dense`, `stream0.25`, `flat-b1024`, `lserve-b1024-r4-s0.5`, ...
+    pub fn name(&self) -> String {
+        let s = if self.streaming > 0.0 {
+            format!("s{}", self.streaming)
+        } else {
+            String::new()
+        };
+        let join = |a: String| {
+            if s.is_empty() {
+                a
+            } else {
+                format!("{a}-{s}")
+            }
+        };
+        match self.selection {
+            Selection::Dense if s.is_empty() => "dense".into(),
+            Selection::Dense => format!("stream-{s}"),
+            Selection::Flat { budget } => join(format!("flat-b{budget}")),
+            Selection::Hierarchical { budget, reuse } => join(format!("lserve-b{budget}-r{reuse}")),
+        }
+    }
+
+    /// lserve's config for this setting. Selection is on whenever the sequence is longer than
+    /// the budget (`dynamic_min_len = budget`); the first page is always attended (the
+    /// attention sink), as in LServe's defaults.
+    pub fn config(&self) -> SparsityConfig {
+        let base = SparsityConfig::default();
+        match self.selection {
+            Selection::Dense => SparsityConfig {
+                dynamic_min_len: u32::MAX as usize,
+                ..base
+            },
+            Selection::Flat { budget } => SparsityConfig {
+                page_tokens: 16,
+                logical_page_tokens: 16,
+                token_budget: budget,
+                reuse_interval: 1,
+                dynamic_min_len: budget,
+                ..base
+            },
+            Selection::Hierarchical { budget, reuse } => SparsityConfig {
+                page_tokens: 64,
+                logical_page_tokens: 16,
+                token_budget: budget,
+                reuse_interval: reuse,
+                dynamic_min_len: budget,
+                ..base
+            },
+        }
+    }
+
+    /// The head pattern: `HeadPattern::interleaved` (evenly spread streaming heads; there is no
+    /// published DuoAttention gating for SmolLM2).
+    pub fn pattern(&self, g: ModelGeometry) -> Result<HeadPattern> {
+        Ok(HeadPattern::interleaved(g, self.streaming)?)
+    }
+}
+
+/// lserve's geometry of the model.
+pub fn geometry(model: &Llama) -> Result<ModelGeometry> {
+    let c = model.config();
+    Ok(ModelGeometry::new(
+        c.layers, c.q_heads, c.kv_heads, c.head_dim,
+    )?)
+}
+
+/// Time spent in candle (matrix work) and in lserve (attention).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timing {
+    /// candle: embedding, norms, projections, RoPE, MLP, output head.
+    pub candle: Duration,
+    /// lserve: attention (and cache writes).
+    pub lserve: Duration,
+}
+
+/// A prompt run through the model: every layer's keys and values (after RoPE, `f16`,
+/// `[T][Hkv][D]`) and the last token's hidden state. The same for every [`Setting`] with the
+/// same streaming heads (prefill does not select pages), so one prefill serves them all.
+pub struct Prefilled {
+    /// Per layer: keys and values.
+    pub kv: Vec<(Vec<f16>, Vec<f16>)>,
+    /// The last prompt token's hidden state `[1][hidden]`.
+    pub last_hidden: Tensor,
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Where the time went.
+    pub timing: Timing,
+}
+
+/// Runs `tokens` through the model, each layer's attention lserve's reference prefill with
+/// `pattern`'s streaming heads (Λ mask of `config`'s sinks and local tokens).
+pub fn prefill(
+    model: &Llama,
+    pattern: &HeadPattern,
+    config: &SparsityConfig,
+    tokens: &[u32],
+) -> Result<Prefilled> {
+    ensure!(!tokens.is_empty(), "an empty prompt");
+    let mut timing = Timing::default();
+    let mut kv = Vec::new();
+    let start = Instant::now();
+    let mut x = model.embed(tokens)?;
+    timing.candle += start.elapsed();
+    for layer in 0..model.config().layers {
+        let start = Instant::now();
+        let qkv = model.qkv(layer, &x, 0)?;
+        timing.candle += start.elapsed();
+        let start = Instant::now();
+        let attn = prefill_attention(pattern, config, layer, &qkv.q, &qkv.k, &qkv.v)?;
+        kv.push((to_f16(&qkv.k)?, to_f16(&qkv.v)?));
+        timing.lserve += start.elapsed();
+        let start = Instant::now();
+        x = model.finish_layer(layer, &x, &attn)?;
+        timing.candle += start.elapsed();
+    }
+    let last_hidden = x.narrow(0, tokens.len() - 1, 1)?;
+    Ok(Prefilled {
+        kv,
+        last_hidden,
+        tokens: tokens.len(),
+        timing,
+    })
+}
+
+/// A cache for `setting` holding the prefilled prompt, with room for `decode` more tokens.
+pub fn cache_for(
+    model: &Llama,
+    setting: &Setting,
+    prompt: &Prefilled,
+    decode: usize,
+    probe: bool,
+) -> Result<LserveAttention> {
+    let g = geometry(model)?;
+    let mut attn = LserveAttention::new(
+        setting.pattern(g)?,
+        setting.config(),
+        prompt.tokens + decode,
+        probe,
+    )?;
+    attn.reserve_prompt(prompt.tokens)?;
+    for (layer, (k, v)) in prompt.kv.iter().enumerate() {
+        attn.write_prompt(layer, k, v)?;
+    }
+    Ok(attn)
+}
+
+/// One decode step's result.
+pub struct Step {
+    /// Logits `[vocab]` for the next token.
+    pub logits: Vec<f32>,
+    /// Per layer: what each KV head visited.
+    pub visits: Vec<Vec<HeadVisit>>,
+    /// Per layer, with a probing cache: the comparison with dense attention.
+    pub probes: Vec<Probe>,
+}
+
+/// Decodes `token` at position `pos` through every layer (lserve's decode step for the
+/// attention) and returns the next token's logits; adds the time to `timing`.
+pub fn decode_token(
+    model: &Llama,
+    attn: &mut LserveAttention,
+    token: u32,
+    pos: usize,
+    timing: &mut Timing,
+) -> Result<Step> {
+    let start = Instant::now();
+    let mut x = model.embed(&[token])?;
+    timing.candle += start.elapsed();
+    attn.begin_step()?;
+    let (mut visits, mut probes) = (Vec::new(), Vec::new());
+    for layer in 0..model.config().layers {
+        let start = Instant::now();
+        let qkv = model.qkv(layer, &x, pos)?;
+        timing.candle += start.elapsed();
+        let start = Instant::now();
+        let (out, visit, probe) = attn.decode(layer, &qkv.q, &qkv.k, &qkv.v)?;
+        timing.lserve += start.elapsed();
+        visits.push(visit);
+        probes.extend(probe);
+        let start = Instant::now();
+        x = model.finish_layer(layer, &x, &out)?;
+        timing.candle += start.elapsed();
+    }
+    attn.end_step()?;
+    let start = Instant::now();
+    let logits = model.logits(&x)?.flatten_all()?.to_vec1::<f32>()?;
+    timing.candle += start.elapsed();
+    Ok(Step {
+        logits,
+        visits,
+        probes,
+    })
+}
+
+/// `-ln softmax(logits)[target]`, in `f64`.
+pub fn nll(logits: &[f32], target: u32) -> Result<f64> {
+    let t = target as usize;
+    ensure!(t < logits.len(), "token {t} past the vocabulary");
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - m).exp()).sum();
+    Ok(m + sum.ln() - logits[t] as f64)
+}

@@ -1,0 +1,190 @@
+//! The adapter against plain attention in candle ops (no model needed), and the whole engine on
+//! the GGUF (ignored without it).
+
+use candle_core::{DType, Device, Tensor, D};
+use lserve::config::SparsityConfig;
+use lserve::geometry::ModelGeometry;
+use lserve::head_pattern::HeadPattern;
+use lserve_candle_smollm2::adapter::{prefill_attention, to_f16, LserveAttention};
+use lserve_candle_smollm2::engine::{self, Selection, Setting, Timing};
+
+/// Causal softmax attention of `q [T][Hq][D]` over `k`, `v [T][Hkv][D]` in candle ops (f32),
+/// query head `h` on KV head `h / G`; rows `[T][Hq * D]`.
+fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    let (t, hq, d) = q.dims3().unwrap();
+    let hkv = k.dim(1).unwrap();
+    let g = hq / hkv;
+    let expand = |x: &Tensor| {
+        // [T][Hkv][D] -> [Hq][T][D]
+        let x = x.transpose(0, 1).unwrap().contiguous().unwrap();
+        let x = x.unsqueeze(1).unwrap().expand((hkv, g, t, d)).unwrap();
+        x.reshape((hq, t, d)).unwrap()
+    };
+    let (k, v) = (expand(k), expand(v));
+    let q = q.transpose(0, 1).unwrap().contiguous().unwrap();
+    let scores = (q.matmul(&k.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
+    let scores = scores.broadcast_add(&mask).unwrap();
+    let max = scores.max_keepdim(D::Minus1).unwrap();
+    let e = scores.broadcast_sub(&max).unwrap().exp().unwrap();
+    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap();
+    let o = p.matmul(&v).unwrap(); // [Hq][T][D]
+    o.transpose(0, 1).unwrap().reshape((t, hq * d)).unwrap()
+}
+
+/// Rounded to f16 and back, as the adapter hands them to lserve.
+fn f16_round(x: &Tensor) -> Tensor {
+    x.to_dtype(DType::F16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+}
+
+fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+    let scale = b.abs().unwrap().max_all().unwrap();
+    (diff / scale).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// SmolLM2's attention shape: 9 query heads on 3 KV heads (GQA group 3), D 64.
+#[test]
+fn adapter_prefill_and_decode_equal_candle_attention_for_group_3() {
+    let (t, hq, hkv, d) = (37, 9, 3, 64);
+    let g = ModelGeometry::new(1, hq, hkv, d).unwrap();
+    let dev = Device::Cpu;
+    let q = f16_round(&Tensor::randn(0f32, 1.0, (t, hq, d), &dev).unwrap());
+    let k = f16_round(&Tensor::randn(0f32, 1.0, (t, hkv, d), &dev).unwrap());
+    let v = f16_round(&Tensor::randn(0f32, 1.0, (t, hkv, d), &dev).unwrap());
+    let want = candle_attention(&q, &k, &v);
+
+    let pattern = HeadPattern::all_dense(g);
+    let config = SparsityConfig::default();
+    let got = prefill_attention(&pattern, &config, 0, &q, &k, &v).unwrap();
+    assert_eq!(got.dims(), &[t, hq * d]);
+    assert!(
+        max_rel(&got, &want) < 1e-5,
+        "prefill: {}",
+        max_rel(&got, &want)
+    );
+
+    // The same tokens again: a prompt of t - 5 tokens, then 5 decode steps through the cache.
+    let setting = Setting {
+        streaming: 0.0,
+        selection: Selection::Dense,
+    };
+    let mut attn = LserveAttention::new(pattern, setting.config(), t, true).unwrap();
+    let p = t - 5;
+    attn.reserve_prompt(p).unwrap();
+    let (kp, vp) = (k.narrow(0, 0, p).unwrap(), v.narrow(0, 0, p).unwrap());
+    attn.write_prompt(0, &to_f16(&kp).unwrap(), &to_f16(&vp).unwrap())
+        .unwrap();
+    for i in p..t {
+        attn.begin_step().unwrap();
+        let row = |x: &Tensor| x.narrow(0, i, 1).unwrap();
+        let (out, _, probe) = attn.decode(0, &row(&q), &row(&k), &row(&v)).unwrap();
+        attn.end_step().unwrap();
+        let want_row = want.narrow(0, i, 1).unwrap();
+        assert!(max_rel(&out, &want_row) < 1e-5, "decode at {i}");
+        let probe = probe.unwrap();
+        assert!(
+            probe.rel_err < 1e-12,
+            "dense against itself: {}",
+            probe.rel_err
+        );
+        assert!(probe.mass.iter().all(|m| (m - 1.0).abs() < 1e-9));
+    }
+}
+
+/// With page selection on, the probe reports less than all of the mass, and the output of a
+/// selection that takes every page is the dense one.
+#[test]
+fn selection_probe_reports_the_mass_it_missed() {
+    let (t, hq, hkv, d) = (300, 9, 3, 64);
+    let g = ModelGeometry::new(1, hq, hkv, d).unwrap();
+    let dev = Device::Cpu;
+    let k = f16_round(&Tensor::randn(0f32, 1.0, (t, hkv, d), &dev).unwrap());
+    let v = f16_round(&Tensor::randn(0f32, 1.0, (t, hkv, d), &dev).unwrap());
+    let q = f16_round(&Tensor::randn(0f32, 2.0, (1, hq, d), &dev).unwrap());
+    let setting = Setting {
+        streaming: 0.0,
+        selection: Selection::Flat { budget: 64 },
+    };
+    let mut attn =
+        LserveAttention::new(HeadPattern::all_dense(g), setting.config(), t + 1, true).unwrap();
+    attn.reserve_prompt(t).unwrap();
+    attn.write_prompt(0, &to_f16(&k).unwrap(), &to_f16(&v).unwrap())
+        .unwrap();
+    attn.begin_step().unwrap();
+    let kv = |x: &Tensor| x.narrow(0, 0, 1).unwrap();
+    let (_, visits, probe) = attn.decode(0, &q, &kv(&k), &kv(&v)).unwrap();
+    let probe = probe.unwrap();
+    assert_eq!(visits.len(), hkv);
+    for (m, n) in probe.mass.iter().zip(&probe.tokens) {
+        assert!(*m > 0.0 && *m < 1.0, "mass {m}");
+        assert!(*n < t + 1 && *n >= 64, "{n} tokens");
+    }
+    assert!(probe.rel_err > 0.0);
+}
+
+/// The engine on the real model: dense decode through lserve's cache gives the logits of one
+/// full prefill of the same tokens (the decode path, the cache writes and RoPE positions agree).
+#[test]
+#[ignore = "needs the SmolLM2 GGUF: scripts/fetch_smollm2.sh"]
+fn dense_decode_matches_prefill_on_smollm2() {
+    let path = lserve_candle_smollm2::default_gguf_path().unwrap();
+    let (model, content) = lserve_candle_smollm2::model::Llama::load(&path).unwrap();
+    let tok = lserve_candle_smollm2::tokenizer::from_gguf(&content).unwrap();
+    let text = "The GNU General Public License is a free, copyleft license for software and \
+                other kinds of works. The licenses for most software and other practical works \
+                are designed to take away your freedom to share and change the works.";
+    let ids = lserve_candle_smollm2::tokenizer::encode(&tok, text).unwrap();
+    assert!(ids.len() > 20, "{} tokens", ids.len());
+    let setting = Setting {
+        streaming: 0.0,
+        selection: Selection::Dense,
+    };
+    let g = engine::geometry(&model).unwrap();
+    let (p, n) = (ids.len() - 4, ids.len());
+    // Logits of every position from one prefill of all tokens.
+    let full = engine::prefill(
+        &model,
+        &setting.pattern(g).unwrap(),
+        &setting.config(),
+        &ids,
+    )
+    .unwrap();
+    let last_full = model.logits(&full.last_hidden).unwrap();
+    // The prompt, then the last 4 tokens decoded one at a time.
+    let pre = engine::prefill(
+        &model,
+        &setting.pattern(g).unwrap(),
+        &setting.config(),
+        &ids[..p],
+    )
+    .unwrap();
+    let mut attn = engine::cache_for(&model, &setting, &pre, n - p, false).unwrap();
+    let mut timing = Timing::default();
+    let mut last = Vec::new();
+    for (i, &token) in ids[p..].iter().enumerate() {
+        last = engine::decode_token(&model, &mut attn, token, p + i, &mut timing)
+            .unwrap()
+            .logits;
+    }
+    let last = Tensor::new(last.as_slice(), &Device::Cpu).unwrap();
+    let rel = max_rel(&last, &last_full.flatten_all().unwrap());
+    assert!(rel < 2e-2, "decode vs prefill logits: relative {rel}");
+    let (a, b) = (
+        last.argmax(0).unwrap().to_scalar::<u32>().unwrap(),
+        last_full
+            .flatten_all()
+            .unwrap()
+            .argmax(0)
+            .unwrap()
+            .to_scalar::<u32>()
+            .unwrap(),
+    );
+    assert_eq!(a, b);
+}
