@@ -54,6 +54,8 @@ fn args() -> PrefillArgs<'static> {
         local_tokens: LOCAL,
         block_masks: None,
         softmax_scale: None,
+        prefix_lens: None,
+        with_lse: false,
     }
 }
 

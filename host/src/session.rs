@@ -368,9 +368,9 @@ fn check_first_chunk(seq: SeqId, start: usize, n: usize) -> Result<()> {
     Err(invalid(
         "chunked prefill",
         format!(
-            "sequence {} holds {start} tokens: a later chunk ({n} tokens at {start}..{}) needs \
-             chunked prefill against the paged cache, which this version does not serve yet; \
-             prefill a sequence's whole prompt in its first chunk",
+            "sequence {} holds {start} tokens: the session does not take a later chunk ({n} \
+             tokens at {start}..{}) yet; prefill a sequence's whole prompt in its first chunk, \
+             or use gpu::prefill_chunks_into_cache on the cache directly",
             seq.get(),
             start + n
         ),
@@ -954,8 +954,7 @@ impl<E: DeviceElement> Prefill<'_, E> {
 }
 
 /// The one launch path of a prefill layer: every chunk is a whole prompt (checked when
-/// planned, [`check_first_chunk`]), written and attended by [`prefill_into_cache`]. Chunked
-/// prefill replaces this (and `check_first_chunk`).
+/// planned, [`check_first_chunk`]), written and attended by [`prefill_into_cache`].
 #[allow(clippy::too_many_arguments)]
 fn launch_prefill_layer<E: DeviceElement>(
     gpu: &GpuContext,
