@@ -592,6 +592,38 @@ pub fn prefill_attention<'t, E: DeviceElement>(
     PrefillPlan::new(gpu, args)?.run(gpu, q, k, v, out)
 }
 
+/// The attention arguments of `layer` of `cache` for the batch `cu_seqlens` (its head kinds,
+/// sink / local tokens and softmax scale); `InvalidArgument` for a layer out of range.
+fn cache_args<'a, E: DeviceElement>(
+    cache: &'a DeviceKvCache<E>,
+    layer: usize,
+    cu_seqlens: &'a [usize],
+    block_masks: Option<&'a [BlockMask]>,
+    prefix_lens: Option<&'a [usize]>,
+) -> Result<PrefillArgs<'a>> {
+    let pattern = cache.pattern();
+    let g = *pattern.geometry();
+    if layer >= g.layers() {
+        return Err(invalid(
+            "layer",
+            format!("{layer} is not below {}", g.layers()),
+        ));
+    }
+    Ok(PrefillArgs {
+        q_heads: g.q_heads(),
+        kv_heads: g.kv_heads(),
+        head_dim: g.head_dim(),
+        cu_seqlens,
+        kinds: pattern.layer_kinds(layer),
+        sink_tokens: cache.config.sink_tokens,
+        local_tokens: cache.config.local_tokens,
+        block_masks,
+        softmax_scale: Some(cache.softmax_scale),
+        prefix_lens,
+        with_lse: false,
+    })
+}
+
 /// Prefill of whole prompts into the paged cache, for one layer: writes the batch's K/V into
 /// `layer` of `cache` ([`write_kv_rows`]: dense heads into their pages, streaming heads their
 /// sinks and last `local_tokens` tokens), pools the dense heads' logical-page key statistics
@@ -622,13 +654,6 @@ pub fn prefill_into_cache<'t, E: DeviceElement>(
 ) -> Result<()> {
     let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
     kv_plan.check_current(cache)?;
-    let pattern = cache.pattern();
-    if layer >= pattern.geometry().layers() {
-        return Err(invalid(
-            "layer",
-            format!("{layer} is not below {}", pattern.geometry().layers()),
-        ));
-    }
     for r in kv_plan.plan().ranges() {
         if r.start != 0 || r.end != r.len {
             return Err(invalid(
@@ -640,26 +665,13 @@ pub fn prefill_into_cache<'t, E: DeviceElement>(
             ));
         }
     }
-    let g = *pattern.geometry();
     let cu: Vec<usize> = kv_plan
         .plan()
         .cu_seqlens()
         .iter()
         .map(|&x| x as usize)
         .collect();
-    let args = PrefillArgs {
-        q_heads: g.q_heads(),
-        kv_heads: g.kv_heads(),
-        head_dim: g.head_dim(),
-        cu_seqlens: &cu,
-        kinds: pattern.layer_kinds(layer),
-        sink_tokens: cache.config.sink_tokens,
-        local_tokens: cache.config.local_tokens,
-        block_masks,
-        softmax_scale: Some(cache.softmax_scale),
-        prefix_lens: None,
-        with_lse: false,
-    };
+    let args = cache_args(cache, layer, &cu, block_masks, None)?;
     // Every check before the first launch: the attention's plan and tensors, then the writes
     // (which check the cache and `k`, `v` before launching).
     let plan = PrefillPlan::new(gpu, &args)?;
@@ -795,14 +807,7 @@ pub fn prefill_chunks_into_cache<'t, E: DeviceElement>(
     }
     let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
     kv_plan.check_current(cache)?;
-    let pattern = cache.pattern();
-    let g = *pattern.geometry();
-    if layer >= g.layers() {
-        return Err(invalid(
-            "layer",
-            format!("{layer} is not below {}", g.layers()),
-        ));
-    }
+    let g = *cache.pattern().geometry();
     if let Some(r) = ranges.iter().find(|r| r.end != r.len || r.start == r.end) {
         return Err(invalid(
             "kv_plan",
@@ -833,19 +838,7 @@ pub fn prefill_chunks_into_cache<'t, E: DeviceElement>(
         });
     }
     let prefixes: Vec<usize> = ranges.iter().map(|r| r.start as usize).collect();
-    let args = PrefillArgs {
-        q_heads: g.q_heads(),
-        kv_heads: g.kv_heads(),
-        head_dim: g.head_dim(),
-        cu_seqlens: &cu,
-        kinds: pattern.layer_kinds(layer),
-        sink_tokens: cache.config.sink_tokens,
-        local_tokens: cache.config.local_tokens,
-        block_masks: None,
-        softmax_scale: Some(cache.softmax_scale),
-        prefix_lens: Some(&prefixes),
-        with_lse: false,
-    };
+    let args = cache_args(cache, layer, &cu, None, Some(&prefixes))?;
     let plan = PrefillPlan::new(gpu, &args)?;
     // `q` and `out` hold the chunks; `k` and `v` are checked by the gather and the write.
     let q_stride = q.heads_stride(gpu, "q", plan.query_rows(), g.q_heads(), g.head_dim())?;
