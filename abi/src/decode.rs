@@ -210,4 +210,7 @@ pub struct CombineArgs {
     pub part_ml: GlobalPtr<f32>,
     /// `[batch]` rows of `[q_heads][D]` outputs, `params.strides.out` heads apart.
     pub out: GlobalPtrMut<u16>,
+    /// `[batch][q_heads]` log-sum-exp of each query head's scaled scores in natural units
+    /// (`ln Σ_j e^(scale · q·k_j)` over the keys it attended), or null: not written.
+    pub lse: GlobalPtrMut<f32>,
 }

@@ -7,6 +7,7 @@ use lserve_abi::decode::{
     COMBINE_THREADS, DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 use lserve_abi::layout::TokenStrides;
+use lserve_abi::ptr::GlobalPtrMut;
 
 use super::cache::{fresh_id, layer_out_of_range, DecodeBatch, DeviceElement, DeviceKvCache};
 use super::kv_write::AppendPlan;
@@ -308,8 +309,68 @@ impl<'b> DecodePlan<'b> {
         out: impl Into<TokensMut<'t, E>>,
         ws: &mut DecodeWorkspace,
     ) -> Result<()> {
-        let (q, mut out) = (q.into(), out.into());
+        self.run_inner(gpu, cache, layer, q.into(), out.into(), None, ws)
+    }
+
+    /// [`run`](Self::run), and the log-sum-exp of each query head's scaled scores over the keys
+    /// it attended (natural log) into `lse [B][Hq]`, as
+    /// [`PlannedStep::layer_with_lse`](crate::gpu::PlannedStep::layer_with_lse). Errors: those of [`run`](Self::run), and
+    /// `ShapeMismatch` for `lse` shorter than `B · Hq` (nothing launched).
+    ///
+    /// ```no_run
+    /// # use half::bf16;
+    /// # use lserve::config::SparsityConfig;
+    /// # use lserve::geometry::ModelGeometry;
+    /// # use lserve::gpu::{DecodeBatch, DecodePlan, DecodeWorkspace, DeviceKvCache, GpuContext};
+    /// # use lserve::head_pattern::HeadPattern;
+    /// # use lserve::paging::KvCacheManager;
+    /// # let gpu = GpuContext::new(0)?;
+    /// # let g = ModelGeometry::llama3_8b();
+    /// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+    /// # let seq = mgr.add_sequence()?;
+    /// # mgr.reserve(seq, 1000)?;
+    /// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// # let mut batch = DecodeBatch::new(&gpu, 1)?;
+    /// # batch.set(&gpu, &mgr, &mut cache, &[seq])?;
+    /// # let mut ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim())?;
+    /// # let (hq, d) = (g.q_heads(), g.head_dim());
+    /// # let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+    /// # let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+    /// let mut lse = gpu.stream().alloc_zeros::<f32>(hq)?;
+    /// let plan = DecodePlan::new(&gpu, &cache, &batch, &ws)?;
+    /// plan.run_with_lse(&gpu, &cache, 0, &q, &mut out, &mut lse, &mut ws)?;
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_with_lse<'t, E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        q: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
+        lse: &mut CudaSlice<f32>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<()> {
+        self.run_inner(gpu, cache, layer, q.into(), out.into(), Some(lse), ws)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_inner<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        cache: &DeviceKvCache<E>,
+        layer: usize,
+        q: Tokens<'_, E>,
+        mut out: TokensMut<'_, E>,
+        lse: Option<&mut CudaSlice<f32>>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<()> {
         let (l, plan) = self.layers.check(gpu, cache, layer, &q, None, &out, ws)?;
+        if let Some(lse) = &lse {
+            let q_heads = cache.pattern().geometry().q_heads();
+            check_lse(lse, self.layers.batch.len(), q_heads)?;
+        }
         launch_attention(
             gpu,
             cache,
@@ -318,11 +379,24 @@ impl<'b> DecodePlan<'b> {
             &q,
             None,
             &mut out,
+            lse,
             ws,
             plan,
             &l.kernels,
         )
     }
+}
+
+/// `ShapeMismatch` unless `lse` holds a log-sum-exp per query head of a batch of `batch`.
+pub(crate) fn check_lse(lse: &CudaSlice<f32>, batch: usize, q_heads: usize) -> Result<()> {
+    if lse.len() < batch * q_heads {
+        return Err(LserveError::ShapeMismatch {
+            what: "lse (a value per sequence and query head)",
+            expected: batch * q_heads,
+            actual: lse.len(),
+        });
+    }
+    Ok(())
 }
 
 /// Decode attention of one layer for `batch`: [`DecodePlan::new`] then [`DecodePlan::run`]
@@ -464,7 +538,7 @@ impl<'b> AppendAttendPlan<'b> {
         let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
         let step = self.check(gpu, cache, layer, &q, (&k, &v), &out, ws)?;
         step.append_first(gpu, cache, layer, (&k, &v))?;
-        step.attend(gpu, cache, layer, &q, (&k, &v), &mut out, ws)
+        step.attend(gpu, cache, layer, &q, (&k, &v), &mut out, None, ws)
     }
 
     /// The checks of a run (launches nothing): the layer's launches, ready to enqueue.
@@ -602,6 +676,7 @@ impl AppendAttend<'_> {
         q: &Tokens<'_, E>,
         new: (&Tokens<'_, E>, &Tokens<'_, E>),
         out: &mut TokensMut<'_, E>,
+        lse: Option<&mut CudaSlice<f32>>,
         ws: &mut DecodeWorkspace,
     ) -> Result<()> {
         // With the append inside, the kernel writes the cache through the pointers
@@ -616,6 +691,7 @@ impl AppendAttend<'_> {
             q,
             new,
             out,
+            lse,
             ws,
             self.plan,
             self.kernels,
@@ -823,6 +899,7 @@ fn launch_attention<E: DeviceElement>(
     q: &Tokens<'_, E>,
     new: Option<(&Tokens<'_, E>, &Tokens<'_, E>)>,
     out: &mut TokensMut<'_, E>,
+    lse: Option<&mut CudaSlice<f32>>,
     ws: &mut DecodeWorkspace,
     plan: LaunchPlan,
     kernels: &AttentionKernels,
@@ -901,10 +978,15 @@ fn launch_attention<E: DeviceElement>(
         part_acc: launch.read(&ws.part_acc),
         part_ml: launch.read(&ws.part_ml),
         out: launch.write(out.view_mut()).cast(),
+        lse: match lse {
+            Some(lse) => launch.write(lse),
+            None => GlobalPtrMut::NULL,
+        },
     };
     // SAFETY: `decode_combine_*`'s argument struct, of the buffers registered above; the
     // partial states were written for this batch and split count just above, on this stream;
-    // `out` holds `B` rows of `Hq * D` elements at its stride (checked).
+    // `out` holds `B` rows of `Hq * D` elements at its stride (checked), `lse` (when given) at
+    // least `B * Hq` values (`check_lse`).
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
     unsafe { launch.launch(cfg, &args) }?;

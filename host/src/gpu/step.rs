@@ -21,8 +21,10 @@
 //! Lengths may grow between replays (the kernels read them, and every split takes a share of the
 //! rows found on the device); a different batch size needs another capture.
 
+use cudarc::driver::CudaSlice;
+
 use super::cache::{DecodeBatch, DeviceElement, DeviceKvCache};
-use super::decode::{AppendAttendPlan, AppendLaunch, DecodeWorkspace};
+use super::decode::{check_lse, AppendAttendPlan, AppendLaunch, DecodeWorkspace};
 use super::select::{advance_decode_steps, SelectPlan, SelectWorkspace};
 use super::tokens::{Tokens, TokensMut};
 use super::GpuContext;
@@ -392,13 +394,83 @@ impl<'a> PlannedStep<'a> {
         v: impl Into<Tokens<'t, E>>,
         out: impl Into<TokensMut<'t, E>>,
     ) -> Result<()> {
-        let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
+        let (q, k, v, out) = (q.into(), k.into(), v.into(), out.into());
+        self.run_layer(selects, gpu, cache, layer, (q, k, v), out, None)
+    }
+
+    /// [`layer`](Self::layer), and the log-sum-exp of each query head's scaled scores over the
+    /// keys it attended (`ln Σ_j e^(scale · q·k_j)`, natural log) into `lse [B][Hq]`: with it
+    /// an engine merges this attention with attention it computes elsewhere (cascade or
+    /// shared-prefix attention: `o = (e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b)`).
+    ///
+    /// Errors: those of [`layer`](Self::layer), and `ShapeMismatch` for `lse` shorter than
+    /// `B · Hq` (nothing launched).
+    ///
+    /// ```no_run
+    /// # use half::bf16;
+    /// # use lserve::config::SparsityConfig;
+    /// # use lserve::geometry::ModelGeometry;
+    /// # use lserve::gpu::{DecodeStep, DeviceKvCache, GpuContext};
+    /// # use lserve::head_pattern::HeadPattern;
+    /// # use lserve::paging::KvCacheManager;
+    /// # let gpu = GpuContext::new(0)?;
+    /// # let g = ModelGeometry::llama3_8b();
+    /// # let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 1, 65536)?;
+    /// # let seq = mgr.add_sequence()?;
+    /// # let mut cache = DeviceKvCache::<bf16>::new(&gpu, &mgr)?;
+    /// # let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+    /// # let q = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+    /// # let k = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+    /// # let v = gpu.stream().alloc_zeros::<bf16>(hkv * d)?;
+    /// # let mut out = gpu.stream().alloc_zeros::<bf16>(hq * d)?;
+    /// let mut lse = gpu.stream().alloc_zeros::<f32>(hq)?; // batch 1
+    /// let mut step = DecodeStep::new(&gpu, &cache, 1)?;
+    /// let mut plan = step.plan(&gpu, &mut mgr, &mut cache, &[seq])?;
+    /// for layer in 0..g.layers() {
+    ///     plan.layer_with_lse(&gpu, &mut cache, layer, &q, &k, &v, &mut out, &mut lse)?;
+    /// }
+    /// plan.finish(&gpu, &mut cache)?;
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_with_lse<'t, E: DeviceElement>(
+        &mut self,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        q: impl Into<Tokens<'t, E>>,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (q, k, v, out) = (q.into(), k.into(), v.into(), out.into());
+        let selects = self.selects;
+        self.run_layer(selects, gpu, cache, layer, (q, k, v), out, Some(lse))
+    }
+
+    /// The one path of a layer: every check, then the launches (the selector exactly when
+    /// `selects`, as [`layer_with_selector`](Self::layer_with_selector)).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_layer<E: DeviceElement>(
+        &mut self,
+        selects: bool,
+        gpu: &GpuContext,
+        cache: &mut DeviceKvCache<E>,
+        layer: usize,
+        (q, k, v): (Tokens<'_, E>, Tokens<'_, E>, Tokens<'_, E>),
+        mut out: TokensMut<'_, E>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
         let (q, k, v) = (&q, &k, &v);
         // Every launch is checked before the first is enqueued (the cache's tables first): an
         // error leaves the cache as it was.
         let attend = self
             .attend
             .check(gpu, cache, layer, q, (k, v), &out, self.attention)?;
+        if let Some(lse) = &lse {
+            check_lse(lse, self.batch.len(), cache.pattern().geometry().q_heads())?;
+        }
         if selects && self.select.is_none() {
             self.select = Some(SelectPlan::new(gpu, cache, self.batch, self.selection)?);
         }
@@ -414,7 +486,7 @@ impl<'a> PlannedStep<'a> {
             select.launch(gpu, cache, layer, self.batch, q, self.selection)?;
             self.selected = true;
         }
-        attend.attend(gpu, cache, layer, q, (k, v), &mut out, self.attention)
+        attend.attend(gpu, cache, layer, q, (k, v), &mut out, lse, self.attention)
     }
 
     /// Ends the step: advances the device's step counters of the batch's slots (a launch, part

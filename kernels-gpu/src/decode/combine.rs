@@ -10,7 +10,8 @@
 //! `k, k + slices, ...`, and the slices meet in shared memory. A thread loads its first 16 splits'
 //! accumulators before anything else, so that their round trip overlaps the loads and reductions
 //! of `M` and the weights (at D 128 that is every split up to 64); further splits follow with
-//! eight loads in flight.
+//! eight loads in flight. With a log-sum-exp buffer, thread 0 also writes the row's
+//! `(M + log2 Σ w_s l_s) · ln 2`, the natural log-sum-exp of its scaled scores.
 
 use lserve_abi::decode::{CombineArgs, CombineParams, COMBINE_THREADS, MAX_SPLITS};
 
@@ -65,13 +66,15 @@ unsafe fn block_reduce(
 /// # Safety
 /// Grid `p.batch * p.q_heads`, `COMBINE_THREADS` threads, `combine_smem_bytes()` of dynamic
 /// shared memory, `p.splits <= MAX_SPLITS`; `part_acc` / `part_ml` as the decode kernel wrote
-/// them for the same batch, `out` is `[batch][q_heads][head_dim]`.
+/// them for the same batch, `out` is `[batch][q_heads][head_dim]`, `lse` null or
+/// `[batch][q_heads]`.
 #[inline(always)]
 unsafe fn combine<E: Half16>(
     p: &CombineParams,
     part_acc: *const f32,
     part_ml: *const f32,
     out: *mut u16,
+    lse: *mut f32,
 ) {
     let row = block_idx_x(); // b * q_heads + q_head
     let (b, q_head) = (row / p.q_heads, row % p.q_heads);
@@ -132,6 +135,11 @@ unsafe fn combine<E: Half16>(
     }
     // SAFETY: as above; its barriers also publish the weights.
     let den = unsafe { block_reduce(merged.l, scratch, warp_sum_f32, |a, b| a + b) };
+    if tid == 0 && !lse.is_null() {
+        let total = SoftmaxState { m: m_max, l: den };
+        // SAFETY: `lse` holds `[batch][q_heads]` f32 when not null; `row < batch * q_heads`.
+        unsafe { lse.add(row as usize).write(total.natural_lse()) };
+    }
 
     // The sums, per slice: the early splits, then the rest with IN_FLIGHT loads at a time.
     // SAFETY (weights): written before the last barrier of `block_reduce`, `s < splits`.
@@ -197,7 +205,15 @@ pub unsafe extern "gpu-kernel" fn decode_combine_bf16(a: CombineArgs) {
     // SAFETY: first thing in the kernel; the host launches it overlapped.
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
-    unsafe { combine::<Bf16>(&a.params, a.part_acc.get(), a.part_ml.get(), a.out.get()) }
+    unsafe {
+        combine::<Bf16>(
+            &a.params,
+            a.part_acc.get(),
+            a.part_ml.get(),
+            a.out.get(),
+            a.lse.get(),
+        )
+    }
 }
 
 /// Combine entry point for f16 outputs.
@@ -209,5 +225,13 @@ pub unsafe extern "gpu-kernel" fn decode_combine_f16(a: CombineArgs) {
     // SAFETY: first thing in the kernel; the host launches it overlapped.
     unsafe { crate::sync::overlapped_entry() };
     // SAFETY: forwarded launch contract.
-    unsafe { combine::<F16>(&a.params, a.part_acc.get(), a.part_ml.get(), a.out.get()) }
+    unsafe {
+        combine::<F16>(
+            &a.params,
+            a.part_acc.get(),
+            a.part_ml.get(),
+            a.out.get(),
+            a.lse.get(),
+        )
+    }
 }

@@ -55,7 +55,7 @@ use crate::tile::{SmemTile, SoftmaxState};
 use crate::warp::shfl_idx_u32;
 use block_iter::Window;
 use mask::{BlockMask, HeadPattern, Mask};
-use softmax::{natural_lse, rescale_unless_settled, RowSoftmax};
+use softmax::{rescale_unless_settled, RowSoftmax};
 use tiles::{
     load_query_tile_async, load_tiles_async, KvTile, QRows, SmemLayout, MAX_O_TILES, S_TILES,
 };
@@ -434,7 +434,7 @@ unsafe fn prefill_attention<
                 unsafe {
                     t.lse
                         .add(out_row * p.q_heads as usize + head as usize)
-                        .write(natural_lse(totals[m][half]))
+                        .write(totals[m][half].natural_lse())
                 };
             }
         });

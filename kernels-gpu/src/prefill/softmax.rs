@@ -14,7 +14,7 @@
 //! its rows over all their keys, so it never merges.
 
 use super::tiles::{MAX_O_TILES, S_TILES};
-use crate::math::{exp2, fma, log2};
+use crate::math::{exp2, fma};
 use crate::mma::FragC;
 use crate::tile::SoftmaxState;
 use crate::unroll8;
@@ -144,13 +144,6 @@ impl RowSoftmax {
         // SAFETY: forwarded.
         unsafe { [self.rows[0].quad_total(), self.rows[1].quad_total()] }
     }
-}
-
-/// A row's log-sum-exp in natural units, `ln Σ_j e^(scale · s_j)`, from its final state: `m` is
-/// in base-2 units and `l` relative to `2^m`, so it is `(m + log2 l) · ln 2`.
-#[inline(always)]
-pub fn natural_lse(total: SoftmaxState) -> f32 {
-    (total.m + log2(total.l)) * core::f32::consts::LN_2
 }
 
 /// `op` over 16 values as a pairwise tree (4 dependent levels).

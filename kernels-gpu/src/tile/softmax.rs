@@ -30,6 +30,13 @@ pub struct SoftmaxState {
 }
 
 impl SoftmaxState {
+    /// The log-sum-exp of the final state in natural units, `ln Σ_j e^(scale · s_j)`: `m` is in
+    /// base-2 units and `l` relative to `2^m`, so it is `(m + log2 l) · ln 2`.
+    #[inline(always)]
+    pub fn natural_lse(self) -> f32 {
+        (self.m + crate::math::log2(self.l)) * core::f32::consts::LN_2
+    }
+
     /// The state of no keys.
     pub const EMPTY: Self = Self {
         m: f32::NEG_INFINITY,

@@ -100,6 +100,20 @@ pub fn decode_attention_tables<E: Element>(
     seqs: &[SeqId],
     q: &[E],
 ) -> Result<Vec<f64>> {
+    Ok(decode_attention_tables_with_lse(mgr, cache, tables, layer, seqs, q)?.0)
+}
+
+/// [`decode_attention_tables`] and the log-sum-exp of each query head's scaled scores over the
+/// rows it attended (natural log, `[B][Hq]`): what the decode step's combine writes when given
+/// a log-sum-exp buffer. Same errors.
+pub fn decode_attention_tables_with_lse<E: Element>(
+    mgr: &KvCacheManager,
+    cache: &HostKvCache<E>,
+    tables: &IndexTables,
+    layer: usize,
+    seqs: &[SeqId],
+    q: &[E],
+) -> Result<(Vec<f64>, Vec<f64>)> {
     let views = batch_views(mgr, cache, layer, seqs, q)?;
     let g = *mgr.geometry();
     let config = mgr.config();
@@ -108,6 +122,7 @@ pub fn decode_attention_tables<E: Element>(
     let scale = config.softmax_scale_for(d) as f64;
     let pattern = mgr.pattern();
     let mut out = vec![0.0f64; seqs.len() * hq * d];
+    let mut lse = vec![0.0f64; seqs.len() * hq];
     for (b, view) in views.iter().enumerate() {
         for kv_head in 0..hkv {
             // The (key, value) rows this head attends, as f32.
@@ -147,9 +162,11 @@ pub fn decode_attention_tables<E: Element>(
             for h in kv_head * group..(kv_head + 1) * group {
                 let row = (b * hq + h) * d;
                 let qh = to_f32(&q[row..row + d]);
-                out[row..row + d].copy_from_slice(&attend_rows(&qh, &k_rows, &v_rows, scale).out);
+                let a = attend_rows(&qh, &k_rows, &v_rows, scale);
+                out[row..row + d].copy_from_slice(&a.out);
+                lse[b * hq + h] = a.lse;
             }
         }
     }
-    Ok(out)
+    Ok((out, lse))
 }
