@@ -52,8 +52,8 @@ pub struct Options {
     /// sizes (`--dense false` skips it).
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pub dense: bool,
-    /// Prefill chunk in tokens (default: the whole prompt). Chunks shorter than the prompt need
-    /// chunked prefill, which lserve does not serve yet: an error.
+    /// Prefill chunk in tokens (default: the whole prompt): the prompt is prefilled in chunks of
+    /// this many tokens, each attending to the cached prefix and to itself.
     #[arg(long)]
     pub chunk: Option<usize>,
     /// Replay the decode steps from CUDA graphs captured on the first step (default: eager
@@ -67,15 +67,9 @@ pub struct Options {
 
 fn main() -> ExitCode {
     let options = Options::parse();
-    if let Some(chunk) = options.chunk {
-        if chunk == 0 || chunk < options.context {
-            eprintln!(
-                "error: --chunk {chunk}: chunked prefill (a prompt in chunks shorter than its \
-                 {} tokens) is not served yet; leave --chunk out or give the whole prompt",
-                options.context
-            );
-            return ExitCode::from(2);
-        }
+    if options.chunk == Some(0) {
+        eprintln!("error: --chunk 0: a prefill chunk holds at least one token");
+        return ExitCode::from(2);
     }
     match run_main(&options) {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,9 +2,11 @@
 //! LServe pattern and (with `--dense`) an all-dense pattern at the same cache sizes, and the
 //! last step of two layers checked against the CPU reference on the device's selection.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 use lserve::config::SparsityConfig;
@@ -113,7 +115,12 @@ fn measure(
     let max_len = context + steps;
     let pages = batch * config.pages_for_len(max_len);
     let mgr = KvCacheManager::new(g, pattern.clone(), *config, pages, batch, max_len)?;
+    let chunk = o.chunk.unwrap_or(context).min(context);
     let mut session = SparseAttention::<bf16>::new(gpu.clone(), mgr, batch)?;
+    if chunk < context {
+        // One sequence's chunks at a time: its whole length is the most a launch gathers.
+        session = session.with_prefill_chunks(context)?;
+    }
     let s = gpu.stream().clone();
 
     // Prefill activations: queries and values filled on the device, keys from the host.
@@ -132,19 +139,36 @@ fn measure(
     let mut out = s.alloc_zeros::<bf16>(context * hq * d)?;
     s.synchronize()?;
 
-    let pb = bar((batch * layers) as u64, &format!("{name}: prefill"));
+    let chunks = context.div_ceil(chunk);
+    let pb = bar(
+        (batch * chunks * layers) as u64,
+        &format!("{name}: prefill"),
+    );
     let mut seqs = Vec::new();
     let mut ttft = Duration::ZERO;
     for _ in 0..batch {
         let seq = session.add_sequence()?;
         let start = Instant::now();
-        let mut pf = session.prefill(&[(seq, context)])?;
-        for layer in 0..layers {
-            let kl = layer % KEY_LAYERS;
-            pf.layer(layer, &q, &k[kl], &v[kl], &mut out)?;
-            pb.inc(1);
+        for first in (0..context).step_by(chunk) {
+            let n = chunk.min(context - first);
+            let mut pf = session.prefill(&[(seq, n)])?;
+            for layer in 0..layers {
+                let kl = layer % KEY_LAYERS;
+                fn rows(x: &CudaSlice<bf16>, at: Range<usize>, row: usize) -> CudaView<'_, bf16> {
+                    x.slice(at.start * row..at.end * row)
+                }
+                let at = first..first + n;
+                pf.layer(
+                    layer,
+                    rows(&q, at.clone(), hq * d),
+                    rows(&k[kl], at.clone(), hkv * d),
+                    rows(&v[kl], at.clone(), hkv * d),
+                    out.slice_mut(..n * hq * d),
+                )?;
+                pb.inc(1);
+            }
+            pf.finish()?;
         }
-        pf.finish()?;
         s.synchronize()?;
         ttft += start.elapsed();
         seqs.push(seq);

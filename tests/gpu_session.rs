@@ -19,10 +19,11 @@ use std::sync::Arc;
 
 use common::{check_selection, gpu, head_pattern, random_vec, tolerance};
 use half::bf16;
+use lserve::block_iter::BlockMask;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{download_selection, GpuContext};
-use lserve::head_pattern::HeadPattern;
+use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
 use lserve::reference::decode::{decode_attention_tables, decode_step, HeadVisit};
@@ -278,12 +279,62 @@ fn check_entries(
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn a_thousand_steps_with_sequences_joining_and_leaving_match_the_reference() {
+    let (joined, left, sampled) = join_and_leave(1000, 18, 40);
+    assert!(joined >= 10 && left >= 8, "{joined} joined, {left} left");
+    assert!(sampled >= 25, "{sampled} sampled steps");
+}
+
+/// The soak: `LSERVE_SOAK_STEPS` decode steps (default 100,000) of sequences joining and
+/// leaving, as the thousand-step test (every step's selections against the reference, every
+/// layer's output and the whole cache on sampled steps, page ownership checked there, no page
+/// left at the end). Under compute-sanitizer run it with a small `LSERVE_SOAK_STEPS`.
+#[test]
+#[ignore = "needs a CUDA GPU; long (a soak of 100,000 steps, LSERVE_SOAK_STEPS sets it)"]
+fn soak_of_sequences_joining_and_leaving() {
+    let steps = std::env::var("LSERVE_SOAK_STEPS")
+        .ok()
+        .map(|s| s.parse::<usize>().expect("LSERVE_SOAK_STEPS: a step count"))
+        .unwrap_or(100_000);
+    let start = std::time::Instant::now();
+    let (joined, left, sampled) = join_and_leave(steps, 0x50a4, 200);
+    println!(
+        "soak: {steps} steps, {joined} sequences joined, {left} left, {sampled} sampled steps \
+         checked, {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    assert!(
+        joined >= steps / 100 && left >= steps / 120,
+        "{joined} joined, {left} left"
+    );
+}
+
+/// Pages of the live sequences: none in two block tables, as many as the pool has in use.
+fn check_page_ownership(session: &SparseAttention<bf16>, step: usize) {
+    let mgr = session.manager();
+    let mut owned = std::collections::BTreeSet::new();
+    for seq in session.sequences().live() {
+        for &page in mgr.block_table(seq).unwrap().pages() {
+            assert!(owned.insert(page), "step {step}: page {page} owned twice");
+        }
+    }
+    let pool = mgr.pool();
+    assert_eq!(
+        owned.len(),
+        pool.capacity() - pool.free_pages(),
+        "step {step}: pages in use but in no block table"
+    );
+}
+
+/// `steps` decode steps over two layers with sequences joining and leaving, checked against the
+/// reference (see the module docs); outputs and the cache compared every `sample_every` steps
+/// and on every step with a join. Returns (sequences joined, left, steps sampled).
+fn join_and_leave(steps: usize, seed: u64, sample_every: usize) -> (usize, usize, usize) {
     let gpu = Arc::new(gpu());
     let g = *pattern().geometry();
     let (hq, hkv, layers) = (g.q_heads(), g.kv_heads(), g.layers());
     let mut session = SparseAttention::<bf16>::new(gpu.clone(), manager(), SLOTS).unwrap();
     let mut r = Reference::new();
-    let mut rng = StdRng::seed_from_u64(18);
+    let mut rng = StdRng::seed_from_u64(seed);
     let s = gpu.stream().clone();
     // Per layer device buffers of the largest batch (a step uses the first B rows).
     let alloc = |n: usize| -> Vec<_> {
@@ -302,7 +353,7 @@ fn a_thousand_steps_with_sequences_joining_and_leaving_match_the_reference() {
     let mut diverged = Diverged::new();
     let (mut joined, mut left, mut sampled) = (0usize, 0usize, 0usize);
 
-    for step in 0..1000 {
+    for step in 0..steps {
         // Joins: up to the free slots, prefilled together (a few start empty and decode at once).
         let mut joins_now = false;
         if live.len() < SLOTS && (live.is_empty() || rng.gen_bool(0.08)) {
@@ -394,8 +445,9 @@ fn a_thousand_steps_with_sequences_joining_and_leaving_match_the_reference() {
         }
 
         // Sampled steps: every layer's output and the whole cache.
-        if step % 40 == 0 || joins_now {
+        if step % sample_every == 0 || joins_now {
             sampled += 1;
+            check_page_ownership(&session, step);
             let mut host = HostKvCache::<bf16>::for_manager(&r.mgr).unwrap();
             let mut tables = IndexTables::for_manager(&r.mgr).unwrap();
             session
@@ -448,9 +500,10 @@ fn a_thousand_steps_with_sequences_joining_and_leaving_match_the_reference() {
             left += 1;
         }
         live = going;
+        if steps >= 10_000 && (step + 1) % 10_000 == 0 {
+            eprintln!("{} steps: {joined} joined, {left} left, {sampled} sampled", step + 1);
+        }
     }
-    assert!(joined >= 10 && left >= 8, "{joined} joined, {left} left");
-    assert!(sampled >= 25, "{sampled} sampled steps");
     for (seq, _) in live {
         session.free_sequence(seq).unwrap();
     }
@@ -458,6 +511,7 @@ fn a_thousand_steps_with_sequences_joining_and_leaving_match_the_reference() {
     assert_eq!(pool.free_pages(), pool.capacity(), "pool pages leaked");
     assert_eq!(session.manager().num_sequences(), 0);
     assert_eq!(session.memory().used_bytes, 0);
+    (joined, left, sampled)
 }
 
 /// Runs one decode step of `batch` on `session`, eagerly, with per layer `acts`, and returns
@@ -724,4 +778,382 @@ fn misuse_is_a_typed_error_and_leaves_the_session_usable() {
     session.free_sequence(b).unwrap();
     let pool = session.manager().pool();
     assert_eq!(pool.free_pages(), pool.capacity());
+}
+
+/// A session's prefill output rows and its device cache after them.
+struct Prefilled {
+    /// Per layer, per sequence, `[len][Hq][D]` outputs in position order.
+    out: Vec<Vec<Vec<bf16>>>,
+    host: HostKvCache<bf16>,
+}
+
+/// Prefills sequences `seqs` (added in this order on a fresh session) in `rounds`: each round
+/// one prefill of `(sequence index, tokens)` chunks, the rows of `x` (per sequence, per layer,
+/// `[q, k, v]` over its whole prompt) that follow what the sequence holds.
+fn prefill_rounds(
+    gpu: &Arc<GpuContext>,
+    session: &mut SparseAttention<bf16>,
+    x: &[Activations],
+    rounds: &[Vec<(usize, usize)>],
+) -> (Vec<SeqId>, Prefilled) {
+    let g = *pattern().geometry();
+    let (hq, hkv) = (g.q_heads(), g.kv_heads());
+    let s = gpu.stream();
+    let seqs: Vec<SeqId> = x.iter().map(|_| session.add_sequence().unwrap()).collect();
+    let mut out: Vec<Vec<Vec<bf16>>> = (0..g.layers())
+        .map(|_| x.iter().map(|_| Vec::new()).collect())
+        .collect();
+    for round in rounds {
+        let chunks: Vec<(SeqId, usize)> = round.iter().map(|&(i, n)| (seqs[i], n)).collect();
+        let starts: Vec<usize> = round
+            .iter()
+            .map(|&(i, _)| session.manager().len(seqs[i]).unwrap())
+            .collect();
+        let mut pf = session.prefill(&chunks).unwrap();
+        let rows = pf.tokens();
+        for layer in 0..g.layers() {
+            let mut qkv = [Vec::new(), Vec::new(), Vec::new()];
+            for (&(i, n), &start) in round.iter().zip(&starts) {
+                for (t, heads) in [hq, hkv, hkv].into_iter().enumerate() {
+                    let row = heads * D;
+                    qkv[t].extend_from_slice(&x[i][layer][t][start * row..(start + n) * row]);
+                }
+            }
+            let [q, k, v] = qkv.map(|a| s.clone_htod(&a).unwrap());
+            let mut o = s.alloc_zeros::<bf16>(rows * hq * D).unwrap();
+            pf.layer(layer, &q, &k, &v, &mut o).unwrap();
+            let o = s.clone_dtoh(&o).unwrap();
+            let mut at = 0;
+            for &(i, n) in round {
+                out[layer][i].extend_from_slice(&o[at..at + n * hq * D]);
+                at += n * hq * D;
+            }
+        }
+        pf.finish().unwrap();
+    }
+    let mut host = HostKvCache::for_manager(session.manager()).unwrap();
+    let mut tables = IndexTables::for_manager(session.manager()).unwrap();
+    session
+        .cache()
+        .download(gpu, &mut host, &mut tables)
+        .unwrap();
+    (seqs, Prefilled { out, host })
+}
+
+/// Whether two caches hold the same K/V (bit for bit) at every position of `seqs` (the same ids in
+/// both managers) and every kv head and layer, and the same key statistics for every logical
+/// page of the dense heads, wherever each manager placed the pages.
+fn same_tokens_and_statistics(
+    (ma, a): (&KvCacheManager, &HostKvCache<bf16>),
+    (mb, b): (&KvCacheManager, &HostKvCache<bf16>),
+    seqs: &[SeqId],
+) -> Result<(), String> {
+    let p = pattern();
+    let g = *p.geometry();
+    let bits = |xs: &[bf16]| xs.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+    let per_page = config().logical_per_page();
+    for &seq in seqs {
+        let (va, vb) = (ma.view(seq).unwrap(), mb.view(seq).unwrap());
+        assert_eq!(va.len, vb.len);
+        for layer in 0..g.layers() {
+            for head in 0..g.kv_heads() {
+                for pos in 0..va.len {
+                    match (a.token(layer, &va, head, pos), b.token(layer, &vb, head, pos)) {
+                        (Ok((ka, xa)), Ok((kb, xb))) => {
+                            if bits(ka) != bits(kb) || bits(xa) != bits(xb) {
+                                return Err(format!(
+                                    "sequence {}, layer {layer}, head {head}, position {pos}: K/V differ",
+                                    seq.get()
+                                ));
+                            }
+                        }
+                        // A streaming head holds only its sinks and window: both or neither.
+                        (Err(_), Err(_)) => {}
+                        _ => {
+                            return Err(format!(
+                                "sequence {}, layer {layer}, head {head}, position {pos}: held in one cache only",
+                                seq.get()
+                            ))
+                        }
+                    }
+                }
+                if p.kind(layer, head) != HeadKind::Dense {
+                    continue;
+                }
+                let compact = p.compact_index(layer, head);
+                let (ta, tb) = (ma.block_table(seq).unwrap(), mb.block_table(seq).unwrap());
+                for (i, (&pa, &pb)) in ta.pages().iter().zip(tb.pages()).enumerate() {
+                    for sub in 0..per_page {
+                        let sa = a.dense(layer).unwrap().stats(pa, compact, sub).unwrap();
+                        let sb = b.dense(layer).unwrap().stats(pb, compact, sub).unwrap();
+                        if bits(sa.0) != bits(sb.0) || bits(sa.1) != bits(sb.1) {
+                            return Err(format!(
+                                "sequence {}, layer {layer}, head {head}, page {i}.{sub}: statistics differ",
+                                seq.get()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One decode step of `seqs` with the same random `q`, `k`, `v` per layer: the outputs.
+fn decode_once(
+    gpu: &GpuContext,
+    session: &mut SparseAttention<bf16>,
+    seqs: &[SeqId],
+    acts: &Activations,
+) -> Vec<Vec<bf16>> {
+    let s = gpu.stream();
+    let rows = seqs.len() * pattern().geometry().q_heads() * D;
+    let mut step = session.decode(seqs).unwrap();
+    let mut outs = Vec::new();
+    for (layer, [q, k, v]) in acts.iter().enumerate() {
+        let [q, k, v] = [q, k, v].map(|a| s.clone_htod(a).unwrap());
+        let mut o = s.alloc_zeros::<bf16>(rows).unwrap();
+        step.layer(layer, &q, &k, &v, &mut o).unwrap();
+        outs.push(s.clone_dtoh(&o).unwrap());
+    }
+    step.finish().unwrap();
+    outs
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn chunked_prefills_equal_one_shot_prefills_and_a_later_turn_matches_the_reference() {
+    let gpu = Arc::new(gpu());
+    let g = *pattern().geometry();
+    let bits = |xs: &[bf16]| xs.iter().map(|e| e.to_bits()).collect::<Vec<_>>();
+    for seed in 0..3u64 {
+        let mut rng = StdRng::seed_from_u64(0xc0ffee + seed);
+        // Two prompts, the first in four random chunks (one of a single token), the second in
+        // two, joined with the first's chunks in mixed batches (a first chunk beside a later
+        // one).
+        let lens = [rng.gen_range(200..=300), rng.gen_range(40..=80)];
+        let mut cuts = [1, rng.gen_range(2..lens[0] - 2), 0];
+        cuts[2] = rng.gen_range(cuts[1] + 1..lens[0]);
+        let a = [
+            cuts[0],
+            cuts[1] - cuts[0],
+            cuts[2] - cuts[1],
+            lens[0] - cuts[2],
+        ];
+        let b_first = rng.gen_range(1..lens[1]);
+        let rounds = vec![
+            vec![(0, a[0])],
+            vec![(1, b_first), (0, a[1])],
+            vec![(0, a[2]), (1, lens[1] - b_first)],
+            vec![(0, a[3])],
+        ];
+        let x: Vec<Activations> = lens
+            .iter()
+            .map(|&n| activations(&mut rng, g.layers(), n))
+            .collect();
+        let what = format!("seed {seed}: lengths {lens:?}, rounds {rounds:?}");
+
+        let mut whole = SparseAttention::<bf16>::new(gpu.clone(), manager(), SLOTS).unwrap();
+        let one_shot = vec![vec![(0, lens[0]), (1, lens[1])]];
+        let (wseqs, w) = prefill_rounds(&gpu, &mut whole, &x, &one_shot);
+        let mut chunked = SparseAttention::<bf16>::new(gpu.clone(), manager(), SLOTS)
+            .unwrap()
+            .with_prefill_chunks(lens[0] + lens[1] + 64)
+            .unwrap();
+        assert_eq!(chunked.prefill_chunk_rows(), lens[0] + lens[1] + 64);
+        let (cseqs, c) = prefill_rounds(&gpu, &mut chunked, &x, &rounds);
+        assert_eq!(wseqs, cseqs);
+        for layer in 0..g.layers() {
+            for i in 0..2 {
+                assert!(
+                    bits(&c.out[layer][i]) == bits(&w.out[layer][i]),
+                    "{what}: layer {layer}, sequence {i}: chunked output differs from one-shot"
+                );
+            }
+        }
+        // The sessions placed the sequences' pages differently (their chunks reserved pages in
+        // another order): the caches agree position by position and page by page.
+        if let Err(e) = same_tokens_and_statistics(
+            (whole.manager(), &w.host),
+            (chunked.manager(), &c.host),
+            &wseqs,
+        ) {
+            panic!("{what}: {e}");
+        }
+
+        // The next decode step is the same on both.
+        let step = activations(&mut rng, g.layers(), 2);
+        let (wd, cd) = (
+            decode_once(&gpu, &mut whole, &wseqs, &step),
+            decode_once(&gpu, &mut chunked, &cseqs, &step),
+        );
+        assert!(
+            wd.iter().zip(&cd).all(|(w, c)| bits(w) == bits(c)),
+            "{what}: the decode step after the prefills differs"
+        );
+
+        // Misuse of a chunked prefill: a batch past the scratch, block masks with a later
+        // chunk; typed errors, nothing changed, the prefill still usable.
+        let before = chunked.manager().clone();
+        match chunked.prefill(&[(cseqs[0], MAX_LEN - lens[0] - 1), (cseqs[1], 1)]) {
+            Err(LserveError::ShapeMismatch { expected, .. }) => {
+                assert_eq!(expected, MAX_LEN + lens[1] + 2)
+            }
+            Err(e) => panic!("{what}: expected the scratch's ShapeMismatch, got {e}"),
+            Ok(_) => panic!("{what}: a batch past the scratch was accepted"),
+        }
+        assert_eq!(chunked.manager(), &before);
+        match whole.prefill(&[(wseqs[0], 8)]) {
+            Err(LserveError::InvalidArgument {
+                what: "chunked prefill",
+                ..
+            }) => {}
+            Err(e) => panic!("{what}: expected the chunked-prefill error, got {e}"),
+            Ok(_) => panic!("{what}: a later chunk without a scratch was accepted"),
+        }
+
+        // A later turn of the first sequence (after its decoded token) attends to the whole
+        // cache: against the reference's prefill of the whole sequence.
+        let turn = rng.gen_range(1..=40);
+        let len = lens[0] + 1 + turn;
+        let mut full = activations(&mut rng, g.layers(), len);
+        for (layer, acts) in full.iter_mut().enumerate() {
+            for (t, heads) in [g.q_heads(), g.kv_heads(), g.kv_heads()]
+                .into_iter()
+                .enumerate()
+            {
+                let row = heads * D;
+                acts[t][..lens[0] * row].copy_from_slice(&x[0][layer][t][..lens[0] * row]);
+                // The decoded token: row 0 of the step (the first sequence's).
+                acts[t][lens[0] * row..(lens[0] + 1) * row].copy_from_slice(&step[layer][t][..row]);
+            }
+        }
+        let s = gpu.stream();
+        let mut pf = chunked.prefill(&[(cseqs[0], turn)]).unwrap();
+        let block_masks = vec![BlockMask::new(g.q_heads(), turn, true).unwrap()];
+        for layer in 0..g.layers() {
+            let tail = |t: usize, heads: usize| {
+                s.clone_htod(&full[layer][t][(len - turn) * heads * D..])
+                    .unwrap()
+            };
+            let (q, k, v) = (
+                tail(0, g.q_heads()),
+                tail(1, g.kv_heads()),
+                tail(2, g.kv_heads()),
+            );
+            let mut o = s.alloc_zeros::<bf16>(turn * g.q_heads() * D).unwrap();
+            if layer == 0 {
+                assert!(matches!(
+                    pf.layer_with_block_masks(0, Some(&block_masks), &q, &k, &v, &mut o),
+                    Err(LserveError::InvalidArgument {
+                        what: "block_masks",
+                        ..
+                    })
+                ));
+            }
+            pf.layer(layer, &q, &k, &v, &mut o).unwrap();
+            let got = s.clone_dtoh(&o).unwrap();
+            let [q, k, v] = &full[layer];
+            let want =
+                prefill_layer(&pattern(), &config(), layer, &[0, len], q, k, v, None).unwrap();
+            let err = worst_row_error(&got, &want.out[(len - turn) * g.q_heads() * D..], D);
+            assert!(
+                err < tolerance::<bf16>(),
+                "{what}: a later turn of {turn} tokens, layer {layer}: worst row error {err:.2e}"
+            );
+        }
+        pf.finish().unwrap();
+        assert_eq!(chunked.manager().len(cseqs[0]).unwrap(), len);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn decode_log_sum_exp_matches_the_reference_over_the_attended_rows() {
+    let gpu = Arc::new(gpu());
+    let g = *pattern().geometry();
+    let (hq, layers) = (g.q_heads(), g.layers());
+    let s = gpu.stream().clone();
+    let mut rng = StdRng::seed_from_u64(0x15e);
+    let mut session = SparseAttention::<bf16>::new(gpu.clone(), manager(), SLOTS).unwrap();
+    // Sequences past `dynamic_min_len` (their dense heads select pages; the reference reads the
+    // device's index entries).
+    let lens = [
+        rng.gen_range(150..300),
+        rng.gen_range(100..200),
+        rng.gen_range(70..90),
+    ];
+    let seqs: Vec<SeqId> = lens
+        .iter()
+        .map(|_| session.add_sequence().unwrap())
+        .collect();
+    let x: Vec<Activations> = lens
+        .iter()
+        .map(|&n| activations(&mut rng, layers, n))
+        .collect();
+    for (i, &seq) in seqs.iter().enumerate() {
+        let mut pf = session.prefill(&[(seq, lens[i])]).unwrap();
+        for (layer, [q, k, v]) in x[i].iter().enumerate() {
+            let [q, k, v] = [q, k, v].map(|a| s.clone_htod(a).unwrap());
+            let mut o = s.alloc_zeros::<bf16>(lens[i] * hq * D).unwrap();
+            pf.layer(layer, &q, &k, &v, &mut o).unwrap();
+        }
+        pf.finish().unwrap();
+    }
+    let b = seqs.len();
+    for step in 0..4 {
+        let acts = activations(&mut rng, layers, b);
+        let mut st = session.decode(&seqs).unwrap();
+        let mut got = Vec::new();
+        for (layer, [q, k, v]) in acts.iter().enumerate() {
+            let [q, k, v] = [q, k, v].map(|a| s.clone_htod(a).unwrap());
+            let mut o = s.alloc_zeros::<bf16>(b * hq * D).unwrap();
+            let mut short = s.alloc_zeros::<f32>(b * hq - 1).unwrap();
+            assert!(matches!(
+                st.layer_with_lse(layer, &q, &k, &v, &mut o, &mut short),
+                Err(LserveError::ShapeMismatch { .. })
+            ));
+            let mut lse = s.alloc_zeros::<f32>(b * hq).unwrap();
+            st.layer_with_lse(layer, &q, &k, &v, &mut o, &mut lse)
+                .unwrap();
+            got.push((s.clone_dtoh(&o).unwrap(), s.clone_dtoh(&lse).unwrap()));
+        }
+        st.finish().unwrap();
+        let mgr = session.manager();
+        let mut host = HostKvCache::for_manager(mgr).unwrap();
+        let mut tables = IndexTables::for_manager(mgr).unwrap();
+        session
+            .cache()
+            .download(&gpu, &mut host, &mut tables)
+            .unwrap();
+        for (layer, (out, lse)) in got.iter().enumerate() {
+            let (want_out, want_lse) = lserve::reference::decode::decode_attention_tables_with_lse(
+                mgr,
+                &host,
+                &tables,
+                layer,
+                &seqs,
+                &acts[layer][0],
+            )
+            .unwrap();
+            let err = worst_row_error(out, &want_out, D);
+            assert!(
+                err < tolerance::<bf16>(),
+                "step {step}, layer {layer}: output error {err:.2e}"
+            );
+            for (row, (&l, &w)) in lse.iter().zip(&want_lse).enumerate() {
+                let tol = 2e-3 * w.abs().max(1.0);
+                assert!(
+                    (l as f64 - w).abs() <= tol,
+                    "step {step}, layer {layer}, row {row}: lse {l} against {w}"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        session.manager().len(seqs[2]).unwrap(),
+        lens[2] + 4,
+        "every step ran"
+    );
 }

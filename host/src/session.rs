@@ -58,24 +58,27 @@
 //! reservation) runs without a GPU; [`KvMemory`] sizes a cache from its manager.
 //!
 //! **Chunked prefill.** [`SparseAttention::prefill`] takes `(sequence, tokens)` chunks whatever
-//! the sequence already holds; a sequence's first chunk (it holds no token yet) runs the
-//! whole-prompt path ([`prefill_into_cache`]). A later chunk of a sequence (it holds tokens) is
-//! the same call but not yet served: a typed error naming chunked prefill, before anything is
-//! reserved.
+//! the sequence already holds. A batch of first chunks (no sequence holds a token yet) runs the
+//! whole-prompt path ([`prefill_into_cache`]); a batch with a later chunk (a prompt in pieces, a
+//! later turn of a conversation, a few verify tokens of speculative decoding) attends to the
+//! cached prefix and to itself ([`prefill_chunks_into_cache`]), with the same results as one
+//! prefill of the whole prompt. A later chunk needs the session's prefill scratch, sized once
+//! by [`SparseAttention::with_prefill_chunks`].
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::CudaGraph;
+use cudarc::driver::{CudaGraph, CudaSlice};
 
 use crate::block_iter::BlockMask;
 use crate::dtype::DType;
 use crate::error::invalid;
 use crate::gpu::{
-    enqueue_advance, prefill_into_cache, AppendLaunch, DecodeStep, DeviceElement, DeviceKvCache,
-    DeviceKvWritePlan, GpuContext, KvWritePlan, PlannedStep, Tokens, TokensMut,
+    enqueue_advance, prefill_chunks_into_cache, prefill_into_cache, AppendLaunch, DecodeStep,
+    DeviceElement, DeviceKvCache, DeviceKvWritePlan, GpuContext, KvWritePlan, PlannedStep,
+    PrefillScratch, Tokens, TokensMut,
 };
 use crate::paging::{KvCacheManager, SeqId};
 use crate::{LserveError, Result};
@@ -257,13 +260,13 @@ impl Sequences {
     }
 
     /// Reserves a prefill's tokens, all or nothing: `n` tokens for each `(seq, n)`, in this
-    /// order, and returns each chunk's positions. The sequences become
+    /// order, after the tokens the sequence already holds (a first chunk starts at 0, a later
+    /// chunk at the sequence's length), and returns each chunk's positions. The sequences become
     /// [`Incomplete`](SequenceState::Incomplete) until the prefill that writes them finishes.
     ///
     /// Errors (nothing reserved, every state unchanged): `Empty` for no chunk or a chunk of 0
     /// tokens; `UnknownSequence`; `InvalidArgument` for a sequence listed twice, one
-    /// [`Incomplete`](SequenceState::Incomplete), a later chunk of a sequence that holds tokens
-    /// (`what: "chunked prefill"`: not yet served), or more chunks or tokens than one launch
+    /// [`Incomplete`](SequenceState::Incomplete), or more chunks or tokens than one launch
     /// covers (65535 chunks, 2^31 - 1 tokens); `SequenceTooLong`; `PoolExhausted` when the pool
     /// lacks the pages all chunks need together.
     ///
@@ -273,7 +276,6 @@ impl Sequences {
     /// use lserve::head_pattern::HeadPattern;
     /// use lserve::paging::KvCacheManager;
     /// use lserve::session::Sequences;
-    /// use lserve::LserveError;
     ///
     /// let g = ModelGeometry::new(1, 2, 2, 64)?;
     /// let mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 16, 2, 1024)?;
@@ -286,6 +288,20 @@ impl Sequences {
         &mut self,
         chunks: &[(SeqId, usize)],
     ) -> Result<Vec<(SeqId, Range<usize>)>> {
+        self.check_prefill(chunks)?;
+        // Checked (live, short enough, pages free): no reservation below fails.
+        let mut ranges = Vec::with_capacity(chunks.len());
+        for &(seq, n) in chunks {
+            ranges.push((seq, self.manager.reserve(seq, n)?));
+            self.states.insert(seq, SequenceState::Incomplete);
+        }
+        Ok(ranges)
+    }
+
+    /// Every check of [`reserve_prefill`](Self::reserve_prefill), reserving nothing; returns
+    /// the chunks' sequences' lengths after them, and whether a chunk has a cached prefix (it
+    /// starts past 0).
+    fn check_prefill(&self, chunks: &[(SeqId, usize)]) -> Result<PrefillExtent> {
         if chunks.is_empty() {
             return Err(LserveError::Empty("prefill chunks"));
         }
@@ -302,6 +318,10 @@ impl Sequences {
         }
         let config = *self.manager.config();
         let (mut rows, mut pages) = (0usize, 0usize);
+        let mut extent = PrefillExtent {
+            lengths: 0,
+            prefixed: false,
+        };
         for (i, &(seq, n)) in chunks.iter().enumerate() {
             if chunks[..i].iter().any(|&(s, _)| s == seq) {
                 return Err(invalid(
@@ -313,7 +333,6 @@ impl Sequences {
                 return Err(LserveError::Empty("prefill chunk (0 tokens)"));
             }
             let start = self.manager.len(seq)?;
-            check_first_chunk(seq, start, n)?;
             self.check_ready(seq)?;
             let end = start
                 .checked_add(n)
@@ -323,6 +342,8 @@ impl Sequences {
                     max: self.manager.max_seq_len(),
                 })?;
             rows = rows.saturating_add(n);
+            extent.lengths = extent.lengths.saturating_add(end);
+            extent.prefixed |= start > 0;
             let held = self.manager.block_table(seq)?.len();
             pages = pages.saturating_add(config.pages_for_len(end) - held);
         }
@@ -339,13 +360,7 @@ impl Sequences {
                 free,
             });
         }
-        // Checked above (live, short enough, pages free): no reservation below fails.
-        let mut ranges = Vec::with_capacity(chunks.len());
-        for &(seq, n) in chunks {
-            ranges.push((seq, self.manager.reserve(seq, n)?));
-            self.states.insert(seq, SequenceState::Incomplete);
-        }
-        Ok(ranges)
+        Ok(extent)
     }
 
     /// Marks `seqs` [`Ready`](SequenceState::Ready) (a prefill or step that wrote them finished).
@@ -358,23 +373,13 @@ impl Sequences {
     }
 }
 
-/// The one place a prefill chunk's start is checked: a sequence's first chunk (`start == 0`)
-/// is served by the whole-prompt path; a later chunk (`start > 0`) needs chunked prefill
-/// against the paged cache, which is not wired in yet.
-fn check_first_chunk(seq: SeqId, start: usize, n: usize) -> Result<()> {
-    if start == 0 {
-        return Ok(());
-    }
-    Err(invalid(
-        "chunked prefill",
-        format!(
-            "sequence {} holds {start} tokens: the session does not take a later chunk ({n} \
-             tokens at {start}..{}) yet; prefill a sequence's whole prompt in its first chunk, \
-             or use gpu::prefill_chunks_into_cache on the cache directly",
-            seq.get(),
-            start + n
-        ),
-    ))
+/// What a prefill's chunks cover ([`Sequences::check_prefill`]).
+#[derive(Clone, Copy, Debug)]
+struct PrefillExtent {
+    /// The chunks' sequences' lengths after them, summed: the rows a chunked launch gathers.
+    lengths: usize,
+    /// A chunk starts past 0 (its sequence holds tokens): the launch attends to a cached prefix.
+    prefixed: bool,
 }
 
 /// Bytes of a cache's K/V and key statistics (all layers), as its manager sizes it: what the
@@ -487,6 +492,7 @@ pub struct SparseAttention<E> {
     cache: DeviceKvCache<E>,
     step: DecodeStep,
     max_batch: usize,
+    scratch: Option<PrefillScratch<E>>,
 }
 
 impl<E: DeviceElement> SparseAttention<E> {
@@ -511,7 +517,46 @@ impl<E: DeviceElement> SparseAttention<E> {
             cache,
             step,
             max_batch,
+            scratch: None,
         })
+    }
+
+    /// Lets prefills take later chunks (a prompt in pieces, a later turn, a few verify tokens):
+    /// allocates the prefill scratch ([`PrefillScratch`], `2 · rows · Hkv · D` elements), into
+    /// which a chunked launch gathers each sequence's cached prefix. A prefill batch with a later
+    /// chunk is served when its sequences' lengths after their chunks sum to at most `rows`.
+    ///
+    /// Errors: those of [`PrefillScratch::new`] (`InvalidArgument` for `rows == 0` or a size
+    /// that overflows; driver errors such as out of memory).
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use half::bf16;
+    /// # use lserve::config::SparsityConfig;
+    /// # use lserve::geometry::ModelGeometry;
+    /// # use lserve::gpu::GpuContext;
+    /// # use lserve::head_pattern::HeadPattern;
+    /// # use lserve::paging::KvCacheManager;
+    /// # use lserve::session::SparseAttention;
+    /// # let gpu = Arc::new(GpuContext::new(0)?);
+    /// # let g = ModelGeometry::llama3_8b();
+    /// # let mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 0.5)?, SparsityConfig::default(), 4096, 8, 65536)?;
+    /// // Chunks of sequences of up to 64K tokens, one at a time (1 GiB of bf16 scratch).
+    /// let session = SparseAttention::<bf16>::new(gpu, mgr, 8)?.with_prefill_chunks(65536)?;
+    /// assert_eq!(session.prefill_chunk_rows(), 65536);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn with_prefill_chunks(mut self, rows: usize) -> Result<Self> {
+        let geometry = *self.sequences.manager.geometry();
+        self.scratch = Some(PrefillScratch::new(&self.gpu, &geometry, rows)?);
+        Ok(self)
+    }
+
+    /// The rows of the prefill scratch ([`with_prefill_chunks`](Self::with_prefill_chunks)):
+    /// the most a batch with a later chunk may hold after it, summed over its sequences; 0
+    /// without one (only first chunks are served).
+    pub fn prefill_chunk_rows(&self) -> usize {
+        self.scratch.as_ref().map_or(0, PrefillScratch::rows)
     }
 
     /// Places the decode steps' append as `how` says ([`DecodeStep::with_append_launch`]; the
@@ -610,13 +655,18 @@ impl<E: DeviceElement> SparseAttention<E> {
     /// to the manager's and uploads the rows' destinations. Then [`Prefill::layer`] for every
     /// layer in order and [`Prefill::finish`].
     ///
-    /// A sequence's first chunk (it holds no token) is its whole prompt: dense heads causal,
-    /// streaming heads Λ, over the chunk's own tokens. A later chunk of a sequence that holds
-    /// tokens is the same call, refused for now (`InvalidArgument { what: "chunked prefill" }`)
-    /// before anything is reserved.
+    /// A sequence's first chunk (it holds no token) is its whole prompt so far: dense heads
+    /// causal, streaming heads Λ, over the chunk's own tokens. A later chunk of a sequence that
+    /// holds tokens attends to the cached prefix and to itself ([`prefill_chunks_into_cache`]):
+    /// the same output as a prefill of the whole prompt in one chunk, bit for bit. A batch may
+    /// mix both; one with a later chunk needs the prefill scratch
+    /// ([`with_prefill_chunks`](Self::with_prefill_chunks)) and takes no block masks.
     ///
-    /// Errors (nothing changed): those of [`Sequences::reserve_prefill`]; a driver error after
-    /// the reservation leaves the sequences [`Incomplete`](SequenceState::Incomplete).
+    /// Errors (nothing changed): those of [`Sequences::reserve_prefill`]; for a batch with a
+    /// later chunk, `InvalidArgument { what: "chunked prefill" }` for a session without a prefill
+    /// scratch and `ShapeMismatch` when the sequences' lengths after their chunks sum past its
+    /// rows. A driver error after the reservation leaves the sequences
+    /// [`Incomplete`](SequenceState::Incomplete).
     ///
     /// ```no_run
     /// # use std::sync::Arc;
@@ -636,7 +686,7 @@ impl<E: DeviceElement> SparseAttention<E> {
     /// let pf = session.prefill(&[(a, 300), (b, 700)])?;
     /// assert_eq!(pf.cu_seqlens(), [0, 300, 1000]);
     /// drop(pf); // without its layers and finish: `a` and `b` are left Incomplete
-    /// // A second chunk of `a` (it holds 300 tokens): chunked prefill, not yet served.
+    /// // `a` holds tokens not written through every layer: no further chunk until it is freed.
     /// assert!(matches!(
     ///     session.prefill(&[(a, 100)]),
     ///     Err(LserveError::InvalidArgument { .. })
@@ -644,11 +694,16 @@ impl<E: DeviceElement> SparseAttention<E> {
     /// # Ok::<(), lserve::LserveError>(())
     /// ```
     pub fn prefill(&mut self, chunks: &[(SeqId, usize)]) -> Result<Prefill<'_, E>> {
+        let extent = self.sequences.check_prefill(chunks)?;
+        if extent.prefixed {
+            check_scratch(self.scratch.as_ref(), extent.lengths)?;
+        }
         let ranges = self.sequences.reserve_prefill(chunks)?;
         let Self {
             gpu,
             sequences: Sequences { manager, states },
             cache,
+            scratch,
             ..
         } = self;
         let gpu: &GpuContext = gpu;
@@ -659,6 +714,7 @@ impl<E: DeviceElement> SparseAttention<E> {
             cache,
             states,
             writes,
+            scratch: scratch.as_mut().filter(|_| extent.prefixed),
             seqs: ranges.iter().map(|(s, _)| *s).collect(),
             layers: manager.geometry().layers(),
             next_layer: 0,
@@ -868,6 +924,8 @@ pub struct Prefill<'s, E> {
     cache: &'s mut DeviceKvCache<E>,
     states: &'s mut BTreeMap<SeqId, SequenceState>,
     writes: DeviceKvWritePlan,
+    /// The session's prefill scratch for a batch with a later chunk; `None` for first chunks.
+    scratch: Option<&'s mut PrefillScratch<E>>,
     seqs: Vec<SeqId>,
     layers: usize,
     next_layer: usize,
@@ -916,7 +974,8 @@ impl<E: DeviceElement> Prefill<'_, E> {
 
     /// [`layer`](Self::layer) with optional caller block masks, one per chunk
     /// ([`PrefillArgs::block_masks`](crate::gpu::PrefillArgs::block_masks): intersected with
-    /// each head's pattern, the diagonal kept).
+    /// each head's pattern, the diagonal kept). A batch of first chunks only: with a later
+    /// chunk, block masks are `InvalidArgument` (nothing enqueued).
     pub fn layer_with_block_masks<'t>(
         &mut self,
         layer: usize,
@@ -932,6 +991,7 @@ impl<E: DeviceElement> Prefill<'_, E> {
             self.cache,
             layer,
             &self.writes,
+            self.scratch.as_deref_mut(),
             block_masks,
             q.into(),
             k.into(),
@@ -953,21 +1013,53 @@ impl<E: DeviceElement> Prefill<'_, E> {
     }
 }
 
-/// The one launch path of a prefill layer: every chunk is a whole prompt (checked when
-/// planned, [`check_first_chunk`]), written and attended by [`prefill_into_cache`].
+/// The one launch path of a prefill layer: a batch of first chunks is written and attended by
+/// [`prefill_into_cache`]; one with a later chunk (the plan then lent it the `scratch`, sized by
+/// [`check_scratch`]) by [`prefill_chunks_into_cache`].
 #[allow(clippy::too_many_arguments)]
 fn launch_prefill_layer<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
     layer: usize,
     writes: &DeviceKvWritePlan,
+    scratch: Option<&mut PrefillScratch<E>>,
     block_masks: Option<&[BlockMask]>,
     q: Tokens<'_, E>,
     k: Tokens<'_, E>,
     v: Tokens<'_, E>,
     out: TokensMut<'_, E>,
 ) -> Result<()> {
-    prefill_into_cache(gpu, cache, layer, writes, block_masks, q, k, v, out)
+    match scratch {
+        None => prefill_into_cache(gpu, cache, layer, writes, block_masks, q, k, v, out),
+        Some(_) if block_masks.is_some() => Err(invalid(
+            "block_masks",
+            "a prefill with a later chunk (attending to a cached prefix) takes no block masks",
+        )),
+        Some(scratch) => {
+            prefill_chunks_into_cache(gpu, cache, layer, writes, scratch, q, k, v, out)
+        }
+    }
+}
+
+/// Checks, before anything is reserved, that a prefill batch with a later chunk fits the
+/// session's prefill scratch: its sequences' lengths after their chunks sum to `lengths`.
+fn check_scratch<E: DeviceElement>(
+    scratch: Option<&PrefillScratch<E>>,
+    lengths: usize,
+) -> Result<()> {
+    match scratch {
+        None => Err(invalid(
+            "chunked prefill",
+            "a chunk of a sequence that holds tokens attends to its cached prefix through the \
+             session's prefill scratch: make the session with_prefill_chunks(rows)",
+        )),
+        Some(s) if s.rows() < lengths => Err(LserveError::ShapeMismatch {
+            what: "prefill scratch rows (the batch's lengths after its chunks)",
+            expected: lengths,
+            actual: s.rows(),
+        }),
+        Some(_) => Ok(()),
+    }
 }
 
 /// `InvalidArgument` unless `layer` is the one a step of `layers` layers runs next.
@@ -1082,10 +1174,39 @@ impl<E: DeviceElement> Decode<'_, E> {
         v: impl Into<Tokens<'t, E>>,
         out: impl Into<TokensMut<'t, E>>,
     ) -> Result<()> {
+        self.layer_inner(layer, (q.into(), k.into(), v.into()), out.into(), None)
+    }
+
+    /// [`layer`](Self::layer), and the log-sum-exp of each query head's scaled scores over the
+    /// keys it attended (natural log) into `lse [B][Hq]` ([`PlannedStep::layer_with_lse`]):
+    /// what an engine needs to merge this attention with attention computed elsewhere
+    /// (cascade or shared-prefix attention).
+    ///
+    /// Errors: those of [`layer`](Self::layer), and `ShapeMismatch` for `lse` shorter than
+    /// `B · Hq` (nothing enqueued).
+    pub fn layer_with_lse<'t>(
+        &mut self,
+        layer: usize,
+        q: impl Into<Tokens<'t, E>>,
+        k: impl Into<Tokens<'t, E>>,
+        v: impl Into<Tokens<'t, E>>,
+        out: impl Into<TokensMut<'t, E>>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.layer_inner(layer, (q.into(), k.into(), v.into()), out.into(), Some(lse))
+    }
+
+    fn layer_inner(
+        &mut self,
+        layer: usize,
+        qkv: (Tokens<'_, E>, Tokens<'_, E>, Tokens<'_, E>),
+        out: TokensMut<'_, E>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
         check_layer_order("decode step", layer, self.next_layer, self.layers)?;
         let selects = self.selector.unwrap_or_else(|| self.plan.selects());
         self.plan
-            .layer_with_selector(selects, self.gpu, self.cache, layer, q, k, v, out)?;
+            .run_layer(selects, self.gpu, self.cache, layer, qkv, out, lse)?;
         self.next_layer += 1;
         Ok(())
     }

@@ -279,7 +279,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   ./run.sh tests      the GPU tests only
 #   ./run.sh all-tests  every test executable (CPU tests too)
 #   ./run.sh sanitize   the GPU test executables under compute-sanitizer
-#                       (memcheck, racecheck, initcheck, synccheck; SANITIZE_TOOLS picks)
+#                       (memcheck, racecheck, initcheck, synccheck; SANITIZE_TOOLS picks;
+#                       the soak runs LSERVE_SOAK_STEPS steps, default 300)
 #
 # Output of each run goes to reports/<name>.txt, the summary to reports/summary.txt. The exit
 # status is non-zero if anything failed. Extra arguments after the mode go to every test
@@ -362,6 +363,8 @@ run_sanitize() {
         exit 2
     fi
     local exe tool
+    # The soak (gpu_session) runs a short version under the tools.
+    export LSERVE_SOAK_STEPS="${LSERVE_SOAK_STEPS:-300}"
     for exe in "${GPU_TESTS[@]}"; do
         for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
             run_one "$tool $exe" "$REPORTS/sanitize-$tool-$(basename "$exe").txt" \
