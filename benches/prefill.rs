@@ -23,6 +23,14 @@
 //!   `write_pool`), keeping the write separate costs little; a fused kernel could at best save
 //!   the K/V re-read of the write and the K re-read of the pool.
 //!
+//! - `prefill_chunked/*`: a prompt prefilled in chunks against the paged cache against the same
+//!   prompt in one piece, one layer, at 32K and 128K, dense heads and the LServe pattern (as
+//!   `prefill_cache`): `{dense,lserve}_one_shot/L` reserves the prompt, uploads its write plan
+//!   and runs [`prefill_into_cache`]; `{dense,lserve}_chunks_8192/L` does the same per chunk of
+//!   8192 tokens with [`prefill_chunks_into_cache`] (each chunk gathers the cached prefix into
+//!   the scratch, writes and pools itself, and attends to prefix and chunk). Each iteration
+//!   starts from an empty sequence. Throughput: the attention FLOPs visited, as `prefill_cache`.
+//!
 //! Throughput is given as elements = floating-point operations of the attention actually
 //! visited at the token level for dense (`4 Hq D L^2 / 2`, causal), so criterion's "elem/s"
 //! reads as FLOP/s; compare with `benches/torch_sdpa.py prefill` from the same device run. In
@@ -34,7 +42,7 @@
 //! benchmarks are skipped.
 //!
 //! Case ids: `prefill/{dense,streaming50}/L`, `prefill_block_sparse/sparsity_percent/S`,
-//! `prefill_cache/NAME/L`. Set `LSERVE_BENCH_ONLY` to a substring of the ids to build (or
+//! `prefill_cache/NAME/L`, `prefill_chunked/NAME/L`. Set `LSERVE_BENCH_ONLY` to a substring of the ids to build (or
 //! several, comma-separated): only matching cases allocate their tensors and cache, e.g.
 //! `LSERVE_BENCH_ONLY=prefill_cache ./prefill --bench`.
 
@@ -50,8 +58,9 @@ use lserve::config::SparsityConfig;
 use lserve::cudarc::driver::CudaSlice;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
-    fill_random, pool_key_stats, prefill_into_cache, write_kv_rows, DeviceKvCache,
-    DeviceKvWritePlan, GpuContext, KvWritePlan, PrefillArgs, PrefillPlan,
+    fill_random, pool_key_stats, prefill_chunks_into_cache, prefill_into_cache, write_kv_rows,
+    DeviceKvCache, DeviceKvWritePlan, GpuContext, KvWritePlan, PrefillArgs, PrefillPlan,
+    PrefillScratch,
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::KvCacheManager;
@@ -117,6 +126,22 @@ fn bench_plan(
     });
 }
 
+/// FLOPs of a prompt's attention visited at the token level: `4 D` per (query head, query, key
+/// seen); a dense head's query `t` sees `t + 1` keys, a streaming head's its window and the
+/// sinks before it.
+fn visited_flops(kinds: &[HeadKind], config: &SparsityConfig, len: usize) -> u64 {
+    let (sink, local) = (config.sink_tokens, config.local_tokens);
+    let (mut dense, mut streaming) = (0u64, 0u64);
+    for t in 0..len {
+        dense += t as u64 + 1;
+        let window = (t + 1).min(local);
+        streaming += (window + sink.min(t + 1 - window)) as u64;
+    }
+    let heads = |kind| kinds.iter().filter(|&&k| k == kind).count() as u64;
+    let group = (HQ / HKV) as u64;
+    4 * D as u64 * group * (heads(HeadKind::Dense) * dense + heads(HeadKind::Streaming) * streaming)
+}
+
 /// One prompt of `len` tokens to prefill into a one-layer paged cache (LServe pattern).
 struct CacheCase {
     cache: DeviceKvCache<bf16>,
@@ -174,21 +199,8 @@ impl CacheCase {
         self.kinds.iter().filter(|&&k| k == kind).count() as u64
     }
 
-    /// FLOPs of the attention visited at the token level: `4 D` per (query head, query, key
-    /// seen); a dense head's query `t` sees `t + 1` keys, a streaming head's its window and the
-    /// sinks before it.
     fn visited_flops(&self) -> u64 {
-        let (sink, local) = (self.config.sink_tokens, self.config.local_tokens);
-        let (mut dense, mut streaming) = (0u64, 0u64);
-        for t in 0..self.len {
-            dense += t as u64 + 1;
-            let window = (t + 1).min(local);
-            streaming += (window + sink.min(t + 1 - window)) as u64;
-        }
-        let group = (HQ / HKV) as u64;
-        4 * D as u64
-            * group
-            * (self.heads(HeadKind::Dense) * dense + self.heads(HeadKind::Streaming) * streaming)
+        visited_flops(&self.kinds, &self.config, self.len)
     }
 
     /// Bytes the cache write must move: per KV head and token it holds, K and V read from the
@@ -278,6 +290,95 @@ fn prefill_cache(c: &mut Criterion, gpu: &GpuContext) {
                         .expect("prefill into cache")
                 }),
                 _ => unreachable!("{name} is one of NAMES"),
+            }
+        }
+    }
+}
+
+/// Prompt lengths and the chunk of the `prefill_chunked` group.
+const CHUNKED_LENS: [usize; 2] = [32768, 131072];
+const CHUNK: usize = 8192;
+
+/// The `prefill_chunked` group (see the module docs).
+fn prefill_chunked(c: &mut Criterion, gpu: &GpuContext) {
+    for len in CHUNKED_LENS {
+        for (pattern_name, fraction) in [("dense", 0.0), ("lserve", 0.5)] {
+            let names = [
+                format!("{pattern_name}_one_shot"),
+                format!("{pattern_name}_chunks_{CHUNK}"),
+            ];
+            let wanted: Vec<&String> = names
+                .iter()
+                .filter(|name| selected(&format!("prefill_chunked/{name}/{len}")))
+                .collect();
+            if wanted.is_empty() {
+                continue;
+            }
+            let g = ModelGeometry::new(1, HQ, HKV, D).expect("geometry");
+            let pattern = HeadPattern::interleaved(g, fraction).expect("pattern");
+            let config = SparsityConfig::default();
+            let mgr = KvCacheManager::new(
+                g,
+                pattern.clone(),
+                config,
+                config.pages_for_len(len),
+                1,
+                len,
+            );
+            let (mut mgr, mut t) = match mgr.and_then(|m| Ok((m, tensors(gpu, len)?))) {
+                Ok(x) => x,
+                Err(e) => {
+                    println!("prefill_chunked {len}: skipped ({e})");
+                    continue;
+                }
+            };
+            let mut cache = DeviceKvCache::<bf16>::new(gpu, &mgr).expect("cache");
+            let mut scratch = PrefillScratch::<bf16>::new(gpu, &g, len).expect("scratch");
+            // The FLOPs visited are the whole prompt's either way.
+            let flops = visited_flops(pattern.layer_kinds(0), &config, len);
+            for name in wanted {
+                let chunk = if name.ends_with("one_shot") {
+                    len
+                } else {
+                    CHUNK
+                };
+                let Tensors { q, k, v, out } = &mut t;
+                bench_eager(
+                    c,
+                    gpu,
+                    "prefill_chunked",
+                    BenchmarkId::new(name.as_str(), len),
+                    Throughput::Elements(flops),
+                    || {
+                        let seq = mgr.add_sequence().expect("sequence");
+                        for first in (0..len).step_by(chunk) {
+                            let n = chunk.min(len - first);
+                            let range = mgr.reserve(seq, n).expect("reserve");
+                            let kv_plan = KvWritePlan::new(&mgr, &[(seq, range)])
+                                .and_then(|p| p.upload(gpu, &mgr, &mut cache))
+                                .expect("write plan");
+                            let (q, k, v) = (
+                                q.slice(first * HQ * D..(first + n) * HQ * D),
+                                k.slice(first * HKV * D..(first + n) * HKV * D),
+                                v.slice(first * HKV * D..(first + n) * HKV * D),
+                            );
+                            let out = out.slice_mut(..n * HQ * D);
+                            prefill_chunks_into_cache(
+                                gpu,
+                                &mut cache,
+                                0,
+                                &kv_plan,
+                                &mut scratch,
+                                q,
+                                k,
+                                v,
+                                out,
+                            )
+                            .expect("prefill chunk");
+                        }
+                        mgr.free_sequence(seq).expect("free");
+                    },
+                );
             }
         }
     }
@@ -378,6 +479,7 @@ fn prefill(c: &mut Criterion) {
     }
 
     prefill_cache(c, &gpu);
+    prefill_chunked(c, &gpu);
 }
 
 criterion_group!(benches, prefill);
