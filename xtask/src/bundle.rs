@@ -2,9 +2,10 @@
 //! and stripped, in one folder with a `run.sh` for the GPU machine (which has no Rust toolchain).
 //!
 //! Layout of the folder: `tests/<name>` (integration tests by name, unit tests as
-//! `<crate>-<kind>`), `benches/<name>` and `benches/*.py`, `run.sh`. GPU test executables are the
-//! integration tests named `gpu_*` (`tests/gpu_*.rs`); `run.sh sanitize` runs those under
-//! compute-sanitizer.
+//! `<crate>-<kind>`), `benches/<name>` and `benches/*.py`, `bin/lserve-report` (the report
+//! generator, `report/`), `COMMIT` (the commit it was built from), `run.sh`. GPU test executables
+//! are the integration tests named `gpu_*` (`tests/gpu_*.rs`); `run.sh sanitize` runs those under
+//! compute-sanitizer; `run.sh report` runs the benches and then `bin/lserve-report`.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -28,7 +29,8 @@ struct Artifact {
 pub fn run(root: &Path, out: &Path) -> Result<(), String> {
     prepare_out_dir(out)?;
     let mut names = BTreeSet::new();
-    // xtask's own tests check the source tree, which the GPU machine does not have.
+    // xtask's own tests check the source tree, and lserve-report's read fixtures from it; the GPU
+    // machine has neither (and both are CPU tests).
     let tests = build(
         root,
         &[
@@ -37,6 +39,8 @@ pub fn run(root: &Path, out: &Path) -> Result<(), String> {
             "--workspace",
             "--exclude",
             "xtask",
+            "--exclude",
+            REPORT_PACKAGE,
             "--no-run",
         ],
         false,
@@ -49,6 +53,8 @@ pub fn run(root: &Path, out: &Path) -> Result<(), String> {
             "--workspace",
             "--exclude",
             "xtask",
+            "--exclude",
+            REPORT_PACKAGE,
             "--benches",
             "--no-run",
         ],
@@ -58,6 +64,7 @@ pub fn run(root: &Path, out: &Path) -> Result<(), String> {
     if tests.is_empty() {
         return Err("cargo built no test executables".into());
     }
+    let report = build_bin(root, REPORT_PACKAGE, REPORT_BIN)?;
     let (mut tests, mut benches) = (tests, benches);
     tests.sort_by(|a, b| a.name.cmp(&b.name));
     benches.sort_by(|a, b| a.name.cmp(&b.name));
@@ -69,6 +76,10 @@ pub fn run(root: &Path, out: &Path) -> Result<(), String> {
     for a in &benches {
         install(&a.path, &out.join("benches").join(&a.name))?;
     }
+    fs::create_dir_all(out.join("bin")).map_err(|e| e.to_string())?;
+    install(&report, &out.join("bin").join(REPORT_BIN))?;
+    let commit = commit(root);
+    fs::write(out.join("COMMIT"), format!("{commit}\n")).map_err(|e| e.to_string())?;
     let mut scripts = Vec::new();
     if let Ok(dir) = fs::read_dir(root.join("benches")) {
         for entry in dir.flatten() {
@@ -88,7 +99,7 @@ pub fn run(root: &Path, out: &Path) -> Result<(), String> {
 
     let size = dir_size(out)?;
     println!(
-        "gpu-bundle: {} ({} test executables, {} bench executables, {} python scripts), {:.1} MiB",
+        "gpu-bundle: {} ({} test executables, {} bench executables, {} python scripts, bin/{REPORT_BIN}; commit {commit}), {:.1} MiB",
         out.display(),
         tests.len(),
         benches.len(),
@@ -107,7 +118,7 @@ pub fn run(root: &Path, out: &Path) -> Result<(), String> {
             size as f64 / (1024.0 * 1024.0)
         ));
     }
-    println!("copy the folder to the GPU machine and run `./run.sh` there (`./run.sh sanitize` for compute-sanitizer)");
+    println!("copy the folder to the GPU machine and run `./run.sh` there (`./run.sh sanitize` for compute-sanitizer, `./run.sh report` for the benchmark report)");
     Ok(())
 }
 
@@ -124,7 +135,7 @@ fn prepare_out_dir(out: &Path) -> Result<(), String> {
                 out.display()
             ));
         }
-        for sub in ["tests", "benches", "reports"] {
+        for sub in ["tests", "benches", "bin", "reports"] {
             let p = out.join(sub);
             if p.exists() {
                 fs::remove_dir_all(&p).map_err(|e| format!("removing {}: {e}", p.display()))?;
@@ -132,6 +143,81 @@ fn prepare_out_dir(out: &Path) -> Result<(), String> {
         }
     }
     fs::create_dir_all(out).map_err(|e| format!("creating {}: {e}", out.display()))
+}
+
+/// The report generator's package and binary (`report/`), shipped as `bin/lserve-report`.
+const REPORT_PACKAGE: &str = "lserve-report";
+const REPORT_BIN: &str = "lserve-report";
+
+/// Builds the binary `bin` of `package` with the workspace's `small` profile (release, small)
+/// and returns its path.
+fn build_bin(root: &Path, package: &str, bin: &str) -> Result<PathBuf, String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let args = [
+        "build",
+        "--profile",
+        "small",
+        "--package",
+        package,
+        "--bin",
+        bin,
+    ];
+    println!("gpu-bundle: cargo {}", args.join(" "));
+    let output = Command::new(cargo)
+        .current_dir(root)
+        .args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("running cargo: {e}"))?;
+    if !output.status.success() {
+        return Err(format!("`cargo {}` failed", args.join(" ")));
+    }
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(msg) = Json::parse(line) else { continue };
+        if msg.get("reason").and_then(Json::as_str) != Some("compiler-artifact") {
+            continue;
+        }
+        let target = msg.get("target");
+        let is_bin = target
+            .and_then(|t| t.get("kind"))
+            .and_then(Json::as_array)
+            .is_some_and(|k| k.iter().any(|k| k.as_str() == Some("bin")));
+        let named = target.and_then(|t| t.get("name")).and_then(Json::as_str) == Some(bin);
+        if let (true, true, Some(exe)) =
+            (is_bin, named, msg.get("executable").and_then(Json::as_str))
+        {
+            return Ok(PathBuf::from(exe));
+        }
+    }
+    Err(format!("`cargo {}` reported no executable", args.join(" ")))
+}
+
+/// `git rev-parse HEAD` of the tree, with `-dirty` when tracked files differ from it; `unknown`
+/// without git.
+fn commit(root: &Path) -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .current_dir(root)
+            .args(args)
+            .stderr(Stdio::null())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "HEAD"]) {
+        Some(head) if !head.is_empty() => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty {
+                format!("{head}-dirty")
+            } else {
+                head
+            }
+        }
+        _ => "unknown".into(),
+    }
 }
 
 /// Runs `cargo <args> --message-format=json` and collects the executables it built (test
@@ -281,8 +367,12 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   ./run.sh sanitize   the GPU test executables under compute-sanitizer
 #                       (memcheck, racecheck, initcheck, synccheck; SANITIZE_TOOLS picks;
 #                       the soak runs LSERVE_SOAK_STEPS steps, default 300)
+#   ./run.sh benches    every bench executable, then benches/*.py decode and prefill
+#   ./run.sh report     the same as benches, then bin/lserve-report: reports/report/REPORT.md
+#                       with PNG plots (tables of every measured number)
 #
-# Output of each run goes to reports/<name>.txt, the summary to reports/summary.txt. The exit
+# Output of each run goes to reports/<name>.txt, the summary to reports/summary.txt, the date,
+# host and nvidia-smi's GPU name and driver to reports/machine.txt. The exit
 # status is non-zero if anything failed. Extra arguments after the mode go to every test
 # executable (e.g. `./run.sh tests gpu_` filters by test name). PROPTEST_CASES is passed through.
 set -u -o pipefail
@@ -321,12 +411,23 @@ run_one() {
 }
 
 header() {
-    echo "lserve GPU bundle run: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+    local now
+    now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+    echo "lserve GPU bundle run: $now on $(hostname)"
+    # What the report names as the machine.
+    {
+        echo "date: $now"
+        echo "host: $(hostname)"
+        if command -v nvidia-smi >/dev/null 2>&1; then
+            nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        fi
+    } >"$REPORTS/machine.txt" 2>&1
     if command -v nvidia-smi >/dev/null 2>&1; then
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     else
         echo "nvidia-smi not found: is this a GPU machine?"
     fi
+    if [ -f COMMIT ]; then echo "commit: $(cat COMMIT)"; fi
 }
 
 run_tests() {
@@ -357,6 +458,12 @@ run_benches() {
     done
 }
 
+# The report of the bench logs in reports/ (bin/lserve-report): reports/report/.
+run_report() {
+    run_one "bin/lserve-report" "$REPORTS/report.txt" \
+        ./bin/lserve-report --reports "$REPORTS" --out "$REPORTS/report" --commit-file COMMIT
+}
+
 run_sanitize() {
     if ! command -v compute-sanitizer >/dev/null 2>&1; then
         echo "compute-sanitizer not found (it ships with the CUDA toolkit, e.g. /usr/local/cuda/bin)" >&2
@@ -380,8 +487,9 @@ case "$MODE" in
     tests) run_tests "$@" ;;
     all-tests) run_all_tests "$@" ;;
     benches) run_benches ;;
+    report) run_benches; run_report ;;
     sanitize) run_sanitize "$@" ;;
-    *) echo "usage: $0 [all|tests|all-tests|benches|sanitize] [test filter...]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|tests|all-tests|benches|report|sanitize] [test filter...]" >&2; exit 2 ;;
 esac
 
 {
