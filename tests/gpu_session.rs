@@ -501,7 +501,10 @@ fn join_and_leave(steps: usize, seed: u64, sample_every: usize) -> (usize, usize
         }
         live = going;
         if steps >= 10_000 && (step + 1) % 10_000 == 0 {
-            eprintln!("{} steps: {joined} joined, {left} left, {sampled} sampled", step + 1);
+            eprintln!(
+                "{} steps: {joined} joined, {left} left, {sampled} sampled",
+                step + 1
+            );
         }
     }
     for (seq, _) in live {

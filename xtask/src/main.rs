@@ -11,7 +11,7 @@
 //! - `package`: builds the library's PTX from the kernel sources into `host/ptx/`, packages
 //!   `lserve-abi` and `lserve` (`target/package/`), and checks the shipped PTX is what the sources
 //!   build.
-//! - `gpu-bundle [--out DIR]`: builds every test and bench executable (release, stripped) into one
+//! - `gpu-bundle [--out DIR]`: builds every GPU test and bench executable (release, stripped) into one
 //!   folder (default `./gpu-bundle`) with the report generator (`bin/lserve-report`), the commit
 //!   (`COMMIT`) and a `run.sh` to run them all on a GPU machine.
 
