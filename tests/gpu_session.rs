@@ -1035,10 +1035,9 @@ fn chunked_prefills_equal_one_shot_prefills_and_a_later_turn_matches_the_referen
         let s = gpu.stream();
         let mut pf = chunked.prefill(&[(cseqs[0], turn)]).unwrap();
         let block_masks = vec![BlockMask::new(g.q_heads(), turn, true).unwrap()];
-        for layer in 0..g.layers() {
+        for (layer, acts) in full.iter().enumerate() {
             let tail = |t: usize, heads: usize| {
-                s.clone_htod(&full[layer][t][(len - turn) * heads * D..])
-                    .unwrap()
+                s.clone_htod(&acts[t][(len - turn) * heads * D..]).unwrap()
             };
             let (q, k, v) = (
                 tail(0, g.q_heads()),
@@ -1057,7 +1056,7 @@ fn chunked_prefills_equal_one_shot_prefills_and_a_later_turn_matches_the_referen
             }
             pf.layer(layer, &q, &k, &v, &mut o).unwrap();
             let got = s.clone_dtoh(&o).unwrap();
-            let [q, k, v] = &full[layer];
+            let [q, k, v] = acts;
             let want =
                 prefill_layer(&pattern(), &config(), layer, &[0, len], q, k, v, None).unwrap();
             let err = worst_row_error(&got, &want.out[(len - turn) * g.q_heads() * D..], D);
