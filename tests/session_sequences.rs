@@ -159,6 +159,27 @@ fn a_later_chunk_is_refused_as_chunked_prefill() {
 }
 
 #[test]
+fn a_later_chunk_of_any_size_is_refused_as_chunked_prefill() {
+    let mut seqs = sequences(32);
+    let a = seqs.add().unwrap();
+    seqs.reserve_prefill(&[(a, 40)]).unwrap();
+    // Sizes whose end past the 40 tokens held overflows `usize`, and one that fits.
+    for n in [usize::MAX, usize::MAX - 39, 1 << 40] {
+        let err = fails_unchanged(&mut seqs, |s| s.reserve_prefill(&[(a, n)]));
+        assert!(
+            matches!(
+                err,
+                LserveError::InvalidArgument {
+                    what: "chunked prefill",
+                    ..
+                }
+            ),
+            "{n}: {err}"
+        );
+    }
+}
+
+#[test]
 fn decode_batches_are_checked_before_anything_is_reserved() {
     let mut seqs = sequences(32);
     let (a, b) = (seqs.add().unwrap(), seqs.add().unwrap());

@@ -369,10 +369,9 @@ fn check_first_chunk(seq: SeqId, start: usize, n: usize) -> Result<()> {
         "chunked prefill",
         format!(
             "sequence {} holds {start} tokens: the session does not take a later chunk ({n} \
-             tokens at {start}..{}) yet; prefill a sequence's whole prompt in its first chunk, \
-             or use gpu::prefill_chunks_into_cache on the cache directly",
+             tokens from position {start}) yet; prefill a sequence's whole prompt in its first \
+             chunk, or use gpu::prefill_chunks_into_cache on the cache directly",
             seq.get(),
-            start + n
         ),
     ))
 }
