@@ -74,10 +74,10 @@ step "SmolLM2 through lserve on candle's CPU backend (integrations/candle-smollm
 (cd integrations/candle-smollm2 && LSERVE_PTX_DIR="$repo/host/ptx" cargo test --locked)
 
 # The fuzz targets (fuzz/README.md), each for FUZZ_SECONDS (default 20 s). On a 2-core machine
-# (2026-12-01): cargo-fuzz's install 1.5 min, the fuzz build from scratch 1.3 min, the four runs
-# 1.5 min. They run no kernel, so they build lserve
-# with the PTX `cargo xtask package` made above instead of building the kernels again. A crash
-# fails the step; libFuzzer leaves the input in fuzz/artifacts/<target>/.
+# (2026-12-01): cargo-fuzz's install 1.5 min, the fuzz build from scratch 1.3 min, the runs of
+# the first four targets 1.5 min (the session target adds 20 s). They run no kernel, so they
+# build lserve with the PTX `cargo xtask package` made above instead of building the kernels
+# again. A crash fails the step; libFuzzer leaves the input in fuzz/artifacts/<target>/.
 step "cargo fuzz: each target for ${FUZZ_SECONDS:-20}s"
 cargo_fuzz_version=0.13.2
 if ! cargo fuzz --version 2>/dev/null | grep -qF "$cargo_fuzz_version"; then

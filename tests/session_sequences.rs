@@ -164,6 +164,28 @@ fn a_later_chunk_waits_for_the_prefill_before_it() {
 }
 
 #[test]
+fn a_later_chunk_of_any_size_is_a_typed_error() {
+    let mut seqs = sequences(32);
+    let a = seqs.add().unwrap();
+    seqs.reserve_prefill(&[(a, 40)]).unwrap();
+    // Sizes whose end past the 40 tokens held overflows `usize`, and one that fits: `a` is
+    // Incomplete (its prefill never finished), which is checked first.
+    for n in [usize::MAX, usize::MAX - 39, 1 << 40] {
+        let err = fails_unchanged(&mut seqs, |s| s.reserve_prefill(&[(a, n)]));
+        assert!(
+            matches!(
+                err,
+                LserveError::InvalidArgument {
+                    what: "sequence",
+                    ..
+                }
+            ),
+            "{n}: {err}"
+        );
+    }
+}
+
+#[test]
 fn decode_batches_are_checked_before_anything_is_reserved() {
     let mut seqs = sequences(32);
     let (a, b) = (seqs.add().unwrap(), seqs.add().unwrap());

@@ -10,6 +10,7 @@ pub mod cache_manager;
 pub mod constructors;
 pub mod head_pattern;
 pub mod page_pool;
+pub mod session;
 mod size;
 
 /// The most elements a harness lets an accepted constructor allocate.
@@ -19,9 +20,10 @@ pub const ALLOC_BUDGET: usize = 1 << 22;
 pub type Harness = fn(&[u8]);
 
 /// The harnesses by name, for replaying kept inputs.
-pub const TARGETS: [(&str, Harness); 4] = [
+pub const TARGETS: [(&str, Harness); 5] = [
     ("head_pattern", head_pattern::run),
     ("constructors", constructors::run),
     ("page_pool", page_pool::run),
     ("cache_manager", cache_manager::run),
+    ("session", session::run),
 ];
