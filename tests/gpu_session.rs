@@ -1007,6 +1007,13 @@ fn chunked_prefills_equal_one_shot_prefills_and_a_later_turn_matches_the_referen
             Ok(_) => panic!("{what}: a batch past the scratch was accepted"),
         }
         assert_eq!(chunked.manager(), &before);
+        for n in [usize::MAX, MAX_LEN] {
+            assert!(matches!(
+                chunked.prefill(&[(cseqs[0], n)]),
+                Err(LserveError::SequenceTooLong { .. })
+            ));
+        }
+        assert_eq!(chunked.manager(), &before);
         match whole.prefill(&[(wseqs[0], 8)]) {
             Err(LserveError::InvalidArgument {
                 what: "chunked prefill",
