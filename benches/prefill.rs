@@ -42,9 +42,9 @@
 //! benchmarks are skipped.
 //!
 //! Case ids: `prefill/{dense,streaming50}/L`, `prefill_block_sparse/sparsity_percent/S`,
-//! `prefill_cache/NAME/L`, `prefill_chunked/NAME/L`. Set `LSERVE_BENCH_ONLY` to a substring of the ids to build (or
-//! several, comma-separated): only matching cases allocate their tensors and cache, e.g.
-//! `LSERVE_BENCH_ONLY=prefill_cache ./prefill --bench`.
+//! `prefill_cache/NAME/L`, `prefill_chunked/NAME/L`. Set `LSERVE_BENCH_ONLY` to a substring of
+//! the ids to build (or several, comma-separated): only matching cases allocate their tensors
+//! and cache, e.g. `LSERVE_BENCH_ONLY=prefill_cache ./prefill --bench`.
 
 mod common;
 

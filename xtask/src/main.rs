@@ -11,9 +11,9 @@
 //! - `package`: builds the library's PTX from the kernel sources into `host/ptx/`, packages
 //!   `lserve-abi` and `lserve` (`target/package/`), and checks the shipped PTX is what the sources
 //!   build.
-//! - `gpu-bundle [--out DIR]`: builds every GPU test and bench executable (release, stripped) into one
-//!   folder (default `./gpu-bundle`) with the report generator (`bin/lserve-report`), the commit
-//!   (`COMMIT`) and a `run.sh` to run them all on a GPU machine.
+//! - `gpu-bundle [--out DIR]`: builds every GPU test and bench executable (release, stripped)
+//!   into one folder (default `./gpu-bundle`) with the report generator (`bin/lserve-report`),
+//!   the commit (`COMMIT`) and a `run.sh` to run them all on a GPU machine.
 
 mod baseline;
 mod bundle;

@@ -314,8 +314,10 @@ impl<'b> DecodePlan<'b> {
 
     /// [`run`](Self::run), and the log-sum-exp of each query head's scaled scores over the keys
     /// it attended (natural log) into `lse [B][Hq]`, as
-    /// [`PlannedStep::layer_with_lse`](crate::gpu::PlannedStep::layer_with_lse). Errors: those of [`run`](Self::run), and
-    /// `ShapeMismatch` for `lse` shorter than `B · Hq` (nothing launched).
+    /// [`PlannedStep::layer_with_lse`](crate::gpu::PlannedStep::layer_with_lse).
+    ///
+    /// Errors: those of [`run`](Self::run), and `ShapeMismatch` for `lse` shorter than `B · Hq`
+    /// (nothing launched).
     ///
     /// ```no_run
     /// # use half::bf16;
