@@ -101,6 +101,11 @@ fn report(name: &str, m: &Measured) {
     );
 }
 
+/// Tokens `at` of `x`, rows of `row` elements.
+fn token_rows(x: &CudaSlice<bf16>, at: Range<usize>, row: usize) -> CudaView<'_, bf16> {
+    x.slice(at.start * row..at.end * row)
+}
+
 fn measure(
     gpu: &Arc<GpuContext>,
     o: &Options,
@@ -154,15 +159,12 @@ fn measure(
             let mut pf = session.prefill(&[(seq, n)])?;
             for layer in 0..layers {
                 let kl = layer % KEY_LAYERS;
-                fn rows(x: &CudaSlice<bf16>, at: Range<usize>, row: usize) -> CudaView<'_, bf16> {
-                    x.slice(at.start * row..at.end * row)
-                }
                 let at = first..first + n;
                 pf.layer(
                     layer,
-                    rows(&q, at.clone(), hq * d),
-                    rows(&k[kl], at.clone(), hkv * d),
-                    rows(&v[kl], at.clone(), hkv * d),
+                    token_rows(&q, at.clone(), hq * d),
+                    token_rows(&k[kl], at.clone(), hkv * d),
+                    token_rows(&v[kl], at.clone(), hkv * d),
                     out.slice_mut(..n * hq * d),
                 )?;
                 pb.inc(1);
