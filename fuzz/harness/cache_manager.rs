@@ -14,9 +14,10 @@ use half::bf16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
-use lserve::paging::{HostKvCache, KvCacheManager, PageId, SeqId, StreamingStore, PAD_PAGE};
+use lserve::paging::{HostKvCache, KvCacheManager, PageId, SeqId, StreamingStore};
 use lserve::LserveError;
 
+use super::manager_model::{check_live, LiveSeq, Sizes};
 use super::size::Size;
 
 #[derive(Arbitrary, Debug)]
@@ -686,58 +687,30 @@ fn check_contents(s: &Setup, mgr: &KvCacheManager, cache: &HostKvCache<bf16>, l:
 
 /// The manager agrees with the model.
 fn check(s: &Setup, mgr: &KvCacheManager, model: &Model) {
-    let p = s.config.page_tokens;
-    let ids: Vec<SeqId> = model.live.iter().map(|l| l.id).collect();
-    let mut sorted = ids.clone();
-    sorted.sort();
-    assert_eq!(mgr.sequences(), sorted);
-    assert_eq!(mgr.num_sequences(), ids.len());
-    let pool = mgr.pool();
-    assert_eq!(pool.free_pages(), model.free.len(), "free pages");
-    let mut owned = vec![false; s.capacity];
+    let live: Vec<LiveSeq> = model
+        .live
+        .iter()
+        .map(|l| LiveSeq {
+            id: l.id,
+            slot: l.slot,
+            len: l.len,
+            step: l.step,
+            pages: &l.pages,
+        })
+        .collect();
+    let sizes = Sizes {
+        capacity: s.capacity,
+        slots: model.slots,
+        max_seq_len: s.max_seq_len,
+        page_tokens: s.config.page_tokens,
+    };
+    check_live(mgr, &sizes, &live, model.free.len());
     for l in &model.live {
-        assert!(mgr.contains(l.id));
-        assert_eq!(mgr.len(l.id).unwrap(), l.len);
-        assert_eq!(mgr.slot(l.id).unwrap(), l.slot);
-        assert_eq!(mgr.decode_step(l.id).unwrap(), l.step);
-        let table = mgr.block_table(l.id).unwrap();
-        assert_eq!(table.pages(), &l.pages[..], "block table of {:?}", l.id);
-        assert_eq!(table.len(), l.len.div_ceil(p));
-        for &pg in table.pages() {
-            assert!(pool.is_allocated(pg));
-            assert!(
-                !std::mem::replace(&mut owned[pg as usize], true),
-                "page {pg} owned twice"
-            );
-        }
         let view = mgr.view(l.id).unwrap();
         assert_eq!((view.slot, view.len), (l.slot, l.len));
     }
     for &id in &model.freed {
         assert!(!mgr.contains(id));
         assert!(matches!(mgr.len(id), Err(LserveError::UnknownSequence(_))));
-    }
-    let n_owned = owned.iter().filter(|&&o| o).count();
-    assert_eq!(n_owned + pool.free_pages(), s.capacity, "leaked pages");
-    assert_eq!(mgr.streaming_store().slots_in_use(), model.live.len());
-    let t = mgr.device_block_tables();
-    assert_eq!(
-        (t.slots, t.max_pages_per_seq),
-        (model.slots, s.max_seq_len.div_ceil(p))
-    );
-    for slot in 0..model.slots {
-        let row = &t.pages[slot * t.max_pages_per_seq..(slot + 1) * t.max_pages_per_seq];
-        match model.live.iter().find(|l| l.slot == slot as u32) {
-            Some(l) => {
-                assert_eq!(&row[..l.pages.len()], &l.pages[..]);
-                assert!(row[l.pages.len()..].iter().all(|&x| x == PAD_PAGE));
-                assert_eq!(t.num_pages[slot] as usize, l.pages.len());
-                assert_eq!(t.seq_lens[slot] as usize, l.len);
-            }
-            None => {
-                assert!(row.iter().all(|&x| x == PAD_PAGE));
-                assert_eq!((t.num_pages[slot], t.seq_lens[slot]), (0, 0));
-            }
-        }
     }
 }

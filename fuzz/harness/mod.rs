@@ -9,6 +9,7 @@
 pub mod cache_manager;
 pub mod constructors;
 pub mod head_pattern;
+mod manager_model;
 pub mod page_pool;
 pub mod session;
 mod size;

@@ -28,10 +28,11 @@ use lserve::config::SparsityConfig;
 use lserve::dtype::DType;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
-use lserve::paging::{KvCacheManager, PageId, SeqId, PAD_PAGE};
+use lserve::paging::{KvCacheManager, PageId, SeqId};
 use lserve::session::{KvMemory, SequenceState, Sequences};
 use lserve::LserveError;
 
+use super::manager_model::{check_live, LiveSeq, Sizes};
 use super::size::Size;
 
 /// Chunks one prefill covers at most, and tokens (`reserve_prefill`'s documented limits).
@@ -619,57 +620,27 @@ fn check(s: &Setup, seqs: &Sequences, model: &Model) {
 
 /// The manager agrees with the model.
 fn check_manager(s: &Setup, mgr: &KvCacheManager, model: &Model) {
-    let p = s.config.page_tokens;
-    let mut ids: Vec<SeqId> = model.live.iter().map(|l| l.id).collect();
-    ids.sort();
-    assert_eq!(mgr.sequences(), ids);
-    assert_eq!(mgr.num_sequences(), ids.len());
-    let pool = mgr.pool();
-    assert_eq!(pool.free_pages(), model.free.len(), "free pages");
-    let mut owned = vec![false; s.capacity];
-    for l in &model.live {
-        assert!(mgr.contains(l.id));
-        assert_eq!(mgr.len(l.id).unwrap(), l.len, "length of {:?}", l.id);
-        assert_eq!(mgr.slot(l.id).unwrap(), l.slot);
-        assert_eq!(mgr.decode_step(l.id).unwrap(), l.step);
-        let table = mgr.block_table(l.id).unwrap();
-        assert_eq!(table.pages(), &l.pages[..], "block table of {:?}", l.id);
-        assert_eq!(table.len(), l.len.div_ceil(p));
-        for &pg in table.pages() {
-            assert!(pool.is_allocated(pg));
-            assert!(
-                !std::mem::replace(&mut owned[pg as usize], true),
-                "page {pg} owned twice"
-            );
-        }
-    }
+    let live: Vec<LiveSeq> = model
+        .live
+        .iter()
+        .map(|l| LiveSeq {
+            id: l.id,
+            slot: l.slot,
+            len: l.len,
+            step: l.step,
+            pages: &l.pages,
+        })
+        .collect();
+    let sizes = Sizes {
+        capacity: s.capacity,
+        slots: s.slots,
+        max_seq_len: s.max_seq_len,
+        page_tokens: s.config.page_tokens,
+    };
+    let n_owned = check_live(mgr, &sizes, &live, model.free.len());
     for &id in &model.freed {
         assert!(!mgr.contains(id));
         assert_err(&mgr.len(id), &Want::Unknown(id), "len of a freed id");
-    }
-    let n_owned = owned.iter().filter(|&&o| o).count();
-    assert_eq!(n_owned + pool.free_pages(), s.capacity, "leaked pages");
-    assert_eq!(mgr.streaming_store().slots_in_use(), model.live.len());
-
-    let t = mgr.device_block_tables();
-    assert_eq!(
-        (t.slots, t.max_pages_per_seq),
-        (s.slots, s.max_seq_len.div_ceil(p))
-    );
-    for slot in 0..s.slots {
-        let row = &t.pages[slot * t.max_pages_per_seq..(slot + 1) * t.max_pages_per_seq];
-        match model.live.iter().find(|l| l.slot == slot as u32) {
-            Some(l) => {
-                assert_eq!(&row[..l.pages.len()], &l.pages[..]);
-                assert!(row[l.pages.len()..].iter().all(|&x| x == PAD_PAGE));
-                assert_eq!(t.num_pages[slot] as usize, l.pages.len());
-                assert_eq!(t.seq_lens[slot] as usize, l.len);
-            }
-            None => {
-                assert!(row.iter().all(|&x| x == PAD_PAGE));
-                assert_eq!((t.num_pages[slot], t.seq_lens[slot]), (0, 0));
-            }
-        }
     }
 
     // Bytes as documented: a page holds K and V of its tokens and kmin, kmax of its logical
