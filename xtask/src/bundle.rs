@@ -155,7 +155,6 @@ const REPORT_BIN: &str = "lserve-report";
 /// Builds the binary `bin` of `package` with the workspace's `small` profile (release, small)
 /// and returns its path.
 fn build_bin(root: &Path, package: &str, bin: &str) -> Result<PathBuf, String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let args = [
         "build",
         "--profile",
@@ -165,22 +164,7 @@ fn build_bin(root: &Path, package: &str, bin: &str) -> Result<PathBuf, String> {
         "--bin",
         bin,
     ];
-    println!("gpu-bundle: cargo {}", args.join(" "));
-    let output = Command::new(cargo)
-        .current_dir(root)
-        .args(args)
-        .arg("--message-format=json-render-diagnostics")
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("running cargo: {e}"))?;
-    if !output.status.success() {
-        return Err(format!("`cargo {}` failed", args.join(" ")));
-    }
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
-        let Ok(msg) = Json::parse(line) else { continue };
-        if msg.get("reason").and_then(Json::as_str) != Some("compiler-artifact") {
-            continue;
-        }
+    for msg in cargo_artifacts(root, &args)? {
         let target = msg.get("target");
         let is_bin = target
             .and_then(|t| t.get("kind"))
@@ -223,14 +207,9 @@ fn commit(root: &Path) -> String {
     }
 }
 
-/// Runs `cargo <args> --message-format=json` and collects the executables it built (test
-/// harnesses: `profile.test`; for benches only `bench` targets).
-fn build(
-    root: &Path,
-    args: &[&str],
-    benches_only: bool,
-    names: &mut BTreeSet<String>,
-) -> Result<Vec<Artifact>, String> {
+/// Runs `cargo <args>` with JSON messages (its diagnostics rendered on stderr) and returns its
+/// `compiler-artifact` messages; an error if cargo fails.
+fn cargo_artifacts(root: &Path, args: &[&str]) -> Result<Vec<Json>, String> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     println!("gpu-bundle: cargo {}", args.join(" "));
     let output = Command::new(cargo)
@@ -243,12 +222,23 @@ fn build(
     if !output.status.success() {
         return Err(format!("`cargo {}` failed", args.join(" ")));
     }
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| Json::parse(line).ok())
+        .filter(|msg| msg.get("reason").and_then(Json::as_str) == Some("compiler-artifact"))
+        .collect())
+}
+
+/// Runs `cargo <args> --message-format=json` and collects the executables it built (test
+/// harnesses: `profile.test`; for benches only `bench` targets).
+fn build(
+    root: &Path,
+    args: &[&str],
+    benches_only: bool,
+    names: &mut BTreeSet<String>,
+) -> Result<Vec<Artifact>, String> {
     let mut artifacts = Vec::new();
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
-        let Ok(msg) = Json::parse(line) else { continue };
-        if msg.get("reason").and_then(Json::as_str) != Some("compiler-artifact") {
-            continue;
-        }
+    for msg in cargo_artifacts(root, args)? {
         let is_test = msg
             .get("profile")
             .and_then(|p| p.get("test"))
