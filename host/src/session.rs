@@ -289,7 +289,12 @@ impl Sequences {
         chunks: &[(SeqId, usize)],
     ) -> Result<Vec<(SeqId, Range<usize>)>> {
         self.check_prefill(chunks)?;
-        // Checked (live, short enough, pages free): no reservation below fails.
+        self.reserve_checked(chunks)
+    }
+
+    /// Reserves `chunks` that passed [`check_prefill`](Self::check_prefill) (live, short
+    /// enough, pages free): no reservation fails.
+    fn reserve_checked(&mut self, chunks: &[(SeqId, usize)]) -> Result<Vec<(SeqId, Range<usize>)>> {
         let mut ranges = Vec::with_capacity(chunks.len());
         for &(seq, n) in chunks {
             ranges.push((seq, self.manager.reserve(seq, n)?));
@@ -698,7 +703,7 @@ impl<E: DeviceElement> SparseAttention<E> {
         if extent.prefixed {
             check_scratch(self.scratch.as_ref(), extent.lengths)?;
         }
-        let ranges = self.sequences.reserve_prefill(chunks)?;
+        let ranges = self.sequences.reserve_checked(chunks)?;
         let Self {
             gpu,
             sequences: Sequences { manager, states },
