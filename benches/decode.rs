@@ -25,6 +25,8 @@
 //!   layer of Llama-2-7B geometry (MHA: Hq = Hkv = 32, D 128), batch 1 only: the LServe paper's
 //!   ~51x at 256K is an A100 layer of this geometry. With 4 query heads per KV head (Llama-3-8B)
 //!   dense decode reads 4x fewer bytes, while the step's fixed costs stay;
+//! - `attention/dense_int8`: `attention/dense` over a cache of INT8 codes per token-head (132
+//!   bytes a row instead of 256; `DeviceKvCache::new_coded`), random codes and scales;
 //! - `copy`: a device-to-device copy, the bandwidth ceiling, in the same run.
 //!
 //! Each is captured in a CUDA graph (as an engine runs a decode step) and timed with CUDA
@@ -57,11 +59,12 @@ use lserve::cudarc::driver::{CudaGraph, CudaSlice};
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
     advance_decode_steps, append_kv, fill_random, pool_key_stats, DecodeBatch, DecodePlan,
-    DecodeStep, DecodeWorkspace, DeviceKvCache, DeviceKvWritePlan, GpuContext, KvWritePlan,
-    SelectPlan, SelectWorkspace,
+    DecodeStep, DecodeWorkspace, DeviceElement, DeviceKvCache, DeviceKvWritePlan, GpuContext,
+    KvWritePlan, SelectPlan, SelectWorkspace,
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::{KvCacheManager, SeqId};
+use lserve::quant::{CodeBits, IntFormat, QuantGroup};
 
 const CONTEXTS: [usize; 5] = [4096, 16384, 65536, 131072, 262144];
 const BATCHES: [usize; 2] = [1, 16];
@@ -253,6 +256,58 @@ impl Bench {
         let pages = self.len.div_ceil(self.config.logical_page_tokens);
         (self.batch.len() * dense * (self.len * ROW_BYTES + pages * 2 * ROW_BYTES)) as u64
     }
+}
+
+/// `attention/dense_int8`: `attention/dense` (Llama-3-8B, every head dense, one layer) over a
+/// cache of INT8 codes per token-head (`DeviceKvCache::new_coded`, random codes and scales);
+/// throughput is the code rows and their `(scale, minimum)` words read, plus q and out.
+fn coded_dense<E: DeviceElement>(
+    c: &mut Criterion,
+    gpu: &GpuContext,
+    batch: usize,
+    len: usize,
+    id: BenchmarkId,
+) -> lserve::Result<()> {
+    let model = LLAMA3_8B;
+    let g = ModelGeometry::new(1, model.hq, model.hkv, D)?;
+    let config = SparsityConfig {
+        dynamic_min_len: len,
+        ..SparsityConfig::default()
+    };
+    let pages = config.pages_for_len(len);
+    let mut mgr = KvCacheManager::new(
+        g,
+        HeadPattern::all_dense(g),
+        config,
+        batch * pages,
+        batch,
+        len,
+    )?;
+    let seqs: Vec<_> = (0..batch)
+        .map(|_| mgr.add_sequence())
+        .collect::<lserve::Result<_>>()?;
+    for &s in &seqs {
+        mgr.reserve(s, len)?;
+    }
+    let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
+    let mut cache = DeviceKvCache::<E>::new_coded(gpu, &mgr, int8)?;
+    cache.fill_random(gpu, 17)?;
+    let mut b = DecodeBatch::new(gpu, batch)?;
+    b.set(gpu, &mgr, &mut cache, &seqs)?;
+    let stream = gpu.stream();
+    let mut q = stream.alloc_zeros::<E>(batch * model.hq * D)?;
+    fill_random(gpu, &mut q, 99)?;
+    let mut out = stream.alloc_zeros::<E>(batch * model.hq * D)?;
+    let mut ws = DecodeWorkspace::new(gpu, batch, model.hkv, model.hq / model.hkv, D)?;
+    let plan = DecodePlan::new(gpu, &cache, &b, &ws)?;
+    stream.synchronize()?;
+    let row = 2 * int8.row_bytes(D)?;
+    let bytes = (batch * (model.hkv * len * row + 2 * model.hq * ROW_BYTES)) as u64;
+    bench_captured(c, gpu, "attention", id, bytes, 1, || {
+        plan.run(gpu, &cache, 0, &q, &mut out, &mut ws)
+            .expect("attend");
+    });
+    Ok(())
 }
 
 /// What `launches` enqueues on the context's stream, captured in a CUDA graph.
@@ -463,6 +518,21 @@ fn decode(c: &mut Criterion) {
                     _ => &reusing,
                 };
                 bench_replays(c, &gpu, group_name, id(name), bytes, layers, graph_for);
+            }
+
+            // Dense attention over an INT8 coded cache, beside `attention/dense`.
+            if selected(&case("attention", "dense_int8")) {
+                if let Err(e) = coded_dense::<bf16>(c, &gpu, batch, context + 1, id("dense_int8")) {
+                    println!("attention/dense_int8 b{batch}/{context}: skipped ({e})");
+                }
+            }
+            // The same with f16 queries (the f16 kernel's code conversion is one `prmt` and one
+            // `sub.f16x2` per pair, bf16's two `prmt`, two subtractions and a `prmt`).
+            if selected(&case("attention", "dense_int8_f16")) {
+                let name = id("dense_int8_f16");
+                if let Err(e) = coded_dense::<half::f16>(c, &gpu, batch, context + 1, name) {
+                    println!("attention/dense_int8_f16 b{batch}/{context}: skipped ({e})");
+                }
             }
 
             // The append alone. Its replay is valid as is: the append changes no length or

@@ -102,3 +102,73 @@ impl Half16 for F16 {
         pair
     }
 }
+
+/// 8-bit integer codes `c` (0 ..= 255) as the exact 16-bit values `c - 128`: the integer-coded
+/// decode kernel multiplies the centred codes on the tensor cores and applies each row's scale
+/// and minimum to the products (`decode::coded`; centred, the products and the row's offset
+/// term do not cancel). Every integer of magnitude up to 256 is exact in bf16 and f16.
+pub trait CodeElement: Half16 {
+    /// Bytes 0 and 1 of `w`, centred, as a packed pair (byte 0 in the low half).
+    fn codes_lo(w: u32) -> u32;
+
+    /// Bytes 2 and 3 of `w`, centred, as a packed pair (byte 2 in the low half).
+    fn codes_hi(w: u32) -> u32;
+}
+
+/// What the codes are centred by.
+pub const CODE_CENTRE: f32 = 128.0;
+
+/// f32 bits `0x4B00_00cc` are `2^23 + c`: a byte becomes the f32 `c - 128` with one `prmt` and
+/// one subtraction, and its bf16 is the f32's upper half (exact: `c - 128` has at most 8
+/// significant bits).
+const F32_MAGIC: u32 = 0x4B00_0000;
+/// `2^23 + 128`.
+const F32_MAGIC_CENTRE: f32 = 8_388_736.0;
+
+/// bf16 codes through f32: per pair two `prmt` (the byte into `2^23 + c`), two subtractions and
+/// one `prmt` (the upper halves).
+impl CodeElement for Bf16 {
+    #[inline(always)]
+    fn codes_lo(w: u32) -> u32 {
+        let lo = f32::from_bits(crate::math::byte_perm::<0x7540>(w, F32_MAGIC)) - F32_MAGIC_CENTRE;
+        let hi = f32::from_bits(crate::math::byte_perm::<0x7541>(w, F32_MAGIC)) - F32_MAGIC_CENTRE;
+        crate::math::byte_perm::<0x7632>(lo.to_bits(), hi.to_bits())
+    }
+
+    #[inline(always)]
+    fn codes_hi(w: u32) -> u32 {
+        let lo = f32::from_bits(crate::math::byte_perm::<0x7542>(w, F32_MAGIC)) - F32_MAGIC_CENTRE;
+        let hi = f32::from_bits(crate::math::byte_perm::<0x7543>(w, F32_MAGIC)) - F32_MAGIC_CENTRE;
+        crate::math::byte_perm::<0x7632>(lo.to_bits(), hi.to_bits())
+    }
+}
+
+/// f16 bits `0x64cc` are `1024 + c`: a pair is one `prmt` (the two bytes under `0x64`) and one
+/// `sub.f16x2` of `(1152, 1152)`, exact.
+const F16_MAGIC: u32 = 0x6464_6464;
+/// `(1024 + 128, 1024 + 128)` as an f16 pair.
+const F16_1152: u32 = 0x6480_6480;
+
+impl CodeElement for F16 {
+    #[inline(always)]
+    fn codes_lo(w: u32) -> u32 {
+        sub_f16x2(crate::math::byte_perm::<0x4140>(w, F16_MAGIC), F16_1152)
+    }
+
+    #[inline(always)]
+    fn codes_hi(w: u32) -> u32 {
+        sub_f16x2(crate::math::byte_perm::<0x4342>(w, F16_MAGIC), F16_1152)
+    }
+}
+
+/// `a - b` on packed f16 pairs (`sub.rn.f16x2`).
+#[inline(always)]
+fn sub_f16x2(a: u32, b: u32) -> u32 {
+    let d: u32;
+    // SAFETY: register-only instruction.
+    unsafe {
+        asm!("sub.rn.f16x2 {0}, {1}, {2};", out(reg32) d, in(reg32) a, in(reg32) b,
+             options(pure, nomem, nostack));
+    }
+    d
+}

@@ -78,6 +78,30 @@ pub unsafe fn cp_async_16_zfill_with_policy(dst: u32, src: *const u8, src_bytes:
     }
 }
 
+/// A 4-byte asynchronous copy (`cp.async.ca`, through the L1) with an L2 cache policy: reads
+/// only the first `src_bytes` (0 or 4) bytes of `src` and zero-fills the rest (with 0, nothing is
+/// read). Tracked in the same commit groups as the 16-byte copies.
+///
+/// # Safety
+/// `dst` is a 4-byte-aligned shared-window address inside the block's shared memory that no
+/// other thread reads or writes until the copy's group is waited for; `src` is 4-byte aligned and
+/// readable for `src_bytes` bytes; `policy` comes from `createpolicy`.
+#[inline(always)]
+pub unsafe fn cp_async_4_zfill_with_policy(dst: u32, src: *const u8, src_bytes: u32, policy: u64) {
+    // SAFETY: the caller guarantees both addresses; the policy is a hint.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .u64 gsrc;",
+            "cvta.to.global.u64 gsrc, {1};",
+            "cp.async.ca.shared.global.L2::cache_hint [{0}], [gsrc], 4, {2}, {3};",
+            "}}",
+            in(reg32) dst, in(reg64) src as u64, in(reg32) src_bytes, in(reg64) policy,
+            options(nostack),
+        );
+    }
+}
+
 /// [`cp_async_16`] reading only the first `src_bytes` (0 ..= 16) bytes of `src`: the rest of
 /// the 16 destination bytes are zero-filled (with 0, nothing is read).
 ///

@@ -41,6 +41,19 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     d
 }
 
+/// `prmt.b32`: four bytes picked from the eight of `(a, b)` (bytes 0..4 of `a`, then 4..8 of
+/// `b`); nibble `i` of `SEL` is the source byte of result byte `i`.
+#[inline(always)]
+pub fn byte_perm<const SEL: u32>(a: u32, b: u32) -> u32 {
+    let d: u32;
+    // SAFETY: register-only instruction.
+    unsafe {
+        asm!("prmt.b32 {0}, {1}, {2}, {3};", out(reg32) d, in(reg32) a, in(reg32) b,
+             const SEL, options(pure, nomem, nostack));
+    }
+    d
+}
+
 /// `x`, computed where this is called: the compiler can neither hoist it nor what is derived
 /// from it out of a loop, nor reassociate a sum through it. Used for addresses that are cheap to
 /// recompute per iteration of the prefill KV loop, so that LLVM does not keep their

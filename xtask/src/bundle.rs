@@ -356,7 +356,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   ./run.sh tests      the GPU tests only
 #   ./run.sh sanitize   the GPU test executables under compute-sanitizer
 #                       (memcheck, racecheck, initcheck, synccheck; SANITIZE_TOOLS picks;
-#                       the soak runs LSERVE_SOAK_STEPS steps, default 300)
+#                       the soak runs LSERVE_SOAK_STEPS steps, default 300; the profiler
+#                       test contexts up to LSERVE_PROFILE_MAX_CONTEXT, default 4096)
 #   ./run.sh benches    every bench executable, then benches/*.py decode and prefill
 #   ./run.sh report     the same as benches, then bin/lserve-report: reports/report/REPORT.md
 #                       with PNG plots (tables of every measured number)
@@ -454,6 +455,9 @@ run_sanitize() {
     local exe tool
     # The soak (gpu_session) runs a short version under the tools.
     export LSERVE_SOAK_STEPS="${LSERVE_SOAK_STEPS:-300}"
+    # The profiler test measures contexts up to 4K under the tools: racecheck's host memory grows
+    # with its contexts (127 GB resident at 1K + 4K on the H200 machine's 128 GiB; killed at 16K).
+    export LSERVE_PROFILE_MAX_CONTEXT="${LSERVE_PROFILE_MAX_CONTEXT:-4096}"
     for exe in "${GPU_TESTS[@]}"; do
         for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
             run_one "$tool $exe" "$REPORTS/sanitize-$tool-$(basename "$exe").txt" \

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use lserve_abi::buffers::{BatchPtrs, CachePtrs, SelectionPtrs};
-use lserve_abi::decode::HEAD_STREAMING;
+use lserve_abi::decode::{CodedKvPtrs, CODED_HEAD_DIM, HEAD_STREAMING};
 use lserve_abi::ptr::{GlobalPtr, GlobalPtrMut};
 use lserve_abi::{CacheLayout, PagedLayout, SelectionLayout, StreamingLayout};
 
@@ -30,6 +30,8 @@ use crate::dtype::Element;
 use crate::head_pattern::{HeadKind, HeadPattern};
 use crate::index_table::IndexTables;
 use crate::paging::{HostKvCache, KvCacheManager, SeqId, TableGeneration, PAD_PAGE};
+use crate::quant::{CodeBits, IntFormat, KvFormat, QuantGroup};
+use crate::reference::quant::quantize_rows;
 use crate::{LserveError, Result};
 
 /// An [`Element`] the device buffers can hold (bf16 and f16).
@@ -64,9 +66,132 @@ pub struct DeviceLayer<E> {
     pub(crate) held_pages: CudaSlice<u32>,
     /// `[slots][dense_heads]` pages in the held selection (0: nothing held).
     pub(crate) held_lens: CudaSlice<u32>,
+    /// The integer-coded K/V of a coded cache ([`DeviceKvCache::new_coded`]); its 16-bit K/V
+    /// buffers (`k_pool` .. `v_stream`) then hold one element each and are never addressed.
+    pub(crate) codes: Option<CodedLayer>,
+}
+
+/// One layer's integer-coded K/V (`lserve_abi::decode::CodedKvPtrs`): INT8 codes, one byte per
+/// element where a 16-bit cache keeps its elements, and per row one `(scale, minimum)` word.
+pub(crate) struct CodedLayer {
+    k_pool: CudaSlice<u8>,
+    v_pool: CudaSlice<u8>,
+    k_pool_words: CudaSlice<u32>,
+    v_pool_words: CudaSlice<u32>,
+    k_stream: CudaSlice<u8>,
+    v_stream: CudaSlice<u8>,
+    k_stream_words: CudaSlice<u32>,
+    v_stream_words: CudaSlice<u32>,
+}
+
+/// The codes and row words of `rows` (`[n][head_dim]`, a 16-bit buffer's elements) quantized to
+/// `format` by the reference (`reference::quant::quantize_rows`).
+fn quantize_buffer<E: Element>(
+    rows: &[E],
+    head_dim: usize,
+    format: IntFormat,
+) -> Result<(Vec<u8>, Vec<u32>)> {
+    let values: Vec<f32> = rows.iter().map(|x| x.to_f32()).collect();
+    let q = quantize_rows(&values, head_dim, format)?;
+    let n = q.rows();
+    let codes = (0..n)
+        .flat_map(|r| (0..head_dim).map(move |c| (r, c)))
+        .map(|(r, c)| q.code(r, c))
+        .collect();
+    let words = (0..n).map(|r| q.params(r, 0).word()).collect();
+    Ok((codes, words))
+}
+
+impl CodedLayer {
+    /// Zeroed codes and words for a layer laid out as `paged` and `streaming`.
+    fn zeroed(
+        stream: &Arc<CudaStream>,
+        paged: &PagedLayout,
+        streaming: &StreamingLayout,
+    ) -> Result<Self> {
+        let d = paged.head_dim as usize;
+        let (pool, store) = (paged.kv_elements(), streaming.kv_elements());
+        Ok(Self {
+            k_pool: zeros(stream, pool)?,
+            v_pool: zeros(stream, pool)?,
+            k_pool_words: zeros(stream, pool / d)?,
+            v_pool_words: zeros(stream, pool / d)?,
+            k_stream: zeros(stream, store)?,
+            v_stream: zeros(stream, store)?,
+            k_stream_words: zeros(stream, store / d)?,
+            v_stream_words: zeros(stream, store / d)?,
+        })
+    }
+
+    /// The rows of a host layer, quantized.
+    fn quantized<E: Element>(
+        stream: &Arc<CudaStream>,
+        head_dim: usize,
+        format: IntFormat,
+        buffers: [&[E]; 4],
+    ) -> Result<Self> {
+        let [k_pool, v_pool, k_stream, v_stream] = buffers;
+        let part = |rows: &[E]| -> Result<(CudaSlice<u8>, CudaSlice<u32>)> {
+            let (codes, words) = quantize_buffer(rows, head_dim, format)?;
+            Ok((upload(stream, &codes)?, upload(stream, &words)?))
+        };
+        let (k_pool, k_pool_words) = part(k_pool)?;
+        let (v_pool, v_pool_words) = part(v_pool)?;
+        let (k_stream, k_stream_words) = part(k_stream)?;
+        let (v_stream, v_stream_words) = part(v_stream)?;
+        Ok(Self {
+            k_pool,
+            v_pool,
+            k_pool_words,
+            v_pool_words,
+            k_stream,
+            v_stream,
+            k_stream_words,
+            v_stream_words,
+        })
+    }
+
+    /// The coded buffers for a kernel that reads them, registered with `launch` as read.
+    pub(crate) fn ptrs<'a>(&'a self, launch: &mut Launch<'a>) -> CodedKvPtrs {
+        CodedKvPtrs {
+            k_pool: launch.read(&self.k_pool),
+            v_pool: launch.read(&self.v_pool),
+            k_pool_params: launch.read(&self.k_pool_words),
+            v_pool_params: launch.read(&self.v_pool_words),
+            k_stream: launch.read(&self.k_stream),
+            v_stream: launch.read(&self.v_stream),
+            k_stream_params: launch.read(&self.k_stream_words),
+            v_stream_params: launch.read(&self.v_stream_words),
+        }
+    }
+}
+
+/// `InvalidArgument` unless the device kernels read `format` at `head_dim`: INT8 codes per
+/// token-head at head dimension 128 (`decode_attention_int8_*`). The other formats of
+/// [`crate::quant`] have a reference and no kernels yet.
+pub(crate) fn check_coded_format(format: IntFormat, head_dim: usize) -> Result<()> {
+    let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
+    if format != int8 || head_dim != CODED_HEAD_DIM as usize {
+        return Err(LserveError::InvalidArgument {
+            what: "KV format",
+            reason: format!(
+                "the device kernels read {int8} at head_dim {CODED_HEAD_DIM}, not {format} at \
+                 head_dim {head_dim}"
+            ),
+        });
+    }
+    Ok(())
 }
 
 impl<E: DeviceElement> DeviceLayer<E> {
+    /// `InvalidArgument` for a coded layer: `what` reads or writes the 16-bit K/V buffers.
+    pub(crate) fn check_float(&self, what: &'static str) -> Result<()> {
+        if self.codes.is_some() {
+            return Err(coded_unsupported(what));
+        }
+        Ok(())
+    }
+
     /// The layer as the kernels' argument structs address it (`kv_heads` of the model,
     /// `max_pages` the block tables' row stride).
     pub(crate) fn layout(&self, kv_heads: usize, max_pages: u32) -> CacheLayout {
@@ -120,11 +245,14 @@ impl<E: DeviceElement> DeviceLayer<E> {
 
     /// The layer's cache and selection buffers for a kernel that writes them, registered with
     /// `launch` as written (the block tables and the head map as read).
+    ///
+    /// Errors: `InvalidArgument` for a coded layer (its 16-bit K/V buffers hold one element).
     pub(crate) fn ptrs_mut<'a>(
         &'a mut self,
         launch: &mut Launch<'a>,
         block_tables: &'a CudaSlice<u32>,
-    ) -> (CachePtrs, SelectionPtrs) {
+    ) -> Result<(CachePtrs, SelectionPtrs)> {
+        self.check_float("a kernel that writes the cache")?;
         let DeviceLayer {
             k_pool,
             v_pool,
@@ -155,7 +283,18 @@ impl<E: DeviceElement> DeviceLayer<E> {
             index_pages: launch.write(index_pages),
             index_lens: launch.write(index_lens),
         };
-        (cache, selection)
+        Ok((cache, selection))
+    }
+}
+
+/// The error of an operation that a coded cache does not serve yet.
+pub(crate) fn coded_unsupported(what: &'static str) -> LserveError {
+    LserveError::InvalidArgument {
+        what: "KV format",
+        reason: format!(
+            "{what} reads or writes 16-bit K/V; this cache holds int8 codes (coded caches are \
+             read by DecodePlan's attention and the selector)"
+        ),
     }
 }
 
@@ -204,6 +343,8 @@ pub struct DeviceKvCache<E> {
     pub(crate) softmax_scale: f32,
     /// The manager's sparsity configuration (page selection reads budget, reuse, rules).
     pub(crate) config: crate::config::SparsityConfig,
+    /// The K/V element format.
+    format: KvFormat,
 }
 
 /// A device copy of `data`, at least one element long (the driver refuses empty allocations;
@@ -287,7 +428,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     pub fn new(gpu: &GpuContext, manager: &KvCacheManager) -> Result<Self> {
         let entry_capacity =
             IndexTables::entry_capacity_for(manager.config(), manager.max_seq_len());
-        Self::build(gpu, manager, Contents::Zeroed { entry_capacity })
+        Self::build(gpu, manager, Contents::Zeroed { entry_capacity }, None)
     }
 
     /// A cache holding a copy of `host` (K/V and statistics) and of `index`, with the block
@@ -315,13 +456,94 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 reason: "shaped for a different pattern than the manager".into(),
             });
         }
-        Self::build(gpu, manager, Contents::Host { host, index })
+        Self::build(gpu, manager, Contents::Host { host, index }, None)
+    }
+
+    /// A zeroed cache as [`new`](Self::new) whose K and V are integer codes in `format`: INT8
+    /// per token-head at head dimension 128 (one byte per element and a bf16 scale and minimum
+    /// per row: 132 bytes a row instead of 256). The key statistics stay 16-bit. Such a cache is
+    /// read by [`DecodePlan`](super::DecodePlan) (`decode_attention_int8_*`) and the selector;
+    /// the operations that write K/V (append, prefill writes, statistics pooling) and the
+    /// appending plans refuse it with `InvalidArgument` before anything is enqueued.
+    ///
+    /// Errors: `InvalidArgument` for a format or head dimension without device kernels
+    /// (`check_coded_format`); those of [`new`](Self::new).
+    ///
+    /// ```no_run
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::gpu::{DeviceKvCache, GpuContext};
+    /// use lserve::head_pattern::HeadPattern;
+    /// use lserve::paging::KvCacheManager;
+    /// use lserve::quant::{CodeBits, IntFormat, KvFormat, QuantGroup};
+    ///
+    /// let gpu = GpuContext::new(0)?;
+    /// let g = ModelGeometry::llama3_8b();
+    /// let mgr = KvCacheManager::new(g, HeadPattern::all_dense(g), SparsityConfig::default(), 4096, 8, 65536)?;
+    /// let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
+    /// let cache = DeviceKvCache::<half::bf16>::new_coded(&gpu, &mgr, int8)?;
+    /// assert_eq!(cache.format(), KvFormat::Int(int8));
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn new_coded(
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        format: IntFormat,
+    ) -> Result<Self> {
+        check_coded_format(format, manager.geometry().head_dim())?;
+        let entry_capacity =
+            IndexTables::entry_capacity_for(manager.config(), manager.max_seq_len());
+        Self::build(
+            gpu,
+            manager,
+            Contents::Zeroed { entry_capacity },
+            Some(format),
+        )
+    }
+
+    /// A coded cache (as [`new_coded`](Self::new_coded)) holding `host`'s K/V quantized to
+    /// `format` row by row with the reference quantizer
+    /// ([`quantize_rows`](crate::reference::quant::quantize_rows)), its statistics and `index`,
+    /// as [`upload`](Self::upload). What attention over it computes is the reference's attention
+    /// over the dequantized rows.
+    ///
+    /// Errors: those of [`new_coded`](Self::new_coded) and [`upload`](Self::upload).
+    pub fn upload_coded(
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        host: &HostKvCache<E>,
+        index: &IndexTables,
+        format: IntFormat,
+    ) -> Result<Self> {
+        check_coded_format(format, manager.geometry().head_dim())?;
+        index.check_against(manager)?;
+        if host.pattern() != manager.pattern() || host.layers() != index.layers() {
+            return Err(LserveError::InvalidArgument {
+                what: "host cache / index tables",
+                reason: "shaped for a different pattern than the manager".into(),
+            });
+        }
+        Self::build(gpu, manager, Contents::Host { host, index }, Some(format))
+    }
+
+    /// The format of the cache's K and V.
+    pub fn format(&self) -> KvFormat {
+        self.format
+    }
+
+    /// `InvalidArgument` for a coded cache: `what` reads or writes the 16-bit K/V.
+    pub(crate) fn check_float(&self, what: &'static str) -> Result<()> {
+        match self.format {
+            KvFormat::Float(_) => Ok(()),
+            KvFormat::Int(_) => Err(coded_unsupported(what)),
+        }
     }
 
     fn build(
         gpu: &GpuContext,
         manager: &KvCacheManager,
         contents: Contents<'_, E>,
+        coded: Option<IntFormat>,
     ) -> Result<Self> {
         let pattern = manager.pattern().clone();
         let cfg = manager.config();
@@ -340,6 +562,8 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         let held_capacity = cfg.held_selection_pages() + 1;
         let geometry = *pattern.geometry();
         let mut layers = Vec::with_capacity(geometry.layers());
+        // A coded cache's 16-bit K/V buffers hold one element (never addressed).
+        let float_kv = |elements: usize| if coded.is_some() { 1 } else { elements };
         for layer in 0..geometry.layers() {
             let paged = manager.paged_layout(layer);
             let streaming = manager.streaming_layout(layer);
@@ -348,12 +572,12 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 Contents::Zeroed { entry_capacity } => LayerBuffers {
                     // `PAD_PAGE` (past the pool), not page 0 (a page of some sequence): an entry
                     // read before any selection wrote it reads nothing (`pool_page`).
-                    k_pool: zeros(stream, paged.kv_elements())?,
-                    v_pool: zeros(stream, paged.kv_elements())?,
+                    k_pool: zeros(stream, float_kv(paged.kv_elements()))?,
+                    v_pool: zeros(stream, float_kv(paged.kv_elements()))?,
                     kmin: zeros(stream, paged.stats_elements())?,
                     kmax: zeros(stream, paged.stats_elements())?,
-                    k_stream: zeros(stream, streaming.kv_elements())?,
-                    v_stream: zeros(stream, streaming.kv_elements())?,
+                    k_stream: zeros(stream, float_kv(streaming.kv_elements()))?,
+                    v_stream: zeros(stream, float_kv(streaming.kv_elements()))?,
                     index_pages: upload(
                         stream,
                         &vec![PAD_PAGE; slots * dense_heads * entry_capacity],
@@ -371,27 +595,56 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                         });
                     }
                     let table = index.layer(layer)?;
+                    let float = |rows: &[E]| -> Result<CudaSlice<E>> {
+                        match coded {
+                            None => upload(stream, rows),
+                            Some(_) => zeros(stream, 1),
+                        }
+                    };
                     LayerBuffers {
-                        k_pool: upload(stream, dense.k())?,
-                        v_pool: upload(stream, dense.v())?,
+                        k_pool: float(dense.k())?,
+                        v_pool: float(dense.v())?,
                         kmin: upload(stream, dense.kmin())?,
                         kmax: upload(stream, dense.kmax())?,
-                        k_stream: upload(stream, stored.k())?,
-                        v_stream: upload(stream, stored.v())?,
+                        k_stream: float(stored.k())?,
+                        v_stream: float(stored.v())?,
                         index_pages: upload(stream, table.pages())?,
                         index_lens: upload(stream, table.lens())?,
                     }
                 }
             };
-            let tensor_maps = super::tensor_map::layer_tensor_maps(
-                stream,
-                &paged,
-                &streaming,
-                &layer_buffers.k_pool,
-                &layer_buffers.v_pool,
-                &layer_buffers.k_stream,
-                &layer_buffers.v_stream,
-            )?;
+            let codes = match (coded, &contents) {
+                (None, _) => None,
+                (Some(_), Contents::Zeroed { .. }) => {
+                    Some(CodedLayer::zeroed(stream, &paged, &streaming)?)
+                }
+                (Some(format), Contents::Host { host, .. }) => {
+                    let (dense, stored) = (host.dense(layer)?, host.streaming(layer)?);
+                    Some(CodedLayer::quantized(
+                        stream,
+                        paged.head_dim as usize,
+                        format,
+                        [dense.k(), dense.v(), stored.k(), stored.v()],
+                    )?)
+                }
+            };
+            // A coded layer's tensor maps are never read (its kernel copies with `cp.async`):
+            // zeros, not maps of the one-element 16-bit buffers.
+            let tensor_maps = match coded {
+                None => super::tensor_map::layer_tensor_maps(
+                    stream,
+                    &paged,
+                    &streaming,
+                    &layer_buffers.k_pool,
+                    &layer_buffers.v_pool,
+                    &layer_buffers.k_stream,
+                    &layer_buffers.v_stream,
+                )?,
+                Some(_) => zeros(
+                    stream,
+                    lserve_abi::decode::DECODE_TENSOR_MAPS * lserve_abi::decode::TENSOR_MAP_BYTES,
+                )?,
+            };
             layers.push(DeviceLayer {
                 paged,
                 streaming,
@@ -407,6 +660,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 index_lens: layer_buffers.index_lens,
                 held_pages: zeros(stream, slots * dense_heads * held_capacity)?,
                 held_lens: zeros(stream, slots * dense_heads)?,
+                codes,
             });
         }
         let pattern_head_dim = pattern.geometry().head_dim();
@@ -435,6 +689,10 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             dynamic_min_len: u32::try_from(cfg.dynamic_min_len).unwrap_or(u32::MAX),
             softmax_scale: cfg.softmax_scale_for(pattern_head_dim),
             config: *cfg,
+            format: match coded {
+                None => KvFormat::Float(E::DTYPE),
+                Some(format) => KvFormat::Int(format),
+            },
         })
     }
 
@@ -562,6 +820,9 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         host: &mut HostKvCache<E>,
         index: &mut IndexTables,
     ) -> Result<()> {
+        if self.format != KvFormat::Float(E::DTYPE) {
+            return Err(coded_unsupported("download"));
+        }
         let stream = gpu.stream();
         // Device buffers hold at least one element (`upload`), a host buffer may hold none (a
         // layer without dense or without streaming heads): copy the host's length.
@@ -613,6 +874,19 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     pub fn fill_random(&mut self, gpu: &GpuContext, seed: u64) -> Result<()> {
         for (i, l) in self.layers.iter_mut().enumerate() {
             let base = seed.wrapping_add(4 * i as u64);
+            if let Some(c) = &mut l.codes {
+                // Random codes; random bf16 pairs as the words (scales and minimums in the
+                // generator's range).
+                super::fill_random_bits::<E, _>(gpu, &mut c.k_pool, base)?;
+                super::fill_random_bits::<E, _>(gpu, &mut c.v_pool, base + 1)?;
+                super::fill_random_bits::<E, _>(gpu, &mut c.k_stream, base + 2)?;
+                super::fill_random_bits::<E, _>(gpu, &mut c.v_stream, base + 3)?;
+                super::fill_random_bits::<half::bf16, _>(gpu, &mut c.k_pool_words, !base)?;
+                super::fill_random_bits::<half::bf16, _>(gpu, &mut c.v_pool_words, !base - 1)?;
+                super::fill_random_bits::<half::bf16, _>(gpu, &mut c.k_stream_words, !base - 2)?;
+                super::fill_random_bits::<half::bf16, _>(gpu, &mut c.v_stream_words, !base - 3)?;
+                continue;
+            }
             super::fill_random(gpu, &mut l.k_pool, base)?;
             super::fill_random(gpu, &mut l.v_pool, base + 1)?;
             super::fill_random(gpu, &mut l.k_stream, base + 2)?;

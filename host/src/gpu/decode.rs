@@ -3,19 +3,24 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::decode::{
-    combine_smem_bytes, decode_smem_bytes, CombineArgs, CombineParams, DecodeArgs, DecodeParams,
-    COMBINE_THREADS, DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
+    coded_decode_smem_bytes, combine_smem_bytes, decode_smem_bytes, CodedDecodeArgs, CombineArgs,
+    CombineParams, DecodeArgs, DecodeParams, COMBINE_THREADS, DECODE_BLOCKS_PER_SM, DECODE_THREADS,
+    DECODE_TILE_ROWS,
 };
 use lserve_abi::layout::TokenStrides;
 use lserve_abi::ptr::GlobalPtrMut;
 
-use super::cache::{fresh_id, layer_out_of_range, DecodeBatch, DeviceElement, DeviceKvCache};
+use super::cache::{
+    check_coded_format, coded_unsupported, fresh_id, layer_out_of_range, DecodeBatch,
+    DeviceElement, DeviceKvCache,
+};
 use super::kv_write::AppendPlan;
 use super::launch::{check_shape, kernel_of, Launch};
 use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::error::invalid;
+use crate::quant::KvFormat;
 use crate::{LserveError, Result};
 
 /// Scratch for the split partial states, sized once for the largest batch.
@@ -194,10 +199,26 @@ impl AttentionKernels {
     ) -> Result<Self> {
         let geometry = *cache.pattern().geometry();
         let d = geometry.head_dim();
-        let bulk = uses_bulk_copies(plan.max_rows, plan.splits, append);
-        let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, append)?;
+        let (name, smem) = match cache.format() {
+            KvFormat::Float(_) => {
+                let bulk = uses_bulk_copies(plan.max_rows, plan.splits, append);
+                let name = kernel_name(E::DTYPE, d, geometry.group(), bulk, append)?;
+                (name, decode_smem_bytes(d as u32))
+            }
+            KvFormat::Int(format) => {
+                if append {
+                    return Err(coded_unsupported("a plan that appends the step's token"));
+                }
+                check_coded_format(format, d)?;
+                check_shape(d, geometry.group())?;
+                (
+                    format!("decode_attention_int8_{}_d{d}", E::DTYPE.name()),
+                    coded_decode_smem_bytes(d as u32),
+                )
+            }
+        };
         Ok(Self {
-            attention: gpu.function_with_smem(&name, decode_smem_bytes(d as u32))?,
+            attention: gpu.function_with_smem(&name, smem)?,
             combine: gpu.function(kernel_of::<E>("decode_combine_bf16", "decode_combine_f16"))?,
         })
     }
@@ -277,6 +298,9 @@ impl<'b> DecodePlan<'b> {
     /// Errors: `Empty` for an empty batch, `StaleTables` for a batch set against another cache
     /// or tables the cache no longer holds ([`DecodeBatch::set`]), `InvalidArgument` for a batch
     /// the cache cannot hold or a workspace sized for another geometry or a smaller batch.
+    ///
+    /// A coded cache ([`DeviceKvCache::new_coded`]) is attended by the integer-coded kernels
+    /// (`decode_attention_int8_*`, `kernels-gpu/src/decode/coded.rs`).
     pub fn new<E: DeviceElement>(
         gpu: &GpuContext,
         cache: &DeviceKvCache<E>,
@@ -496,7 +520,8 @@ impl<'b> AppendAttendPlan<'b> {
     /// says); looks the kernels up (the append kernel where a layer appends on its own).
     /// Launches nothing.
     ///
-    /// Errors: as [`DecodePlan::new`].
+    /// Errors: as [`DecodePlan::new`]; `InvalidArgument` for a coded cache
+    /// ([`DeviceKvCache::new_coded`]: the device does not write its codes yet).
     pub fn new<E: DeviceElement>(
         gpu: &GpuContext,
         cache: &DeviceKvCache<E>,
@@ -504,6 +529,7 @@ impl<'b> AppendAttendPlan<'b> {
         ws: &DecodeWorkspace,
         how: AppendLaunch,
     ) -> Result<Self> {
+        cache.check_float("AppendAttendPlan")?;
         let layers = AttentionLayers::new(gpu, cache, batch, ws, Some(how))?;
         let append = layers
             .layers
@@ -928,7 +954,10 @@ fn launch_attention<E: DeviceElement>(
     let cfg = LaunchConfig {
         grid_dim: (splits, pairs as u32, 1),
         block_dim: (DECODE_THREADS, 1, 1),
-        shared_mem_bytes: decode_smem_bytes(d as u32),
+        shared_mem_bytes: match l.codes {
+            None => decode_smem_bytes(d as u32),
+            Some(_) => coded_decode_smem_bytes(d as u32),
+        },
     };
     let mut launch = Launch::overlapped(gpu, &kernels.attention);
     // Without a token the kernel reads `k_new`/`v_new` never: `q` stands in for them.
@@ -946,6 +975,21 @@ fn launch_attention<E: DeviceElement>(
         part_acc: launch.write(&mut ws.part_acc),
         part_ml: launch.write(&mut ws.part_ml),
     };
+    if let Some(codes) = &l.codes {
+        // Planned without an append (`AttentionKernels::look_up` refuses one for a coded cache).
+        let args = CodedDecodeArgs {
+            attn: args,
+            codes: codes.ptrs(&mut launch),
+        };
+        // SAFETY: `decode_attention_int8_*`'s argument struct, of the buffers registered above:
+        // as for the 16-bit kernel below (grid, workspace, batch, tables), with the codes and
+        // row words laid out as the layer's `paged` / `streaming` layouts at one byte per
+        // element (`CodedLayer`, built from them) and the head dimension 128
+        // (`check_coded_format`); the kernel reads neither the 16-bit K/V nor the tensor maps
+        // and writes only the workspace.
+        unsafe { launch.launch(cfg, &args) }?;
+        return launch_combine(gpu, batch, out, lse, ws, plan, kernels, (hq, group, d));
+    }
     // SAFETY: `args` is `decode_attention_*`'s argument struct, of the buffers registered above.
     // The grid is `(splits, B * Hkv)` with `splits <= MAX_SPLITS` and `B * Hkv <= ws.max_pairs`,
     // so partial states stay inside the workspace; the cache's buffers have the layouts in
@@ -960,7 +1004,24 @@ fn launch_attention<E: DeviceElement>(
     // Overlapped: the kernel waits for the previous one (`overlapped_entry`) before touching
     // anything a kernel writes.
     unsafe { launch.launch(cfg, &args) }?;
+    launch_combine(gpu, batch, out, lse, ws, plan, kernels, (hq, group, d))
+}
 
+/// Launches the split combine of an attention launch made as `plan` for `batch` (`shape`:
+/// query heads, group, head dim).
+#[allow(clippy::too_many_arguments)]
+fn launch_combine<E: DeviceElement>(
+    gpu: &GpuContext,
+    batch: &DecodeBatch,
+    out: &mut TokensMut<'_, E>,
+    lse: Option<&mut CudaSlice<f32>>,
+    ws: &mut DecodeWorkspace,
+    plan: LaunchPlan,
+    kernels: &AttentionKernels,
+    shape: (usize, usize, usize),
+) -> Result<()> {
+    let (hq, group, d) = shape;
+    let (b, splits) = (batch.len(), plan.splits);
     let params = CombineParams {
         batch: b as u32,
         q_heads: hq as u32,

@@ -146,6 +146,7 @@ impl<'b> AppendPlan<'b> {
         cache: &DeviceKvCache<E>,
         batch: &'b DecodeBatch,
     ) -> Result<Self> {
+        cache.check_float("AppendPlan")?;
         cache.check_batch(batch)?;
         let g = *cache.pattern().geometry();
         let chunks = batch.len() * g.kv_heads() * g.head_dim() / CHUNK_ELEMS as usize;
@@ -231,7 +232,7 @@ impl<'b> AppendPlan<'b> {
         };
         let mut launch = Launch::overlapped(gpu, &self.function);
         let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
-        let (cache_ptrs, selection) = l.ptrs_mut(&mut launch, tables);
+        let (cache_ptrs, selection) = l.ptrs_mut(&mut launch, tables)?;
         let args = AppendArgs {
             params,
             k,
@@ -484,6 +485,7 @@ impl KvWritePlan {
         manager: &KvCacheManager,
         cache: &mut DeviceKvCache<E>,
     ) -> Result<DeviceKvWritePlan> {
+        cache.check_float("KvWritePlan::upload")?;
         self.check_current(manager)?;
         if self.slots != cache.slots
             || self.max_pages != cache.max_pages
@@ -613,7 +615,7 @@ pub fn write_kv_rows<'t, E: DeviceElement>(
     let mut launch = Launch::new(gpu, &f);
     let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
     let ranges = launch.read(&plan.ranges).cast();
-    let (cache_ptrs, _) = l.ptrs_mut(&mut launch, tables);
+    let (cache_ptrs, _) = l.ptrs_mut(&mut launch, tables)?;
     let args = WriteRowsArgs {
         params,
         ranges,
@@ -674,7 +676,7 @@ pub fn pool_key_stats<E: DeviceElement>(
     };
     let mut launch = Launch::new(gpu, &f);
     let ranges = launch.read(&plan.ranges).cast();
-    let (cache_ptrs, _) = l.ptrs_mut(&mut launch, tables);
+    let (cache_ptrs, _) = l.ptrs_mut(&mut launch, tables)?;
     let args = PoolArgs {
         params,
         ranges,
@@ -737,6 +739,7 @@ pub(crate) fn gather_kv_rows<E: DeviceElement>(
     let mut launch = Launch::new(gpu, &f);
     let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
     let ranges = launch.read(ranges).cast();
+    l.check_float("gather_kv_rows")?;
     let (cache_ptrs, _) = l.ptrs(&mut launch, &cache.block_tables);
     let args = GatherArgs {
         params,
@@ -776,7 +779,17 @@ pub fn fill_random<E: DeviceElement>(
     buf: &mut CudaSlice<E>,
     seed: u64,
 ) -> Result<()> {
-    let len = buf.len();
+    fill_random_bits::<E, E>(gpu, buf, seed)
+}
+
+/// [`fill_random`] of the bytes of a buffer of any element type `T`: its whole 16-bit words get
+/// the values `fill_random` gives an `E` buffer (coded caches' codes and row words).
+pub(crate) fn fill_random_bits<E: DeviceElement, T: cudarc::driver::DeviceRepr>(
+    gpu: &GpuContext,
+    buf: &mut CudaSlice<T>,
+    seed: u64,
+) -> Result<()> {
+    let len = buf.len() * std::mem::size_of::<T>() / 2;
     if len == 0 {
         return Ok(());
     }
@@ -795,8 +808,9 @@ pub fn fill_random<E: DeviceElement>(
         params,
         out: launch.write(buf).cast(),
     };
-    // SAFETY: `fill_random_*`'s argument struct, of the buffer registered above; `buf` holds `len` elements of a
-    // 16-bit type, allocated by the driver (16-byte aligned); the grid covers `len / 8` chunks.
+    // SAFETY: `fill_random_*`'s argument struct, of the buffer registered above; `buf` holds at
+    // least `len` 16-bit words, allocated by the driver (16-byte aligned); the grid covers
+    // `len / 8` chunks.
     unsafe { launch.launch(cfg, &args) }?;
     Ok(())
 }

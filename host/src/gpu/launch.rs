@@ -77,6 +77,7 @@ macro_rules! kernel_args {
 
 kernel_args!(
     lserve_abi::decode::DecodeArgs,
+    lserve_abi::decode::CodedDecodeArgs,
     lserve_abi::decode::CombineArgs,
     lserve_abi::kv_write::AppendArgs,
     lserve_abi::kv_write::WriteRowsArgs,

@@ -26,6 +26,7 @@ pub use decode::{
     append_and_attend, decode_attention, AppendAttendPlan, AppendLaunch, DecodePlan,
     DecodeWorkspace, MAX_SPLITS,
 };
+pub(crate) use kv_write::fill_random_bits;
 pub use kv_write::{
     append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, AppendPlan,
     DeviceKvWritePlan, KvWritePlan,

@@ -15,6 +15,7 @@
 //! `decode_attention_append_*` entry points also append the step's token ([`newest`]): a step that
 //! uses them needs no append launch.
 
+pub mod coded;
 pub mod combine;
 pub mod newest;
 pub mod online_softmax;
@@ -286,16 +287,56 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
     C::finish();
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
+    // SAFETY: every lane of the warp is here (quad shuffle).
+    let head = unsafe { state.softmax.quad_total() };
+    let quad = lane % 4;
+    // SAFETY: every copy landed and every warp is past its reads of the stages (the barrier
+    // above); the whole block calls it.
+    unsafe {
+        merge_warps::<D>(
+            p,
+            part_acc,
+            part_ml,
+            pair,
+            split,
+            warp,
+            lane,
+            head,
+            |n, c| ((8 * n as u32 + 2 * quad) as usize + c, state.o[n].regs[c]),
+        )
+    };
+}
+
+/// The end of a decode block: merges the warps' softmax states and output accumulators through
+/// shared memory (the stage area; per warp and head `m`, `l` and `D` accumulators) and writes the
+/// block's partial state per query head into `part_acc` / `part_ml`. `head` is this lane's
+/// head's state (quad total); `value(n, c)` gives the dimension and value of register `c` of
+/// this lane's output accumulator `n` (of `n_tiles(D)`; row `lane / 4`).
+///
+/// # Safety
+/// The whole block calls it, after a block barrier that follows every warp's last read of its
+/// stages and every copy's landing; `decode_merge_bytes(D, p.group)` fits the shared memory;
+/// `part_acc` / `part_ml` are `[pairs][splits][G][D]` / `[pairs][splits][G][2]`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn merge_warps<const D: usize>(
+    p: &DecodeParams,
+    part_acc: *mut f32,
+    part_ml: *mut f32,
+    pair: u32,
+    split: u32,
+    warp: u32,
+    lane: u32,
+    head: SoftmaxState,
+    value: impl Fn(usize, usize) -> (usize, f32),
+) {
     let group = p.group;
     let area = dynamic_smem::<f32>(0);
     let slot_of = |w: u32, g: u32| ((w * group + g) * (D as u32 + 2)) as usize;
-    // SAFETY: every lane of the warp is here (quad shuffle).
-    let head = unsafe { state.softmax.quad_total() };
     let (g, quad) = (lane / 4, lane % 4);
     if g < group {
         let at = slot_of(warp, g);
-        // SAFETY: inside the merge area (`decode_merge_bytes(D, G) <= decode_stage_bytes(D)` for
-        // `G <= MAX_GROUP`).
+        // SAFETY: inside the merge area (the caller's contract).
         unsafe {
             if quad == 0 {
                 *area.add(at) = head.m;
@@ -303,9 +344,12 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
             }
             let mut n = 0;
             while n < n_tiles(D) {
-                let d = (8 * n as u32 + 2 * quad) as usize;
-                *area.add(at + 2 + d) = state.o[n].regs[0];
-                *area.add(at + 2 + d + 1) = state.o[n].regs[1];
+                let mut c = 0;
+                while c < 2 {
+                    let (d, x) = value(n, c);
+                    *area.add(at + 2 + d) = x;
+                    c += 1;
+                }
                 n += 1;
             }
         }

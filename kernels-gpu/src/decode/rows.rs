@@ -283,6 +283,12 @@ impl RowSource {
         }
     }
 
+    /// Whether the pair is a streaming head's (its rows are the streaming store's).
+    #[inline(always)]
+    pub fn is_streaming(&self) -> bool {
+        self.pages.is_null()
+    }
+
     /// Tiles covering the rows.
     #[inline(always)]
     pub fn tiles(&self) -> u32 {

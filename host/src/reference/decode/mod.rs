@@ -33,6 +33,8 @@ use crate::error::{LserveError, Result};
 use crate::head_pattern::HeadKind;
 use crate::index_table::IndexTables;
 use crate::paging::{HostKvCache, KvCacheManager, SeqId, SequenceView, StreamingStore};
+use crate::quant::IntFormat;
+use crate::reference::quant::quantize_rows;
 use crate::reference::{check_len, to_f32};
 
 /// Validates a batch: non-empty, distinct live sequences of at least one token, `q` of
@@ -114,6 +116,65 @@ pub fn decode_attention_tables_with_lse<E: Element>(
     seqs: &[SeqId],
     q: &[E],
 ) -> Result<(Vec<f64>, Vec<f64>)> {
+    attention_over_rows(mgr, cache, tables, layer, seqs, q, |r| Ok(to_f32(r)))
+}
+
+/// [`decode_attention_tables_with_lse`] over an integer-coded copy of `cache`: every K and V row
+/// quantized to `format` ([`quantize_rows`](crate::reference::quant::quantize_rows)) and
+/// dequantized, as a coded device cache uploaded from `cache`
+/// (`DeviceKvCache::upload_coded`) holds it. Same errors, and those of `quantize_rows`.
+///
+/// ```
+/// use half::bf16;
+/// use lserve::config::SparsityConfig;
+/// use lserve::geometry::ModelGeometry;
+/// use lserve::head_pattern::HeadPattern;
+/// use lserve::index_table::IndexTables;
+/// use lserve::paging::{HostKvCache, KvCacheManager};
+/// use lserve::quant::{CodeBits, IntFormat, QuantGroup};
+/// use lserve::reference::decode::decode_attention_tables_coded;
+/// // One streaming KV head (its sink and ring rows: no index entry needed).
+/// let g = ModelGeometry::new(1, 2, 1, 64)?;
+/// let cfg = SparsityConfig { page_tokens: 16, logical_page_tokens: 16, ..SparsityConfig::default() };
+/// let mut mgr = KvCacheManager::new(g, HeadPattern::interleaved(g, 1.0)?, cfg, 4, 1, 64)?;
+/// let seq = mgr.add_sequence()?;
+/// mgr.reserve(seq, 3)?;
+/// let cache = HostKvCache::<bf16>::for_manager(&mgr)?;
+/// let tables = IndexTables::for_manager(&mgr)?;
+/// let q = vec![bf16::ZERO; 2 * 64];
+/// let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
+/// let (out, _) = decode_attention_tables_coded(&mgr, &cache, &tables, 0, &[seq], &q, int8)?;
+/// assert!(out.iter().all(|&x| x == 0.0)); // zero rows stay zero
+/// # Ok::<(), lserve::LserveError>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_tables_coded<E: Element>(
+    mgr: &KvCacheManager,
+    cache: &HostKvCache<E>,
+    tables: &IndexTables,
+    layer: usize,
+    seqs: &[SeqId],
+    q: &[E],
+    format: IntFormat,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let d = mgr.geometry().head_dim();
+    attention_over_rows(mgr, cache, tables, layer, seqs, q, |r| {
+        Ok(quantize_rows(&to_f32(r), d, format)?.dequantize_row(0))
+    })
+}
+
+/// The attention of [`decode_attention_tables_with_lse`] with every K and V row as `row` makes
+/// it (f32) from the cache's.
+#[allow(clippy::too_many_arguments)]
+fn attention_over_rows<E: Element>(
+    mgr: &KvCacheManager,
+    cache: &HostKvCache<E>,
+    tables: &IndexTables,
+    layer: usize,
+    seqs: &[SeqId],
+    q: &[E],
+    row: impl Fn(&[E]) -> Result<Vec<f32>>,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     let views = batch_views(mgr, cache, layer, seqs, q)?;
     let g = *mgr.geometry();
     let config = mgr.config();
@@ -143,8 +204,8 @@ pub fn decode_attention_tables_with_lse<E: Element>(
                             reason: format!("page {page} is not in the sequence's block table"),
                         })?;
                         for t in 0..n_p.min(view.len - logical * n_p) {
-                            keys.push(to_f32(pool.key(page, head, t)?));
-                            values.push(to_f32(pool.value(page, head, t)?));
+                            keys.push(row(pool.key(page, head, t)?)?);
+                            values.push(row(pool.value(page, head, t)?)?);
                         }
                     }
                 }
@@ -152,8 +213,8 @@ pub fn decode_attention_tables_with_lse<E: Element>(
                     let (sink, local) = (config.sink_tokens, config.local_tokens);
                     for pos in StreamingStore::resident_positions(view.len, sink, local) {
                         let (k, v) = cache.token(layer, view, kv_head, pos)?;
-                        keys.push(to_f32(k));
-                        values.push(to_f32(v));
+                        keys.push(row(k)?);
+                        values.push(row(v)?);
                     }
                 }
             }

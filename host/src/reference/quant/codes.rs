@@ -63,6 +63,20 @@ impl GroupParams {
         self.min.to_f32()
     }
 
+    /// The word a device cache stores for the group: the scale's bf16 bits in bits 0..16, the
+    /// minimum's in bits 16..32 (`lserve_abi::decode::CodedKvPtrs`).
+    ///
+    /// ```
+    /// use lserve::quant::{CodeBits, IntFormat, QuantGroup};
+    /// use lserve::reference::quant::quantize_rows;
+    /// let q = quantize_rows(&[0.0; 8], 8, IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead)).unwrap();
+    /// let w = q.params(0, 0).word();
+    /// assert_eq!(f32::from_bits(w & 0xFFFF_0000), q.params(0, 0).min());
+    /// ```
+    pub fn word(&self) -> u32 {
+        self.scale.to_bits() as u32 | (self.min.to_bits() as u32) << 16
+    }
+
     /// The value of code `c`: `fma(c, s, m)` in f32, as the kernels compute it.
     pub fn value(&self, c: u8) -> f32 {
         (c as f32).mul_add(self.scale(), self.min())

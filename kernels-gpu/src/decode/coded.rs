@@ -1,0 +1,503 @@
+//! Decode attention over an integer-coded cache: INT8 codes with a bf16 scale `s` and minimum
+//! `m` per token and KV head (element `c` is `fma(c, s, m)`, `lserve::quant`).
+//!
+//! Same grid, blocks, warps, page lists ([`RowSource`]), 3-stage per-warp ring, online softmax
+//! and merges as the 16-bit kernel ([`super`]); what differs is what a tile is and how it becomes
+//! `mma` operands. A stage holds 16 K code rows and 16 V code rows (`D` bytes each, copied with
+//! 16-byte `cp.async`) and their rows' `(s, m)` words (4-byte `cp.async`). The codes themselves
+//! go through the tensor cores, centred (`c - 128`) and made exact 16-bit values in registers
+//! ([`CodeElement`]); the scales and offsets act on the products, per key. With `u = c - 128` and
+//! a row's offset `o = m + 128 s` (its value at code 128), `k_j = s_j u_j + o_j`:
+//! - `S = Q Kᵀ`: `q · k_j = s_j (q · u_j) + o_j Σ q`, so `S' = Q Uᵀ` on the tensor cores, then
+//!   one `fma` per score with the row sum of `q` (once per block);
+//! - `O += P V`: `Σ_j p_j v_j = Σ_j (p_j s_j) u_j + Σ_j p_j o_j`, so `P` is scaled per key before
+//!   it becomes the A operand, and `Σ_j p_j o_j` is one more running sum per query head, added to
+//!   every dimension at the end.
+//!
+//! Centred, the products carry the row's spread and the offset its level: uncentred codes
+//! (0..=255) put both in the products and cancel them against `m`, and the bf16 rounding of
+//! `P' = p s` then doubled the output's error on zero-mean values (1.05e-2 against 1e-2, one
+//! case of the property test).
+//!
+//! Operand order. The sum over dimensions of `Q Cᵀ` and the sum over keys of `P C` do not care
+//! in which order `mma` sees them, so the kernel picks orders in which each lane reads whole
+//! 16-byte chunks and never transposes bytes across lanes:
+//! - `S`: in `k`-step `kk`, lane `(g, t)` (`g = lane / 4`, `t = lane % 4`) holds dimensions
+//!   `32 t + 4 kk + 0..4` (its `k` indices `2t, 2t+1, 2t+8, 2t+9`), of key row [`key_row`]`(n, g)`
+//!   for accumulator `n`; the query fragments are loaded in the same order;
+//! - keys: accumulator `n`'s column `2t + c` is then key `4 t + 2 n + c`, so a lane's four
+//!   scores are keys `4t .. 4t + 4` (the masking and the per-key words follow, one 16-byte load
+//!   each), and `P`'s `k` indices `2t, 2t+1, 2t+8, 2t+9` are those four keys;
+//! - `V`: lane `(g, t)` reads chunk `g` (dimensions `16 g .. 16 g + 16`) of rows `4t .. 4t + 4`,
+//!   and output accumulator `j`'s column `2t + c` is dimension `16 (2t + c) + j`.
+//!
+//! Chunk `c` of a code row `r` sits at chunk `c ^ f(r)` of its 128-byte row, `f(r) = 2 (r / 4) ^
+//! (r % 2)` ([`chunk_at`]): the eight lanes of each phase of the K and the V loads then hit
+//! eight different chunks.
+
+use lserve_abi::decode::{
+    coded_stage_bytes, CodedDecodeArgs, CODED_HEAD_DIM, DECODE_STAGES, DECODE_TILE_ROWS,
+};
+
+use super::online_softmax::add_tile_keys;
+use super::rows::{PairInputs, RowSource};
+use super::tiles::{MAX_O_TILES, WARPS};
+use crate::convert::{Bf16, CodeElement, CODE_CENTRE, F16};
+use crate::cp_async::{
+    commit_group, cp_async_16_zfill_with_policy, cp_async_4_zfill_with_policy, l2_evict_first,
+    wait_all, wait_group,
+};
+use crate::math::{byte_perm, fma};
+use crate::mma::{mma_m16n8k16, FragA, FragB, FragC, MmaElement};
+use crate::smem::{dynamic_smem, ld_shared_v4_u32, shared_addr};
+use crate::sync::{sync_threads, sync_warp};
+use crate::thread::{block_idx_x, block_idx_y, lane, warp_in_block, WARP_SIZE};
+use crate::tile::fragments::p_fragment;
+use crate::tile::SoftmaxState;
+use crate::warp::quad_sum_f32;
+
+/// The head dimension these kernels serve.
+const D: usize = CODED_HEAD_DIM as usize;
+/// 16-byte chunks per code row.
+const ROW_CHUNKS: u32 = D as u32 / 16;
+/// Bytes of one K (or V) code tile.
+const CODE_TILE_BYTES: u32 = DECODE_TILE_ROWS * D as u32;
+/// `k` steps of `S' = Q Cᵀ` over the head dimension.
+const K_STEPS: usize = D / 16;
+/// Output accumulators of 8 dimensions.
+const O_TILES: usize = D / 8;
+
+const _: () = assert!(O_TILES <= MAX_O_TILES);
+const _: () = assert!(ROW_CHUNKS == 8);
+
+/// Where logical chunk `c` of code row `r` of a tile sits in its 128-byte row (see the module
+/// docs).
+#[inline(always)]
+pub const fn chunk_at(r: u32, c: u32) -> u32 {
+    c ^ ((2 * (r / 4)) ^ (r % 2))
+}
+
+/// The key row that lanes `4 g .. 4 g + 4` load for `S` accumulator `n`: `4 (g / 2) + g % 2 + 2 n`
+/// (so accumulator `n`'s column `2t + c` is key `4t + 2n + c`).
+#[inline(always)]
+pub const fn key_row(n: u32, g: u32) -> u32 {
+    4 * (g / 2) + g % 2 + 2 * n
+}
+
+/// One stage of a warp's ring: K codes, V codes, K row words, V row words.
+#[derive(Clone, Copy)]
+struct Stage {
+    base: u32,
+}
+
+impl Stage {
+    /// Warp `warp`'s stage `stage`.
+    #[inline(always)]
+    fn of(warp: u32, stage: u32) -> Self {
+        Self {
+            base: shared_addr(dynamic_smem::<u8>(0))
+                + (warp * DECODE_STAGES + stage) * coded_stage_bytes(D as u32),
+        }
+    }
+
+    /// The K code tile; the V tile follows it.
+    #[inline(always)]
+    fn codes(self, is_v: bool) -> u32 {
+        self.base + if is_v { CODE_TILE_BYTES } else { 0 }
+    }
+
+    /// The 16 row words of the K (or V) tile.
+    #[inline(always)]
+    fn words(self, is_v: bool) -> u32 {
+        self.base + 2 * CODE_TILE_BYTES + if is_v { 4 * DECODE_TILE_ROWS } else { 0 }
+    }
+
+    /// Shared address of logical chunk `c` of row `r` of a code tile.
+    #[inline(always)]
+    fn chunk(tile: u32, r: u32, c: u32) -> u32 {
+        tile + r * D as u32 + 16 * chunk_at(r, c)
+    }
+}
+
+/// Where a pair's coded rows are: the pool's or the store's code and word buffers.
+#[derive(Clone, Copy)]
+struct CodedRows {
+    k: *const u8,
+    v: *const u8,
+    k_words: *const u32,
+    v_words: *const u32,
+}
+
+impl CodedRows {
+    #[inline(always)]
+    fn of(a: &CodedDecodeArgs, src: &RowSource) -> Self {
+        let c = &a.codes;
+        if src.is_streaming() {
+            Self {
+                k: c.k_stream.get(),
+                v: c.v_stream.get(),
+                k_words: c.k_stream_params.get(),
+                v_words: c.v_stream_params.get(),
+            }
+        } else {
+            Self {
+                k: c.k_pool.get(),
+                v: c.v_pool.get(),
+                k_words: c.k_pool_params.get(),
+                v_words: c.v_pool_params.get(),
+            }
+        }
+    }
+
+    /// Starts the copies of the tile at element offset `at` (a [`RowSource::tile_offset`]) into
+    /// `stage`: rows past `valid_rows` repeat the last row; a tile at or past `offset_end` (a
+    /// page past the pool) lands as zeros and reads nothing.
+    ///
+    /// # Safety
+    /// All 32 lanes call it; the stage is not being read; `1 <= valid_rows <= 16` rows exist at
+    /// `at` unless `at >= offset_end`.
+    #[inline(always)]
+    unsafe fn issue(self, stage: Stage, at: usize, offset_end: usize, valid_rows: u32, lane: u32) {
+        let copied = at < offset_end;
+        let at = if copied { at } else { 0 };
+        let policy = l2_evict_first();
+        let mut i = 0;
+        while i < CODE_TILE_BYTES / 16 / WARP_SIZE {
+            let c = lane + i * WARP_SIZE;
+            let (row, chunk) = (c / ROW_CHUNKS, c % ROW_CHUNKS);
+            let from = at + (row.min(valid_rows - 1) * D as u32 + 16 * chunk) as usize;
+            // SAFETY: the source row exists (or nothing is read: 0 bytes), 16-byte aligned; the
+            // destination is chunk `chunk` of row `row < 16` of the stage's tiles.
+            unsafe {
+                let bytes = if copied { 16 } else { 0 };
+                cp_async_16_zfill_with_policy(
+                    Stage::chunk(stage.codes(false), row, chunk),
+                    self.k.add(from),
+                    bytes,
+                    policy,
+                );
+                cp_async_16_zfill_with_policy(
+                    Stage::chunk(stage.codes(true), row, chunk),
+                    self.v.add(from),
+                    bytes,
+                    policy,
+                );
+            }
+            i += 1;
+        }
+        // Lanes 0..16 copy the K rows' words, lanes 16..32 the V rows'.
+        let (is_v, row) = (lane >= DECODE_TILE_ROWS, lane % DECODE_TILE_ROWS);
+        let words = if is_v { self.v_words } else { self.k_words };
+        let word = at / D + row.min(valid_rows - 1) as usize;
+        // SAFETY: the word of an existing row (or nothing is read), 4-byte aligned; the
+        // destination is word `row` of the stage's K (or V) words.
+        unsafe {
+            cp_async_4_zfill_with_policy(
+                stage.words(is_v) + 4 * row,
+                words.add(word) as *const u8,
+                if copied { 4 } else { 0 },
+                policy,
+            );
+        }
+    }
+}
+
+/// A row word's scale `s` and its value at the centre code, `m + 128 s` (the offset of a row
+/// whose centred codes `c - 128` the tensor cores multiply), as f32.
+#[inline(always)]
+fn scale_offset(word: u32) -> (f32, f32) {
+    let (s, m) = (
+        f32::from_bits(word << 16),
+        f32::from_bits(word & 0xFFFF_0000),
+    );
+    (s, fma(CODE_CENTRE, s, m))
+}
+
+/// One warp's pass: softmax state, output accumulators and the running `Σ p_j o_j` of its
+/// lane's query head (this lane's keys; the quad sums it at the end).
+struct CodedWarpState {
+    softmax: SoftmaxState,
+    o: [FragC; O_TILES],
+    v_offset: f32,
+}
+
+/// The query fragments in the kernel's dimension order (module docs) and this lane's head's
+/// `Σ_d q_d` (quad-summed): row `g < group` is query head `g` of the group, rows past it zero.
+///
+/// # Safety
+/// The whole warp calls it; `q_group` points to `group * D` readable elements, 4-byte aligned.
+#[inline(always)]
+unsafe fn load_queries<E: MmaElement>(
+    q_group: *const u16,
+    group: u32,
+    lane: u32,
+) -> ([FragA<E>; K_STEPS], f32) {
+    let mut q = [FragA::from_regs([0; 4]); K_STEPS];
+    let mut sum = 0.0;
+    let (g, t) = (lane / 4, lane % 4);
+    if g < group {
+        // SAFETY: row `g < group`, elements `32 t .. 32 t + 32 <= D`; pairs 4-byte aligned.
+        let row = unsafe { q_group.add(g as usize * D + 32 * t as usize) as *const u32 };
+        let mut kk = 0;
+        while kk < K_STEPS {
+            // SAFETY: pairs `2 kk, 2 kk + 1 < 16` of the lane's 32 elements.
+            let (lo, hi) = unsafe { (*row.add(2 * kk), *row.add(2 * kk + 1)) };
+            q[kk] = FragA::from_regs([lo, 0, hi, 0]);
+            let (a, b) = E::unpack2(lo);
+            let (c, d) = E::unpack2(hi);
+            sum += (a + b) + (c + d);
+            kk += 1;
+        }
+    }
+    // SAFETY: the whole warp is here.
+    (q, unsafe { quad_sum_f32(sum) })
+}
+
+/// Adds one landed tile to the warp's state.
+///
+/// # Safety
+/// The whole warp calls it, after the stage's wait and a warp barrier; `1 <= valid <= 16`.
+#[inline(always)]
+unsafe fn attend_tile<E: MmaElement + CodeElement>(
+    state: &mut CodedWarpState,
+    stage: Stage,
+    q: &[FragA<E>; K_STEPS],
+    q_sum: f32,
+    valid: u32,
+    scale_log2: f32,
+    lane: u32,
+) {
+    let (g, t) = (lane / 4, lane % 4);
+    // S' = Q Uᵀ: lane (g, t) reads chunks 2t, 2t + 1 of key rows key_row(0, g), key_row(1, g).
+    let k_tile = stage.codes(false);
+    let mut s = [FragC::default(); 2];
+    crate::unroll8!(n in 0..2 => {
+        let r = key_row(n as u32, g);
+        // SAFETY: rows < 16, chunks < 8 of the landed tile (the caller's wait and barrier).
+        let (w0, w1) = unsafe {
+            (
+                ld_shared_v4_u32(Stage::chunk(k_tile, r, 2 * t)),
+                ld_shared_v4_u32(Stage::chunk(k_tile, r, 2 * t + 1)),
+            )
+        };
+        let words = [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]];
+        crate::unroll8!(kk in 0..K_STEPS => {
+            let w = words[kk];
+            let b = FragB::from_regs([E::codes_lo(w), E::codes_hi(w)]);
+            // SAFETY: the whole warp is here.
+            s[n] = unsafe { mma_m16n8k16(&q[kk], &b, &s[n]) };
+        });
+    });
+    // The four keys 4t .. 4t + 4 of this lane: their K and V words.
+    // SAFETY: words `4t .. 4t + 4` of the landed stage, 16-byte aligned.
+    let (kw, vw) = unsafe {
+        (
+            ld_shared_v4_u32(stage.words(false) + 16 * t),
+            ld_shared_v4_u32(stage.words(true) + 16 * t),
+        )
+    };
+    // q · k_j = s_j S'_j + o_j Σ q  (register c of accumulator n is key 4t + 2n + c).
+    crate::unroll8!(i in 0..4 => {
+        let (n, c) = (i / 2, i % 2);
+        let (k_scale, k_offset) = scale_offset(kw[i]);
+        s[n].regs[c] = fma(k_scale, s[n].regs[c], k_offset * q_sum);
+    });
+    // SAFETY: every lane is here; `1 <= valid <= 16`.
+    let correction = unsafe {
+        add_tile_keys(&mut state.softmax, &mut s, valid, scale_log2, |n, c| {
+            4 * t + 2 * n + c
+        })
+    };
+    // P scaled per key by the value scale; Σ p_j o_j of the value offsets.
+    let mut v_off = 0.0;
+    crate::unroll8!(i in 0..4 => {
+        let (n, c) = (i / 2, i % 2);
+        let (v_scale, v_offset) = scale_offset(vw[i]);
+        let p = s[n].regs[c];
+        v_off = fma(p, v_offset, v_off);
+        s[n].regs[c] = p * v_scale;
+    });
+    state.v_offset = fma(state.v_offset, correction, v_off);
+    let pf = p_fragment::<E, 8>(&s[0], &s[1]);
+    // O += P' U_v: lane (g, t) reads chunk g of rows 4t .. 4t + 4.
+    let v_tile = stage.codes(true);
+    // SAFETY: rows < 16, chunk g < 8 of the landed tile.
+    let rows = unsafe {
+        [
+            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t, g)),
+            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t + 1, g)),
+            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t + 2, g)),
+            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t + 3, g)),
+        ]
+    };
+    crate::unroll8!(w in 0..4 => {
+        // Bytes of keys (4t, 4t + 1) and (4t + 2, 4t + 3) side by side, dimensions
+        // 16 g + 4 w + 0..2 and + 2..4.
+        let lo01 = byte_perm::<0x5140>(rows[0][w], rows[1][w]);
+        let hi01 = byte_perm::<0x7362>(rows[0][w], rows[1][w]);
+        let lo23 = byte_perm::<0x5140>(rows[2][w], rows[3][w]);
+        let hi23 = byte_perm::<0x7362>(rows[2][w], rows[3][w]);
+        // Accumulator `4 w + i` (dimension `16 g + 4 w + i`, this lane's B column).
+        let mut accumulate = |i: usize, b: [u32; 2]| {
+            let o = &mut state.o[4 * w + i];
+            o.regs[0] *= correction;
+            o.regs[1] *= correction;
+            // SAFETY: the whole warp is here.
+            *o = unsafe { mma_m16n8k16(&pf, &FragB::from_regs(b), o) };
+        };
+        accumulate(0, [E::codes_lo(lo01), E::codes_lo(lo23)]);
+        accumulate(1, [E::codes_hi(lo01), E::codes_hi(lo23)]);
+        accumulate(2, [E::codes_lo(hi01), E::codes_lo(hi23)]);
+        accumulate(3, [E::codes_hi(hi01), E::codes_hi(hi23)]);
+    });
+}
+
+/// The kernel body for element type `E` (of the queries; the codes' scale and minimum are
+/// bf16): a non-appending launch over the cache as it is.
+///
+/// # Safety
+/// Launched with grid `(p.splits, p.batch * p.cache.kv_heads)`, `DECODE_THREADS` threads and
+/// `coded_decode_smem_bytes(128)` bytes of dynamic shared memory; `p.cache.paged.head_dim ==
+/// 128`; `1 <= p.group <= MAX_GROUP`; every buffer of `a` holds the layout `CodedDecodeArgs`
+/// documents; the host inputs as for the 16-bit kernel.
+#[inline(always)]
+unsafe fn decode_attention_coded<E: MmaElement + CodeElement>(a: &CodedDecodeArgs) {
+    let attn = &a.attn;
+    let p = &attn.params;
+    let (split, pair) = (block_idx_x(), block_idx_y());
+    let (b, kv_head) = (pair / p.cache.kv_heads, pair % p.cache.kv_heads);
+    // SAFETY: `b < batch`, `kv_head < kv_heads` by the grid; host-validated slot and length.
+    let inputs = unsafe { PairInputs::read(attn, b, kv_head, false) };
+    // SAFETY: before this thread's first access of anything a kernel before it writes.
+    unsafe { crate::sync::overlapped_entry() };
+    // SAFETY: the host validated slot, lengths and tables.
+    let src = unsafe { RowSource::new(attn, inputs, false) };
+    let rows = CodedRows::of(a, &src);
+
+    let tiles = src.tiles();
+    let per_split = tiles.div_ceil(p.splits);
+    let first = split * per_split;
+    let end = if first + per_split < tiles {
+        first + per_split
+    } else {
+        tiles
+    };
+    let count = end.saturating_sub(first);
+    let (warp, lane) = (warp_in_block(), lane());
+    let mine = if count > warp {
+        (count - warp).div_ceil(WARPS)
+    } else {
+        0
+    };
+    let tile = |j: u32| first + warp + j * WARPS;
+    let mut state = CodedWarpState {
+        softmax: SoftmaxState::EMPTY,
+        o: [FragC::default(); O_TILES],
+        v_offset: 0.0,
+    };
+    // SAFETY: pair (b, kv_head)'s query heads are the `G` consecutive heads from
+    // `kv_head * G` of row `b` (as for the 16-bit kernel); the whole warp is here.
+    let (q, q_sum) = unsafe {
+        load_queries::<E>(
+            attn.q
+                .get()
+                .add((b * p.strides.q + kv_head * p.group) as usize * D),
+            p.group,
+            lane,
+        )
+    };
+    if mine > 0 {
+        // SAFETY (issue): `tile(j) < end <= tiles` for `j < mine`; stage `j % STAGES` is free
+        // (its previous tile was waited for and every lane is past reading it: the warp barrier
+        // after each wait).
+        let issue = |j: u32| unsafe {
+            let t = tile(j);
+            rows.issue(
+                Stage::of(warp, j % DECODE_STAGES),
+                src.tile_offset(p, t),
+                src.offset_end,
+                src.tile_rows(t),
+                lane,
+            )
+        };
+        let mut j = 0;
+        while j < DECODE_STAGES - 1 {
+            if j < mine {
+                issue(j);
+            }
+            commit_group();
+            j += 1;
+        }
+        let mut j = 0;
+        while j < mine {
+            // Tile `j`'s group is older than the `DECODE_STAGES - 2` committed after it.
+            wait_group::<{ DECODE_STAGES - 2 }>();
+            // SAFETY: the whole warp is here (`mine` is warp-uniform).
+            unsafe { sync_warp() };
+            if j + DECODE_STAGES - 1 < mine {
+                issue(j + DECODE_STAGES - 1);
+            }
+            commit_group();
+            // SAFETY: tile `j` landed and every lane passed the barrier.
+            unsafe {
+                attend_tile::<E>(
+                    &mut state,
+                    Stage::of(warp, j % DECODE_STAGES),
+                    &q,
+                    q_sum,
+                    src.tile_rows(tile(j)),
+                    p.scale_log2,
+                    lane,
+                )
+            };
+            j += 1;
+        }
+    }
+    wait_all();
+    // SAFETY: block-uniform.
+    unsafe { sync_threads() };
+    // SAFETY: every lane of the warp is here (quad shuffles).
+    let (head, v_offset) = unsafe { (state.softmax.quad_total(), quad_sum_f32(state.v_offset)) };
+    let t = lane % 4;
+    // SAFETY: every copy landed and every warp is past its reads (the barrier above); the
+    // whole block calls it; the merge area fits the coded stages (`coded_decode_smem_bytes`).
+    unsafe {
+        super::merge_warps::<D>(
+            p,
+            attn.part_acc.get(),
+            attn.part_ml.get(),
+            pair,
+            split,
+            warp,
+            lane,
+            head,
+            |j, c| (16 * (2 * t as usize + c) + j, state.o[j].regs[c] + v_offset),
+        )
+    };
+}
+
+/// Declares the integer-coded decode entry point `$name` for element type `$elem`.
+macro_rules! coded_kernel {
+    ($($name:ident: $elem:ty;)*) => {$(
+        /// Integer-coded decode attention entry point (see the module docs).
+        ///
+        /// # Safety
+        /// As [`decode_attention_coded`]'s: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $name(a: CodedDecodeArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe { decode_attention_coded::<$elem>(&a) }
+        }
+    )*};
+}
+
+coded_kernel! {
+    decode_attention_int8_bf16_d128: Bf16;
+    decode_attention_int8_f16_d128: F16;
+}
+
+// The stage area holds the merge area.
+const _: () = assert!(
+    lserve_abi::decode::decode_merge_bytes(128, lserve_abi::decode::MAX_GROUP)
+        <= lserve_abi::decode::coded_decode_smem_bytes(128)
+);
