@@ -219,6 +219,10 @@ pub struct CombineArgs {
 /// 128 bytes, eight 16-byte chunks.
 pub const CODED_HEAD_DIM: u32 = 128;
 
+/// Copy stages per warp of the integer-coded decode kernel (its tiles are about half the bytes
+/// of a 16-bit tile).
+pub const CODED_STAGES: u32 = 3;
+
 /// Bytes of one warp stage of the integer-coded decode kernel for head dimension `head_dim`: the
 /// K and V code tiles (`DECODE_TILE_ROWS` rows of `head_dim` bytes), then their rows'
 /// `(scale, minimum)` words (4 bytes a row each).
@@ -226,10 +230,10 @@ pub const fn coded_stage_bytes(head_dim: u32) -> u32 {
     2 * DECODE_TILE_ROWS * head_dim + 2 * DECODE_TILE_ROWS * 4
 }
 
-/// Shared memory of the integer-coded decode kernel, in bytes: per warp, [`DECODE_STAGES`]
+/// Shared memory of the integer-coded decode kernel, in bytes: per warp, [`CODED_STAGES`]
 /// stages ([`coded_stage_bytes`]); the cross-warp merge at the end reuses them.
 pub const fn coded_decode_smem_bytes(head_dim: u32) -> u32 {
-    let stages = (DECODE_THREADS / 32) * DECODE_STAGES * coded_stage_bytes(head_dim);
+    let stages = (DECODE_THREADS / 32) * CODED_STAGES * coded_stage_bytes(head_dim);
     let merge = decode_merge_bytes(head_dim, MAX_GROUP);
     if stages > merge {
         stages

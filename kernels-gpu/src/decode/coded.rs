@@ -36,13 +36,13 @@
 //! eight different chunks.
 
 use lserve_abi::decode::{
-    coded_stage_bytes, CodedDecodeArgs, CODED_HEAD_DIM, DECODE_STAGES, DECODE_TILE_ROWS,
+    coded_stage_bytes, CodedDecodeArgs, CODED_HEAD_DIM, CODED_STAGES, DECODE_TILE_ROWS,
 };
 
 use super::online_softmax::add_tile_keys;
 use super::rows::{PairInputs, RowSource};
 use super::tiles::{MAX_O_TILES, WARPS};
-use crate::convert::{Bf16, CodeElement, CODE_CENTRE, F16};
+use crate::convert::{Bf16, CodeElement, Half16, CODE_CENTRE, F16};
 use crate::cp_async::{
     commit_group, cp_async_16_zfill_with_policy, cp_async_4_zfill_with_policy, l2_evict_first,
     wait_all, wait_group,
@@ -54,7 +54,7 @@ use crate::sync::{sync_threads, sync_warp};
 use crate::thread::{block_idx_x, block_idx_y, lane, warp_in_block, WARP_SIZE};
 use crate::tile::fragments::p_fragment;
 use crate::tile::SoftmaxState;
-use crate::warp::quad_sum_f32;
+use crate::warp::{quad_max_f32, quad_sum_f32};
 
 /// The head dimension these kernels serve.
 const D: usize = CODED_HEAD_DIM as usize;
@@ -96,7 +96,7 @@ impl Stage {
     fn of(warp: u32, stage: u32) -> Self {
         Self {
             base: shared_addr(dynamic_smem::<u8>(0))
-                + (warp * DECODE_STAGES + stage) * coded_stage_bytes(D as u32),
+                + (warp * CODED_STAGES + stage) * coded_stage_bytes(D as u32),
         }
     }
 
@@ -221,36 +221,65 @@ struct CodedWarpState {
     v_offset: f32,
 }
 
-/// The query fragments in the kernel's dimension order (module docs) and this lane's head's
-/// `Σ_d q_d` (quad-summed): row `g < group` is query head `g` of the group, rows past it zero.
+/// The group's queries as the `S` products take them: f16 A fragments in the kernel's dimension
+/// order (module docs), whatever the element type, each row scaled by a power of two that puts
+/// its largest magnitude in `[2^15, 2^16)` (so every bf16 or f16 value converts exactly, up to
+/// the f16 subnormals of values below 2^-29 of the row's largest); the key codes then convert
+/// with f16's one `prmt` and one `sub.f16x2` per pair instead of bf16's five instructions.
+struct Queries {
+    /// Row `g < group` is query head `g` of the group (scaled), rows past it zero.
+    frags: [FragA<F16>; K_STEPS],
+    /// This lane's head's `Σ_d q_d` (of the unscaled queries, quad-summed).
+    sum: f32,
+    /// The inverse of this lane's head's scale: `q · u = unscale · S'`.
+    unscale: f32,
+}
+
+/// Loads the group's queries ([`Queries`]).
 ///
 /// # Safety
 /// The whole warp calls it; `q_group` points to `group * D` readable elements, 4-byte aligned.
 #[inline(always)]
-unsafe fn load_queries<E: MmaElement>(
-    q_group: *const u16,
-    group: u32,
-    lane: u32,
-) -> ([FragA<E>; K_STEPS], f32) {
-    let mut q = [FragA::from_regs([0; 4]); K_STEPS];
-    let mut sum = 0.0;
+unsafe fn load_queries<E: MmaElement>(q_group: *const u16, group: u32, lane: u32) -> Queries {
+    let mut pairs = [0u32; 2 * K_STEPS];
     let (g, t) = (lane / 4, lane % 4);
     if g < group {
         // SAFETY: row `g < group`, elements `32 t .. 32 t + 32 <= D`; pairs 4-byte aligned.
         let row = unsafe { q_group.add(g as usize * D + 32 * t as usize) as *const u32 };
-        let mut kk = 0;
-        while kk < K_STEPS {
-            // SAFETY: pairs `2 kk, 2 kk + 1 < 16` of the lane's 32 elements.
-            let (lo, hi) = unsafe { (*row.add(2 * kk), *row.add(2 * kk + 1)) };
-            q[kk] = FragA::from_regs([lo, 0, hi, 0]);
-            let (a, b) = E::unpack2(lo);
-            let (c, d) = E::unpack2(hi);
-            sum += (a + b) + (c + d);
-            kk += 1;
-        }
+        crate::unroll16!(i in 0..2 * K_STEPS => {
+            // SAFETY: pair `i < 16` of the lane's 32 elements.
+            pairs[i] = unsafe { *row.add(i) };
+        });
     }
+    let (mut sum, mut largest) = (0.0f32, 0.0f32);
+    crate::unroll16!(i in 0..2 * K_STEPS => {
+        let (a, b) = E::unpack2(pairs[i]);
+        sum += a + b;
+        largest = largest.max(a.abs()).max(b.abs());
+    });
     // SAFETY: the whole warp is here.
-    (q, unsafe { quad_sum_f32(sum) })
+    let (sum, largest) = unsafe { (quad_sum_f32(sum), quad_max_f32(largest)) };
+    // `scale = 2^(15 - e)` for `largest = 1.x · 2^e`, its biased exponent kept in 1..=253 so
+    // that it and its inverse are normal f32 (a zero or tiny row, an infinite or NaN one).
+    let biased = ((largest.to_bits() >> 23) & 0xFF) as i32;
+    let scale_biased = (269 - biased).clamp(1, 253) as u32;
+    let (scale, unscale) = (
+        f32::from_bits(scale_biased << 23),
+        f32::from_bits((254 - scale_biased) << 23),
+    );
+    let mut frags = [FragA::from_regs([0; 4]); K_STEPS];
+    crate::unroll8!(kk in 0..K_STEPS => {
+        let f16 = |pair: u32| {
+            let (a, b) = E::unpack2(pair);
+            F16::pack2(a * scale, b * scale)
+        };
+        frags[kk] = FragA::from_regs([f16(pairs[2 * kk]), 0, f16(pairs[2 * kk + 1]), 0]);
+    });
+    Queries {
+        frags,
+        sum,
+        unscale,
+    }
 }
 
 /// Adds one landed tile to the warp's state.
@@ -261,8 +290,7 @@ unsafe fn load_queries<E: MmaElement>(
 unsafe fn attend_tile<E: MmaElement + CodeElement>(
     state: &mut CodedWarpState,
     stage: Stage,
-    q: &[FragA<E>; K_STEPS],
-    q_sum: f32,
+    q: &Queries,
     valid: u32,
     scale_log2: f32,
     lane: u32,
@@ -283,9 +311,9 @@ unsafe fn attend_tile<E: MmaElement + CodeElement>(
         let words = [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]];
         crate::unroll8!(kk in 0..K_STEPS => {
             let w = words[kk];
-            let b = FragB::from_regs([E::codes_lo(w), E::codes_hi(w)]);
+            let b = FragB::<F16>::from_regs([F16::codes_lo(w), F16::codes_hi(w)]);
             // SAFETY: the whole warp is here.
-            s[n] = unsafe { mma_m16n8k16(&q[kk], &b, &s[n]) };
+            s[n] = unsafe { mma_m16n8k16(&q.frags[kk], &b, &s[n]) };
         });
     });
     // The four keys 4t .. 4t + 4 of this lane: their K and V words.
@@ -300,7 +328,7 @@ unsafe fn attend_tile<E: MmaElement + CodeElement>(
     crate::unroll8!(i in 0..4 => {
         let (n, c) = (i / 2, i % 2);
         let (k_scale, k_offset) = scale_offset(kw[i]);
-        s[n].regs[c] = fma(k_scale, s[n].regs[c], k_offset * q_sum);
+        s[n].regs[c] = fma(k_scale * q.unscale, s[n].regs[c], k_offset * q.sum);
     });
     // SAFETY: every lane is here; `1 <= valid <= 16`.
     let correction = unsafe {
@@ -397,7 +425,7 @@ unsafe fn decode_attention_coded<E: MmaElement + CodeElement>(a: &CodedDecodeArg
     };
     // SAFETY: pair (b, kv_head)'s query heads are the `G` consecutive heads from
     // `kv_head * G` of row `b` (as for the 16-bit kernel); the whole warp is here.
-    let (q, q_sum) = unsafe {
+    let q = unsafe {
         load_queries::<E>(
             attn.q
                 .get()
@@ -407,44 +435,55 @@ unsafe fn decode_attention_coded<E: MmaElement + CodeElement>(a: &CodedDecodeArg
         )
     };
     if mine > 0 {
-        // SAFETY (issue): `tile(j) < end <= tiles` for `j < mine`; stage `j % STAGES` is free
-        // (its previous tile was waited for and every lane is past reading it: the warp barrier
-        // after each wait).
-        let issue = |j: u32| unsafe {
-            let t = tile(j);
+        // Where tile `j`'s rows are (for a dense head a page-list read from global memory).
+        // SAFETY: `tile(j) < end <= tiles` for `j < mine`.
+        let locate = |j: u32| unsafe { src.tile_offset(p, tile(j)) };
+        // SAFETY (issue): `at` is `locate(j)`, `j < mine`; stage `j % STAGES` is free (its
+        // previous tile was waited for and every lane is past reading it: the warp barrier after
+        // each wait).
+        let issue = |j: u32, at: usize| unsafe {
             rows.issue(
-                Stage::of(warp, j % DECODE_STAGES),
-                src.tile_offset(p, t),
+                Stage::of(warp, j % CODED_STAGES),
+                at,
                 src.offset_end,
-                src.tile_rows(t),
+                src.tile_rows(tile(j)),
                 lane,
             )
         };
         let mut j = 0;
-        while j < DECODE_STAGES - 1 {
+        while j < CODED_STAGES - 1 {
             if j < mine {
-                issue(j);
+                issue(j, locate(j));
             }
             commit_group();
             j += 1;
         }
+        // The next tile's place is looked up a tile ahead, so the page-list read overlaps a
+        // tile's compute instead of stalling the copies' issue (as in the 16-bit kernel).
+        let mut next_at = 0;
+        if CODED_STAGES - 1 < mine {
+            next_at = locate(CODED_STAGES - 1);
+        }
         let mut j = 0;
         while j < mine {
-            // Tile `j`'s group is older than the `DECODE_STAGES - 2` committed after it.
-            wait_group::<{ DECODE_STAGES - 2 }>();
+            // Tile `j`'s group is older than the `CODED_STAGES - 2` committed after it.
+            wait_group::<{ CODED_STAGES - 2 }>();
             // SAFETY: the whole warp is here (`mine` is warp-uniform).
             unsafe { sync_warp() };
-            if j + DECODE_STAGES - 1 < mine {
-                issue(j + DECODE_STAGES - 1);
+            let next = j + CODED_STAGES - 1;
+            if next < mine {
+                issue(next, next_at);
             }
             commit_group();
+            if next + 1 < mine {
+                next_at = locate(next + 1);
+            }
             // SAFETY: tile `j` landed and every lane passed the barrier.
             unsafe {
                 attend_tile::<E>(
                     &mut state,
-                    Stage::of(warp, j % DECODE_STAGES),
+                    Stage::of(warp, j % CODED_STAGES),
                     &q,
-                    q_sum,
                     src.tile_rows(tile(j)),
                     p.scale_log2,
                     lane,
