@@ -223,6 +223,10 @@ pub const CODED_HEAD_DIM: u32 = 128;
 /// of a 16-bit tile).
 pub const CODED_STAGES: u32 = 3;
 
+/// Blocks of the integer-coded decode kernel that fit on one SM (registers bound); the host sizes
+/// its splits with this.
+pub const CODED_BLOCKS_PER_SM: u32 = 3;
+
 /// Bytes of one warp stage of the integer-coded decode kernel for head dimension `head_dim`: the
 /// K and V code tiles (`DECODE_TILE_ROWS` rows of `head_dim` bytes), then their rows'
 /// `(scale, minimum)` words (4 bytes a row each).

@@ -41,6 +41,22 @@ pub fn shared_addr<T>(ptr: *const T) -> u32 {
     window as u32
 }
 
+/// The `u32` of shared memory at shared-window address `addr` (`ld.shared.u32`).
+///
+/// # Safety
+/// `addr` is 4-byte aligned and `addr..addr + 4` lies inside the block's shared memory; no other
+/// thread writes those bytes concurrently (order with a barrier).
+#[inline(always)]
+pub unsafe fn ld_shared_u32(addr: u32) -> u32 {
+    let v: u32;
+    // SAFETY: the caller guarantees the address; reads memory (no `nomem`).
+    unsafe {
+        asm!("ld.shared.u32 {0}, [{1}];", out(reg32) v, in(reg32) addr,
+             options(nostack, readonly));
+    }
+    v
+}
+
 /// Four consecutive `u32` of shared memory at shared-window address `addr` (one `ld.shared.v4`).
 ///
 /// # Safety

@@ -4,8 +4,8 @@
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::decode::{
     coded_decode_smem_bytes, combine_smem_bytes, decode_smem_bytes, CodedDecodeArgs, CombineArgs,
-    CombineParams, DecodeArgs, DecodeParams, COMBINE_THREADS, DECODE_BLOCKS_PER_SM, DECODE_THREADS,
-    DECODE_TILE_ROWS,
+    CombineParams, DecodeArgs, DecodeParams, CODED_BLOCKS_PER_SM, COMBINE_THREADS,
+    DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 use lserve_abi::layout::TokenStrides;
 use lserve_abi::ptr::GlobalPtrMut;
@@ -122,12 +122,13 @@ fn workspace_elements(
 /// slot, and the launch's end with it.
 fn choose_splits(
     sm_count: u32,
+    blocks_per_sm: u32,
     heavy_pairs: u32,
     pairs: u32,
     max_rows: u32,
     max_splits: u32,
 ) -> u32 {
-    let slots = DECODE_BLOCKS_PER_SM * sm_count;
+    let slots = blocks_per_sm * sm_count;
     let fill = slots / heavy_pairs.max(1);
     let by_length = max_rows.div_ceil(MIN_SPLIT_TILES * DECODE_TILE_ROWS).max(1);
     let splits = fill.min(by_length).clamp(1, max_splits);
@@ -900,8 +901,13 @@ fn plan_layer<E: DeviceElement>(
         .max(l.streaming.rows());
     let dense_heads = l.paged.heads as usize;
     let heavy_pairs = b * if dense_heads > 0 { dense_heads } else { hkv };
+    let blocks_per_sm = match cache.format() {
+        KvFormat::Float(_) => DECODE_BLOCKS_PER_SM,
+        KvFormat::Int(_) => CODED_BLOCKS_PER_SM,
+    };
     let splits = choose_splits(
         gpu.sm_count(),
+        blocks_per_sm,
         heavy_pairs as u32,
         pairs as u32,
         max_rows,
@@ -1098,30 +1104,67 @@ mod tests {
         // 132 SMs at 2 blocks each, 4 dense pairs of 8 (batch 1, half of the KV heads dense),
         // 256K rows: the dense pairs' blocks make one full wave; the streaming pairs' (short)
         // blocks are too many to trim away.
-        assert_eq!(choose_splits(132, 4, 8, 262_144, MAX_SPLITS), 66);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 4, 8, 262_144, MAX_SPLITS),
+            66
+        );
         // 128 dense pairs (batch 16): two splits make one wave (264 slots, 256 blocks), where
         // rounding up would make a wave and a half.
-        assert_eq!(choose_splits(132, 128, 128, 262_144, MAX_SPLITS), 2);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 128, 128, 262_144, MAX_SPLITS),
+            2
+        );
         // Fewer pairs would want more splits than allowed.
-        assert_eq!(choose_splits(132, 1, 1, 262_144, MAX_SPLITS), MAX_SPLITS);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 1, 1, 262_144, MAX_SPLITS),
+            MAX_SPLITS
+        );
         // A short sequence: at least 8 tiles (128 rows) per split.
-        assert_eq!(choose_splits(132, 4, 4, 4160, MAX_SPLITS), 33);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 4, 4, 4160, MAX_SPLITS),
+            33
+        );
         // Many pairs: one split each at least.
-        assert_eq!(choose_splits(132, 10_000, 10_000, 262_144, MAX_SPLITS), 1);
-        assert_eq!(choose_splits(132, 4, 4, 1, MAX_SPLITS), 1);
+        assert_eq!(
+            choose_splits(
+                132,
+                DECODE_BLOCKS_PER_SM,
+                10_000,
+                10_000,
+                262_144,
+                MAX_SPLITS
+            ),
+            1
+        );
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 4, 4, 1, MAX_SPLITS),
+            1
+        );
     }
 
     #[test]
     fn a_launch_a_few_blocks_over_one_wave_is_trimmed_to_it() {
         // LServe at b1 256K: a selection's 67 pages (4288 rows) want 34 splits; 8 pairs x 34 =
         // 272 blocks for 264 slots, so 33.
-        assert_eq!(choose_splits(132, 4, 8, 67 * 64, MAX_SPLITS), 33);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 4, 8, 67 * 64, MAX_SPLITS),
+            33
+        );
         // Batch 2: 16 pairs x 33 splits is two waves; halving the splits is not a trim.
-        assert_eq!(choose_splits(132, 8, 16, 67 * 64, MAX_SPLITS), 33);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 8, 16, 67 * 64, MAX_SPLITS),
+            33
+        );
         // Every pair dense: one wave already.
-        assert_eq!(choose_splits(132, 8, 8, 67 * 64, MAX_SPLITS), 33);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 8, 8, 67 * 64, MAX_SPLITS),
+            33
+        );
         // Past 1/16 of the splits: 36 wanted, 33 fit: kept.
-        assert_eq!(choose_splits(132, 4, 8, 36 * 128, MAX_SPLITS), 36);
+        assert_eq!(
+            choose_splits(132, DECODE_BLOCKS_PER_SM, 4, 8, 36 * 128, MAX_SPLITS),
+            36
+        );
     }
 
     proptest::proptest! {
@@ -1134,11 +1177,13 @@ mod tests {
             light in 0u32..300,
             max_rows in 1u32..1_000_000,
             max_splits in 1u32..=MAX_SPLITS,
+            blocks_per_sm in DECODE_BLOCKS_PER_SM..=CODED_BLOCKS_PER_SM,
         ) {
             let pairs = heavy + light;
-            let slots = DECODE_BLOCKS_PER_SM * sm_count;
-            let untrimmed = choose_splits(sm_count, heavy, heavy, max_rows, max_splits);
-            let splits = choose_splits(sm_count, heavy, pairs, max_rows, max_splits);
+            let slots = blocks_per_sm * sm_count;
+            let untrimmed =
+                choose_splits(sm_count, blocks_per_sm, heavy, heavy, max_rows, max_splits);
+            let splits = choose_splits(sm_count, blocks_per_sm, heavy, pairs, max_rows, max_splits);
             proptest::prop_assert!((1..=max_splits).contains(&splits));
             proptest::prop_assert!(splits <= untrimmed);
             if splits < untrimmed {

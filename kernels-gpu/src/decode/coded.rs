@@ -19,19 +19,24 @@
 //! `P' = p s` then doubled the output's error on zero-mean values (1.05e-2 against 1e-2, one
 //! case of the property test).
 //!
-//! Operand order. The sum over dimensions of `Q Cᵀ` and the sum over keys of `P C` do not care
-//! in which order `mma` sees them, so the kernel picks orders in which each lane reads whole
-//! 16-byte chunks and never transposes bytes across lanes:
-//! - `S`: in `k`-step `kk`, lane `(g, t)` (`g = lane / 4`, `t = lane % 4`) holds dimensions
-//!   `32 t + 4 kk + 0..4` (its `k` indices `2t, 2t+1, 2t+8, 2t+9`), of key row [`key_row`]`(n, g)`
-//!   for accumulator `n`; the query fragments are loaded in the same order;
-//! - keys: accumulator `n`'s column `2t + c` is then key `4 t + 2 n + c`, so a lane's four
-//!   scores are keys `4t .. 4t + 4` (the masking and the per-key words follow, one 16-byte load
-//!   each), and `P`'s `k` indices `2t, 2t+1, 2t+8, 2t+9` are those four keys;
-//! - `V`: lane `(g, t)` reads chunk `g` (dimensions `16 g .. 16 g + 16`) of rows `4t .. 4t + 4`,
-//!   and output accumulator `j`'s column `2t + c` is dimension `16 (2t + c) + j`.
+//! Operand order. The tile's 16 keys are the `M` rows of the products and the group's query
+//! heads their `N` columns (`Sᵀ = U_k Qᵀ`, `Oᵀ = U_vᵀ P'ᵀ`): 8 `m16n8k16` per product instead of 16
+//! with the heads as rows (whose rows `G..16` are zero). Lane `(r, t)` (`r = lane / 4`,
+//! `t = lane % 4`) holds:
+//! - `Sᵀ`: keys `r`, `r + 8` of heads `2t`, `2t + 1`; in `k`-step `kk` its dimensions are
+//!   `32 t + 4 kk + 0..4` (its `k` indices `2t, 2t+1, 2t+8, 2t+9`: the sum over dimensions does
+//!   not care in which order `mma` sees them), so it reads chunks `2t`, `2t + 1` of key rows `r`,
+//!   `r + 8`, and the queries are loaded in the same order;
+//! - a head's 16 scores are in the 8 lanes of one `t`: its softmax reduces over lanes
+//!   `t, t + 4, ..`;
+//! - `P'ᵀ` (B of `Oᵀ`): the keys of `k` indices `2t, 2t+1, 2t+8, 2t+9` are `t, t + 8, t + 4,
+//!   t + 12` (another order the sum over keys allows), each a pair of one lane's `Sᵀ` registers
+//!   (4 shuffles a tile);
+//! - `Oᵀ`: lane `(r, t)` reads chunk `r` (dimensions `16 r .. 16 r + 16`) of value rows `t`,
+//!   `t + 4`, `t + 8`, `t + 12`, and accumulator `i`'s rows `r`, `r + 8` are dimensions
+//!   `16 r + 2 i`, `16 r + 2 i + 1`.
 //!
-//! Chunk `c` of a code row `r` sits at chunk `c ^ f(r)` of its 128-byte row, `f(r) = 2 (r / 4) ^
+//! Chunk `c` of a code row `r` sits at chunk `c ^ f(r)` of its 128-byte row, `f(r) = 2 (r % 4) ^
 //! (r % 2)` ([`chunk_at`]): the eight lanes of each phase of the K and the V loads then hit
 //! eight different chunks.
 
@@ -39,22 +44,20 @@ use lserve_abi::decode::{
     coded_stage_bytes, CodedDecodeArgs, CODED_HEAD_DIM, CODED_STAGES, DECODE_TILE_ROWS,
 };
 
-use super::online_softmax::add_tile_keys;
 use super::rows::{PairInputs, RowSource};
-use super::tiles::{MAX_O_TILES, WARPS};
+use super::tiles::WARPS;
 use crate::convert::{Bf16, CodeElement, Half16, CODE_CENTRE, F16};
 use crate::cp_async::{
     commit_group, cp_async_16_zfill_with_policy, cp_async_4_zfill_with_policy, l2_evict_first,
     wait_all, wait_group,
 };
-use crate::math::{byte_perm, fma};
+use crate::math::{byte_perm, exp2, fma};
 use crate::mma::{mma_m16n8k16, FragA, FragB, FragC, MmaElement};
-use crate::smem::{dynamic_smem, ld_shared_v4_u32, shared_addr};
+use crate::smem::{dynamic_smem, ld_shared_u32, ld_shared_v4_u32, shared_addr};
 use crate::sync::{sync_threads, sync_warp};
 use crate::thread::{block_idx_x, block_idx_y, lane, warp_in_block, WARP_SIZE};
-use crate::tile::fragments::p_fragment;
 use crate::tile::SoftmaxState;
-use crate::warp::{quad_max_f32, quad_sum_f32};
+use crate::warp::{quad_max_f32, quad_sum_f32, shfl_idx_f32, shfl_idx_u32, shfl_xor_f32};
 
 /// The head dimension these kernels serve.
 const D: usize = CODED_HEAD_DIM as usize;
@@ -64,24 +67,16 @@ const ROW_CHUNKS: u32 = D as u32 / 16;
 const CODE_TILE_BYTES: u32 = DECODE_TILE_ROWS * D as u32;
 /// `k` steps of `S' = Q Cᵀ` over the head dimension.
 const K_STEPS: usize = D / 16;
-/// Output accumulators of 8 dimensions.
-const O_TILES: usize = D / 8;
+/// `Oᵀ` accumulators of 16 dimensions.
+const O_TILES: usize = D / 16;
 
-const _: () = assert!(O_TILES <= MAX_O_TILES);
 const _: () = assert!(ROW_CHUNKS == 8);
 
 /// Where logical chunk `c` of code row `r` of a tile sits in its 128-byte row (see the module
 /// docs).
 #[inline(always)]
 pub const fn chunk_at(r: u32, c: u32) -> u32 {
-    c ^ ((2 * (r / 4)) ^ (r % 2))
-}
-
-/// The key row that lanes `4 g .. 4 g + 4` load for `S` accumulator `n`: `4 (g / 2) + g % 2 + 2 n`
-/// (so accumulator `n`'s column `2t + c` is key `4t + 2n + c`).
-#[inline(always)]
-pub const fn key_row(n: u32, g: u32) -> u32 {
-    4 * (g / 2) + g % 2 + 2 * n
+    c ^ ((2 * (r % 4)) ^ (r % 2))
 }
 
 /// One stage of a warp's ring: K codes, V codes, K row words, V row words.
@@ -213,26 +208,29 @@ fn scale_offset(word: u32) -> (f32, f32) {
     (s, fma(CODE_CENTRE, s, m))
 }
 
-/// One warp's pass: softmax state, output accumulators and the running `Σ p_j o_j` of its
-/// lane's query head (this lane's keys; the quad sums it at the end).
+/// One warp's pass, for this lane's heads `2t` and `2t + 1` (index `c`): their softmax states
+/// (`l` this lane's keys' share; the 8 lanes of a head sum them at the end), the output
+/// accumulators (`Oᵀ`, rows dimensions, columns heads), and the running `Σ p_j o_j` of the value
+/// offsets (this lane's share).
 struct CodedWarpState {
-    softmax: SoftmaxState,
+    softmax: [SoftmaxState; 2],
     o: [FragC; O_TILES],
-    v_offset: f32,
+    v_offset: [f32; 2],
 }
 
-/// The group's queries as the `S` products take them: f16 A fragments in the kernel's dimension
+/// The group's queries as the `Sᵀ` products take them: f16 fragments in the kernel's dimension
 /// order (module docs), whatever the element type, each row scaled by a power of two that puts
 /// its largest magnitude in `[2^15, 2^16)` (so every bf16 or f16 value converts exactly, up to
 /// the f16 subnormals of values below 2^-29 of the row's largest); the key codes then convert
 /// with f16's one `prmt` and one `sub.f16x2` per pair instead of bf16's five instructions.
 struct Queries {
-    /// Row `g < group` is query head `g` of the group (scaled), rows past it zero.
+    /// Row `g < group` is query head `g` of the group (scaled), rows past it zero: registers 0
+    /// and 2 are the B fragment of head `lane / 4` for `Sᵀ`.
     frags: [FragA<F16>; K_STEPS],
-    /// This lane's head's `Σ_d q_d` (of the unscaled queries, quad-summed).
-    sum: f32,
-    /// The inverse of this lane's head's scale: `q · u = unscale · S'`.
-    unscale: f32,
+    /// `Σ_d q_d` of the unscaled queries of this lane's columns, heads `2t` and `2t + 1`.
+    sum: [f32; 2],
+    /// The inverse of those heads' scales: `q · u = unscale · S'`.
+    unscale: [f32; 2],
 }
 
 /// Loads the group's queries ([`Queries`]).
@@ -275,11 +273,66 @@ unsafe fn load_queries<E: MmaElement>(q_group: *const u16, group: u32, lane: u32
         };
         frags[kk] = FragA::from_regs([f16(pairs[2 * kk]), 0, f16(pairs[2 * kk + 1]), 0]);
     });
+    // This lane's columns are heads 2t and 2t + 1: their sums and scales from the lanes that
+    // loaded them (rows 2t, 2t + 1).
+    // SAFETY: the whole warp is here.
+    let column = |x: f32, c: u32| unsafe { shfl_idx_f32(x, 4 * (2 * t + c)) };
     Queries {
         frags,
-        sum,
-        unscale,
+        sum: [column(sum, 0), column(sum, 1)],
+        unscale: [column(unscale, 0), column(unscale, 1)],
     }
+}
+
+/// The softmax step of one tile for this lane's heads: raw scores `s` (`Sᵀ`: registers `2e + c`
+/// are key `r + 8e` of head `2t + c`), keys `valid..16` masked; turns them into probabilities
+/// and returns each head's correction `2^(m_old - m_new)`.
+///
+/// # Safety
+/// All 32 lanes call it (shuffles); `1 <= valid <= 16`.
+#[inline(always)]
+unsafe fn add_column_tile(
+    states: &mut [SoftmaxState; 2],
+    s: &mut FragC,
+    valid: u32,
+    scale: f32,
+    lane: u32,
+) -> [f32; 2] {
+    let r = lane / 4;
+    let mut corrections = [0.0; 2];
+    crate::unroll8!(c in 0..2 => {
+        let mut tile_max = f32::NEG_INFINITY;
+        crate::unroll8!(e in 0..2 => {
+            let key = r + 8 * e as u32;
+            let x = if key < valid {
+                s.regs[2 * e + c] * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+            s.regs[2 * e + c] = x;
+            tile_max = tile_max.max(x);
+        });
+        // The head's 16 keys are in lanes t, t + 4, .., t + 28.
+        // SAFETY: forwarded: every lane is here.
+        let tile_max = unsafe {
+            let m = tile_max.max(shfl_xor_f32(tile_max, 4));
+            let m = m.max(shfl_xor_f32(m, 8));
+            m.max(shfl_xor_f32(m, 16))
+        };
+        let state = &mut states[c];
+        let m_new = state.m.max(tile_max);
+        // Finite: key 0 of every tile is valid. `2^(-inf) = 0` covers the first tile.
+        let correction = exp2(state.m - m_new);
+        let mut sum = 0.0;
+        crate::unroll8!(e in 0..2 => {
+            let p = exp2(s.regs[2 * e + c] - m_new);
+            s.regs[2 * e + c] = p;
+            sum += p;
+        });
+        state.rescale_add(m_new, correction, sum);
+        corrections[c] = correction;
+    });
+    corrections
 }
 
 /// Adds one landed tile to the warp's state.
@@ -295,88 +348,125 @@ unsafe fn attend_tile<E: MmaElement + CodeElement>(
     scale_log2: f32,
     lane: u32,
 ) {
-    let (g, t) = (lane / 4, lane % 4);
-    // S' = Q Uᵀ: lane (g, t) reads chunks 2t, 2t + 1 of key rows key_row(0, g), key_row(1, g).
+    let (r, t) = (lane / 4, lane % 4);
+    // Sᵀ = U_k Qᵀ: lane (r, t) reads chunks 2t, 2t + 1 of key rows r and r + 8.
     let k_tile = stage.codes(false);
-    let mut s = [FragC::default(); 2];
-    crate::unroll8!(n in 0..2 => {
-        let r = key_row(n as u32, g);
-        // SAFETY: rows < 16, chunks < 8 of the landed tile (the caller's wait and barrier).
-        let (w0, w1) = unsafe {
-            (
-                ld_shared_v4_u32(Stage::chunk(k_tile, r, 2 * t)),
-                ld_shared_v4_u32(Stage::chunk(k_tile, r, 2 * t + 1)),
-            )
-        };
-        let words = [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]];
-        crate::unroll8!(kk in 0..K_STEPS => {
-            let w = words[kk];
-            let b = FragB::<F16>::from_regs([F16::codes_lo(w), F16::codes_hi(w)]);
-            // SAFETY: the whole warp is here.
-            s[n] = unsafe { mma_m16n8k16(&q.frags[kk], &b, &s[n]) };
-        });
-    });
-    // The four keys 4t .. 4t + 4 of this lane: their K and V words.
-    // SAFETY: words `4t .. 4t + 4` of the landed stage, 16-byte aligned.
-    let (kw, vw) = unsafe {
+    // SAFETY: rows < 16, chunks < 8 of the landed tile (the caller's wait and barrier).
+    let (k0, k1, k8, k9) = unsafe {
         (
-            ld_shared_v4_u32(stage.words(false) + 16 * t),
-            ld_shared_v4_u32(stage.words(true) + 16 * t),
+            ld_shared_v4_u32(Stage::chunk(k_tile, r, 2 * t)),
+            ld_shared_v4_u32(Stage::chunk(k_tile, r, 2 * t + 1)),
+            ld_shared_v4_u32(Stage::chunk(k_tile, r + 8, 2 * t)),
+            ld_shared_v4_u32(Stage::chunk(k_tile, r + 8, 2 * t + 1)),
         )
     };
-    // q · k_j = s_j S'_j + o_j Σ q  (register c of accumulator n is key 4t + 2n + c).
+    let lo = [k0[0], k0[1], k0[2], k0[3], k1[0], k1[1], k1[2], k1[3]];
+    let hi = [k8[0], k8[1], k8[2], k8[3], k9[0], k9[1], k9[2], k9[3]];
+    // Two accumulators (even and odd k steps): two dependency chains of 4 products.
+    let mut acc = [FragC::default(); 2];
+    crate::unroll8!(kk in 0..K_STEPS => {
+        let a = FragA::<F16>::from_regs([
+            F16::codes_lo(lo[kk]),
+            F16::codes_lo(hi[kk]),
+            F16::codes_hi(lo[kk]),
+            F16::codes_hi(hi[kk]),
+        ]);
+        let qf = &q.frags[kk].regs;
+        let b = FragB::<F16>::from_regs([qf[0], qf[2]]);
+        // SAFETY: the whole warp is here.
+        acc[kk % 2] = unsafe { mma_m16n8k16(&a, &b, &acc[kk % 2]) };
+    });
+    let mut s = FragC::default();
     crate::unroll8!(i in 0..4 => {
-        let (n, c) = (i / 2, i % 2);
-        let (k_scale, k_offset) = scale_offset(kw[i]);
-        s[n].regs[c] = fma(k_scale * q.unscale, s[n].regs[c], k_offset * q.sum);
+        s.regs[i] = acc[0].regs[i] + acc[1].regs[i];
+    });
+    // The words of keys r and r + 8.
+    // SAFETY: words `r`, `r + 8` of the landed stage.
+    let (kw, vw) = unsafe {
+        let (k, v) = (stage.words(false), stage.words(true));
+        (
+            [ld_shared_u32(k + 4 * r), ld_shared_u32(k + 4 * (r + 8))],
+            [ld_shared_u32(v + 4 * r), ld_shared_u32(v + 4 * (r + 8))],
+        )
+    };
+    // q · k_j = s_j S'_j + o_j Σ q (register 2e + c: key r + 8e, head 2t + c).
+    crate::unroll8!(e in 0..2 => {
+        let (k_scale, k_offset) = scale_offset(kw[e]);
+        crate::unroll8!(c in 0..2 => {
+            let i = 2 * e + c;
+            s.regs[i] = fma(k_scale * q.unscale[c], s.regs[i], k_offset * q.sum[c]);
+        });
     });
     // SAFETY: every lane is here; `1 <= valid <= 16`.
-    let correction = unsafe {
-        add_tile_keys(&mut state.softmax, &mut s, valid, scale_log2, |n, c| {
-            4 * t + 2 * n + c
-        })
-    };
+    let correction = unsafe { add_column_tile(&mut state.softmax, &mut s, valid, scale_log2, lane) };
     // P scaled per key by the value scale; Σ p_j o_j of the value offsets.
-    let mut v_off = 0.0;
-    crate::unroll8!(i in 0..4 => {
-        let (n, c) = (i / 2, i % 2);
-        let (v_scale, v_offset) = scale_offset(vw[i]);
-        let p = s[n].regs[c];
-        v_off = fma(p, v_offset, v_off);
-        s[n].regs[c] = p * v_scale;
+    let mut v_off = [0.0f32; 2];
+    crate::unroll8!(e in 0..2 => {
+        let (v_scale, v_offset) = scale_offset(vw[e]);
+        crate::unroll8!(c in 0..2 => {
+            let i = 2 * e + c;
+            let p = s.regs[i];
+            v_off[c] = fma(p, v_offset, v_off[c]);
+            s.regs[i] = p * v_scale;
+        });
     });
-    state.v_offset = fma(state.v_offset, correction, v_off);
-    let pf = p_fragment::<E, 8>(&s[0], &s[1]);
-    // O += P' U_v: lane (g, t) reads chunk g of rows 4t .. 4t + 4.
+    crate::unroll8!(c in 0..2 => {
+        state.v_offset[c] = fma(state.v_offset[c], correction[c], v_off[c]);
+    });
+    // P'ᵀ as the B operand: lane (r, t) needs head r's keys (t, t + 8) and (t + 4, t + 12), the
+    // pairs lanes (t, r / 2) and (t + 4, r / 2) hold in register r % 2.
+    let pairs = [
+        E::pack2(s.regs[0], s.regs[2]),
+        E::pack2(s.regs[1], s.regs[3]),
+    ];
+    let (from_lo, from_hi) = (4 * t + r / 2, 4 * (t + 4) + r / 2);
+    // SAFETY: the whole warp is here.
+    let b = unsafe {
+        let pick = |from: u32| {
+            let (x0, x1) = (shfl_idx_u32(pairs[0], from), shfl_idx_u32(pairs[1], from));
+            if r % 2 == 0 {
+                x0
+            } else {
+                x1
+            }
+        };
+        FragB::<E>::from_regs([pick(from_lo), pick(from_hi)])
+    };
+    // Oᵀ += U_vᵀ P'ᵀ: lane (r, t) reads chunk r of value rows t, t + 4, t + 8, t + 12.
     let v_tile = stage.codes(true);
-    // SAFETY: rows < 16, chunk g < 8 of the landed tile.
+    // SAFETY: rows < 16, chunk r < 8 of the landed tile.
     let rows = unsafe {
         [
-            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t, g)),
-            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t + 1, g)),
-            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t + 2, g)),
-            ld_shared_v4_u32(Stage::chunk(v_tile, 4 * t + 3, g)),
+            ld_shared_v4_u32(Stage::chunk(v_tile, t, r)),
+            ld_shared_v4_u32(Stage::chunk(v_tile, t + 4, r)),
+            ld_shared_v4_u32(Stage::chunk(v_tile, t + 8, r)),
+            ld_shared_v4_u32(Stage::chunk(v_tile, t + 12, r)),
         ]
     };
     crate::unroll8!(w in 0..4 => {
-        // Bytes of keys (4t, 4t + 1) and (4t + 2, 4t + 3) side by side, dimensions
-        // 16 g + 4 w + 0..2 and + 2..4.
-        let lo01 = byte_perm::<0x5140>(rows[0][w], rows[1][w]);
-        let hi01 = byte_perm::<0x7362>(rows[0][w], rows[1][w]);
-        let lo23 = byte_perm::<0x5140>(rows[2][w], rows[3][w]);
-        let hi23 = byte_perm::<0x7362>(rows[2][w], rows[3][w]);
-        // Accumulator `4 w + i` (dimension `16 g + 4 w + i`, this lane's B column).
-        let mut accumulate = |i: usize, b: [u32; 2]| {
-            let o = &mut state.o[4 * w + i];
-            o.regs[0] *= correction;
-            o.regs[1] *= correction;
+        // Bytes of rows (t, t + 8) and (t + 4, t + 12) side by side: dimensions 16 r + 4 w + 0..2
+        // and + 2..4, i.e. accumulators 2w and 2w + 1 (rows r and r + 8 of each).
+        let lo_08 = byte_perm::<0x5140>(rows[0][w], rows[2][w]);
+        let hi_08 = byte_perm::<0x7362>(rows[0][w], rows[2][w]);
+        let lo_4c = byte_perm::<0x5140>(rows[1][w], rows[3][w]);
+        let hi_4c = byte_perm::<0x7362>(rows[1][w], rows[3][w]);
+        let mut accumulate = |i: usize, a: [u32; 4]| {
+            let o = &mut state.o[i];
+            o.regs[0] *= correction[0];
+            o.regs[1] *= correction[1];
+            o.regs[2] *= correction[0];
+            o.regs[3] *= correction[1];
             // SAFETY: the whole warp is here.
-            *o = unsafe { mma_m16n8k16(&pf, &FragB::from_regs(b), o) };
+            *o = unsafe { mma_m16n8k16(&FragA::<E>::from_regs(a), &b, o) };
         };
-        accumulate(0, [E::codes_lo(lo01), E::codes_lo(lo23)]);
-        accumulate(1, [E::codes_hi(lo01), E::codes_hi(lo23)]);
-        accumulate(2, [E::codes_lo(hi01), E::codes_lo(hi23)]);
-        accumulate(3, [E::codes_hi(hi01), E::codes_hi(hi23)]);
+        accumulate(
+            2 * w,
+            [E::codes_lo(lo_08), E::codes_hi(lo_08), E::codes_lo(lo_4c), E::codes_hi(lo_4c)],
+        );
+        accumulate(
+            2 * w + 1,
+            [E::codes_lo(hi_08), E::codes_hi(hi_08), E::codes_lo(hi_4c), E::codes_hi(hi_4c)],
+        );
     });
 }
 
@@ -419,9 +509,9 @@ unsafe fn decode_attention_coded<E: MmaElement + CodeElement>(a: &CodedDecodeArg
     };
     let tile = |j: u32| first + warp + j * WARPS;
     let mut state = CodedWarpState {
-        softmax: SoftmaxState::EMPTY,
+        softmax: [SoftmaxState::EMPTY; 2],
         o: [FragC::default(); O_TILES],
-        v_offset: 0.0,
+        v_offset: [0.0; 2],
     };
     // SAFETY: pair (b, kv_head)'s query heads are the `G` consecutive heads from
     // `kv_head * G` of row `b` (as for the 16-bit kernel); the whole warp is here.
@@ -495,23 +585,49 @@ unsafe fn decode_attention_coded<E: MmaElement + CodeElement>(a: &CodedDecodeArg
     wait_all();
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
-    // SAFETY: every lane of the warp is here (quad shuffles).
-    let (head, v_offset) = unsafe { (state.softmax.quad_total(), quad_sum_f32(state.v_offset)) };
-    let t = lane % 4;
+    // Each head's denominator and value-offset sum over its 8 lanes (t, t + 4, ..).
+    // SAFETY: every lane of the warp is here.
+    let column_sum = |x: f32| unsafe {
+        let x = x + shfl_xor_f32(x, 4);
+        let x = x + shfl_xor_f32(x, 8);
+        x + shfl_xor_f32(x, 16)
+    };
+    let (r, t) = (lane / 4, lane % 4);
+    let heads = [
+        SoftmaxState {
+            m: state.softmax[0].m,
+            l: column_sum(state.softmax[0].l),
+        },
+        SoftmaxState {
+            m: state.softmax[1].m,
+            l: column_sum(state.softmax[1].l),
+        },
+    ];
+    let v_offset = [column_sum(state.v_offset[0]), column_sum(state.v_offset[1])];
+    let group = p.group;
     // SAFETY: every copy landed and every warp is past its reads (the barrier above); the
-    // whole block calls it; the merge area fits the coded stages (`coded_decode_smem_bytes`).
+    // whole block calls it; the merge area fits the coded stages (`coded_decode_smem_bytes`);
+    // each lane stores into its warp's slots of heads `2t + c < group`.
     unsafe {
-        super::merge_warps::<D>(
-            p,
-            attn.part_acc.get(),
-            attn.part_ml.get(),
-            pair,
-            split,
-            warp,
-            lane,
-            head,
-            |j, c| (16 * (2 * t as usize + c) + j, state.o[j].regs[c] + v_offset),
-        )
+        super::merge_warps::<D>(p, attn.part_acc.get(), attn.part_ml.get(), pair, split, |area| {
+            let mut c = 0;
+            while c < 2 {
+                let g = 2 * t + c as u32;
+                if g < group {
+                    let at = super::merge_slot::<D>(group, warp, g);
+                    if r == 0 {
+                        *area.add(at) = heads[c].m;
+                        *area.add(at + 1) = heads[c].l;
+                    }
+                    crate::unroll8!(i in 0..O_TILES => {
+                        let d = at + 2 + (16 * r) as usize + 2 * i;
+                        *area.add(d) = state.o[i].regs[c] + v_offset[c];
+                        *area.add(d + 1) = state.o[i].regs[2 + c] + v_offset[c];
+                    });
+                }
+                c += 1;
+            }
+        })
     };
 }
 

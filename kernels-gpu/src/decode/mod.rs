@@ -290,70 +290,59 @@ unsafe fn decode_attention<E: MmaElement, const D: usize, C: TileCopy, const APP
     // SAFETY: every lane of the warp is here (quad shuffle).
     let head = unsafe { state.softmax.quad_total() };
     let quad = lane % 4;
+    let (g, group) = (lane / 4, p.group);
     // SAFETY: every copy landed and every warp is past its reads of the stages (the barrier
-    // above); the whole block calls it.
+    // above); the whole block calls it; each lane stores its head's state, rows `g < group`.
     unsafe {
-        merge_warps::<D>(
-            p,
-            part_acc,
-            part_ml,
-            pair,
-            split,
-            warp,
-            lane,
-            head,
-            |n, c| ((8 * n as u32 + 2 * quad) as usize + c, state.o[n].regs[c]),
-        )
+        merge_warps::<D>(p, part_acc, part_ml, pair, split, |area| {
+            if g < group {
+                let at = merge_slot::<D>(group, warp, g);
+                if quad == 0 {
+                    *area.add(at) = head.m;
+                    *area.add(at + 1) = head.l;
+                }
+                let mut n = 0;
+                while n < n_tiles(D) {
+                    let d = (8 * n as u32 + 2 * quad) as usize;
+                    *area.add(at + 2 + d) = state.o[n].regs[0];
+                    *area.add(at + 2 + d + 1) = state.o[n].regs[1];
+                    n += 1;
+                }
+            }
+        })
     };
 }
 
+/// Where warp `warp`'s state of query head `g` is stored in the merge area (`f32` offset): `m`,
+/// `l`, then `D` accumulators.
+#[inline(always)]
+pub(crate) fn merge_slot<const D: usize>(group: u32, warp: u32, g: u32) -> usize {
+    ((warp * group + g) * (D as u32 + 2)) as usize
+}
+
 /// The end of a decode block: merges the warps' softmax states and output accumulators through
-/// shared memory (the stage area; per warp and head `m`, `l` and `D` accumulators) and writes the
-/// block's partial state per query head into `part_acc` / `part_ml`. `head` is this lane's
-/// head's state (quad total); `value(n, c)` gives the dimension and value of register `c` of
-/// this lane's output accumulator `n` (of `n_tiles(D)`; row `lane / 4`).
+/// shared memory (the stage area) and writes the block's partial state per query head into
+/// `part_acc` / `part_ml`. `store(area)` stores this thread's share of its warp's states: per
+/// warp and head, at [`merge_slot`], `m`, `l` (the warp's totals) and `D` accumulators.
 ///
 /// # Safety
 /// The whole block calls it, after a block barrier that follows every warp's last read of its
 /// stages and every copy's landing; `decode_merge_bytes(D, p.group)` fits the shared memory;
-/// `part_acc` / `part_ml` are `[pairs][splits][G][D]` / `[pairs][splits][G][2]`.
+/// `store` writes inside the slots of its warp's heads `< p.group`; `part_acc` / `part_ml` are
+/// `[pairs][splits][G][D]` / `[pairs][splits][G][2]`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn merge_warps<const D: usize>(
     p: &DecodeParams,
     part_acc: *mut f32,
     part_ml: *mut f32,
     pair: u32,
     split: u32,
-    warp: u32,
-    lane: u32,
-    head: SoftmaxState,
-    value: impl Fn(usize, usize) -> (usize, f32),
+    store: impl FnOnce(*mut f32),
 ) {
     let group = p.group;
     let area = dynamic_smem::<f32>(0);
-    let slot_of = |w: u32, g: u32| ((w * group + g) * (D as u32 + 2)) as usize;
-    let (g, quad) = (lane / 4, lane % 4);
-    if g < group {
-        let at = slot_of(warp, g);
-        // SAFETY: inside the merge area (the caller's contract).
-        unsafe {
-            if quad == 0 {
-                *area.add(at) = head.m;
-                *area.add(at + 1) = head.l;
-            }
-            let mut n = 0;
-            while n < n_tiles(D) {
-                let mut c = 0;
-                while c < 2 {
-                    let (d, x) = value(n, c);
-                    *area.add(at + 2 + d) = x;
-                    c += 1;
-                }
-                n += 1;
-            }
-        }
-    }
+    let slot_of = |w: u32, g: u32| merge_slot::<D>(group, w, g);
+    store(area);
     // SAFETY: block-uniform.
     unsafe { sync_threads() };
     // Thread `t` merges (head, dim) pairs `t, t + 128, ...` over the warps.
