@@ -14,10 +14,8 @@
 //!   it becomes the A operand, and `Σ_j p_j o_j` is one more running sum per query head, added to
 //!   every dimension at the end.
 //!
-//! Centred, the products carry the row's spread and the offset its level: uncentred codes
-//! (0..=255) put both in the products and cancel them against `m`, and the bf16 rounding of
-//! `P' = p s` then doubled the output's error on zero-mean values (1.05e-2 against 1e-2, one
-//! case of the property test).
+//! Centred, the products carry the row's spread and the offset its level (uncentred codes put
+//! both in the products, to cancel against `Σ p m`).
 //!
 //! Operand order. The tile's 16 keys are the `M` rows of the products and the group's query
 //! heads their `N` columns (`Sᵀ = U_k Qᵀ`, `Oᵀ = U_vᵀ P'ᵀ`): 8 `m16n8k16` per product instead of 16

@@ -28,30 +28,12 @@ pub unsafe fn add_tile(
     scale: f32,
 ) -> f32 {
     let first_key = 2 * (lane % 4);
-    // SAFETY: forwarded.
-    unsafe { add_tile_keys(state, s, valid, scale, |n, c| 8 * n + first_key + c) }
-}
-
-/// [`add_tile`] for a tile whose keys are in another order: register `c` of accumulator `n`
-/// (row `lane / 4`) holds the score of key `key(n, c)` of the tile (`decode::coded` puts a lane's
-/// four keys next to each other).
-///
-/// # Safety
-/// As [`add_tile`]; `key` maps the quad's 16 registers of a row onto the tile's 16 keys.
-#[inline(always)]
-pub unsafe fn add_tile_keys(
-    state: &mut SoftmaxState,
-    s: &mut [FragC; 2],
-    valid: u32,
-    scale: f32,
-    key: impl Fn(u32, u32) -> u32,
-) -> f32 {
     let mut tile_max = f32::NEG_INFINITY;
     let mut n = 0;
     while n < 2 {
         let mut c = 0;
         while c < 2 {
-            let key = key(n as u32, c as u32);
+            let key = 8 * n as u32 + first_key + c as u32;
             let x = if key < valid {
                 s[n].regs[c] * scale
             } else {
