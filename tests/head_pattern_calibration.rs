@@ -5,7 +5,8 @@
 
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
-use lserve::head_pattern::{Calibration, HeadKind, HeadPattern};
+use lserve::head_pattern::{Calibration, CalibrationScore, HeadKind, HeadPattern};
+use lserve::reference::decode::attend_rows;
 use lserve::reference::TokenPattern;
 use lserve::LserveError;
 
@@ -399,4 +400,129 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
         ..config()
     };
     assert!(Calibration::new(g, &bad_config).is_err());
+}
+
+/// The planted layers again, with values (pseudo-random per key): the Λ mask's output error
+/// ranks the heads as the mass does, and picks the same streaming heads.
+#[test]
+fn output_error_separates_the_planted_heads() {
+    let (g, layers) = planted();
+    let mut cal = Calibration::new(g, &config()).unwrap();
+    for (layer, behaviour) in layers.iter().enumerate() {
+        let (q, k) = layer_activations(&g, behaviour);
+        let v = noise(layer as u64, T * 4 * D);
+        cal.add_layer_with_values(layer, T, &q, &k, &v).unwrap();
+    }
+    let err = cal.output_errors().unwrap();
+    for (l, h) in [(0, 0), (0, 1), (0, 3), (1, 1)] {
+        assert!(err[l][h] < 1e-9, "({l}, {h}): {}", err[l][h]);
+    }
+    for (l, h) in [(0, 2), (1, 0), (1, 3), (1, 2)] {
+        assert!(err[l][h] > 0.3, "({l}, {h}): {}", err[l][h]);
+    }
+    use HeadKind::{Dense as D_, Streaming as S};
+    let p = HeadPattern::from_calibration_by(&cal, CalibrationScore::OutputError, 0.5).unwrap();
+    assert_eq!(p.layer_kinds(0), &[S, S, D_, S]);
+    assert_eq!(p.layer_kinds(1), &[D_, S, D_, D_]);
+    // The mass is accumulated as by add_layer.
+    assert_eq!(cal.scores().unwrap(), calibrated(1).scores().unwrap());
+}
+
+#[test]
+fn output_error_matches_the_reference_attention() {
+    let g = ModelGeometry::new(1, 4, 2, D).unwrap();
+    let c = SparsityConfig {
+        sink_tokens: 2,
+        local_tokens: 6,
+        ..SparsityConfig::default()
+    };
+    let t_len = 30;
+    let q: Vec<f32> = noise(7, t_len * 4 * D).iter().map(|x| 3.0 * x).collect();
+    let k = noise(8, t_len * 2 * D);
+    let v = noise(9, t_len * 2 * D);
+    let stride = 3;
+    let mut cal = Calibration::new(g, &c)
+        .unwrap()
+        .with_stride(stride)
+        .unwrap();
+    cal.add_layer_with_values(0, t_len, &q, &k, &v).unwrap();
+    let lambda = TokenPattern::Lambda {
+        sink_tokens: 2,
+        local_tokens: 6,
+    };
+    let scale = 1.0 / (D as f64).sqrt();
+    let (mut num, mut den) = ([0.0f64; 2], [0.0f64; 2]);
+    for t in (8..t_len).step_by(stride) {
+        for qh in 0..4 {
+            let kvh = qh / 2;
+            let qrow = &q[(t * 4 + qh) * D..][..D];
+            let rows = |keep: &dyn Fn(usize) -> bool| {
+                let js: Vec<usize> = (0..=t).filter(|&j| keep(j)).collect();
+                let keys: Vec<&[f32]> = js.iter().map(|&j| &k[(j * 2 + kvh) * D..][..D]).collect();
+                let vals: Vec<&[f32]> = js.iter().map(|&j| &v[(j * 2 + kvh) * D..][..D]).collect();
+                attend_rows(qrow, &keys, &vals, scale).out
+            };
+            let dense = rows(&|_| true);
+            let streaming = rows(&|j| lambda.visible(t, j));
+            for (a, b) in dense.iter().zip(&streaming) {
+                num[kvh] += (a - b) * (a - b);
+                den[kvh] += a * a;
+            }
+        }
+    }
+    let got = &cal.output_errors().unwrap()[0];
+    for h in 0..2 {
+        let want = (num[h] / den[h]).sqrt();
+        assert!(
+            (got[h] - want).abs() < 1e-9 * want.max(1.0),
+            "head {h}: {} vs {want}",
+            got[h]
+        );
+        assert!(want > 0.05, "not a trivial error: {want}");
+    }
+}
+
+#[test]
+fn bad_values_are_typed_errors_and_change_nothing() {
+    let (g, layers) = planted();
+    let (q, k) = layer_activations(&g, &layers[0]);
+    let v = noise(3, k.len());
+    let mut cal = Calibration::new(g, &config()).unwrap();
+    cal.add_layer(0, T, &q, &k).unwrap();
+    cal.add_layer(1, T, &q, &k).unwrap();
+    // Mass for every layer, no values: the output error is not available.
+    assert!(cal.scores().is_ok());
+    let err = cal.output_errors().unwrap_err();
+    assert!(
+        matches!(&err, LserveError::InvalidArgument { what: "calibration", reason }
+            if reason.contains("layer 0")),
+        "{err}"
+    );
+    assert!(HeadPattern::from_calibration_by(&cal, CalibrationScore::OutputError, 0.5).is_err());
+    assert!(HeadPattern::from_calibration_by(&cal, CalibrationScore::OutOfWindowMass, 0.5).is_ok());
+    let before = cal.clone();
+    let err = cal
+        .add_layer_with_values(0, T, &q, &k, &v[..v.len() - 1])
+        .unwrap_err();
+    assert!(
+        matches!(err, LserveError::ShapeMismatch { what: "v", .. }),
+        "{err}"
+    );
+    let mut v2 = v.clone();
+    v2[v.len() - 1] = f32::NAN;
+    let err = cal.add_layer_with_values(0, T, &q, &k, &v2).unwrap_err();
+    assert!(
+        matches!(err, LserveError::InvalidArgument { what: "v", .. }),
+        "{err}"
+    );
+    let err = cal.add_layer_with_values(5, T, &q, &k, &v).unwrap_err();
+    assert!(
+        matches!(err, LserveError::InvalidArgument { what: "layer", .. }),
+        "{err}"
+    );
+    assert_eq!(cal, before);
+    // Values for layer 0 only: still no output error for layer 1.
+    cal.add_layer_with_values(0, T, &q, &k, &v).unwrap();
+    let err = cal.output_errors().unwrap_err();
+    assert!(format!("{err}").contains("layer 1"), "{err}");
 }

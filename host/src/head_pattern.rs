@@ -15,7 +15,7 @@ use std::path::Path;
 
 mod calibration;
 
-pub use calibration::Calibration;
+pub use calibration::{Calibration, CalibrationScore};
 
 use crate::error::{LserveError, Result};
 use crate::geometry::ModelGeometry;

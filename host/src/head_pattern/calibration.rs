@@ -69,6 +69,25 @@ pub struct Calibration {
     mass: Vec<f64>,
     /// `[layer]`: sampled positions added (every KV head of a layer has the same ones).
     positions: Vec<u64>,
+    /// `[layer * kv_heads + kv_head]`: `Σ ||o_dense - o_Λ||²` over the rows added with values.
+    error: Vec<f64>,
+    /// `[layer * kv_heads + kv_head]`: `Σ ||o_dense||²` over the same rows.
+    output: Vec<f64>,
+    /// `[layer]`: sampled positions added with values.
+    value_positions: Vec<u64>,
+}
+
+/// Which per-head statistic of a [`Calibration`] ranks the heads (the lowest become
+/// streaming).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CalibrationScore {
+    /// The mean dense attention mass outside the Λ mask ([`Calibration::scores`]).
+    #[default]
+    OutOfWindowMass,
+    /// The relative error of the Λ mask's attention output against dense attention
+    /// ([`Calibration::output_errors`]; needs rows added with
+    /// [`add_layer_with_values`](Calibration::add_layer_with_values)).
+    OutputError,
 }
 
 impl Calibration {
@@ -99,6 +118,9 @@ impl Calibration {
             stride: 1,
             mass: vec![0.0; geometry.total_kv_heads()],
             positions: vec![0; geometry.layers()],
+            error: vec![0.0; geometry.total_kv_heads()],
+            output: vec![0.0; geometry.total_kv_heads()],
+            value_positions: vec![0; geometry.layers()],
         })
     }
 
@@ -209,6 +231,54 @@ impl Calibration {
         q: &[f32],
         k: &[f32],
     ) -> Result<usize> {
+        self.accumulate(layer, tokens, q, k, None)
+    }
+
+    /// [`add_layer`](Self::add_layer) with the layer's values `v` `[tokens][kv_heads][head_dim]`
+    /// too: besides the mass, each sampled row adds to its KV head the squared distance between
+    /// its dense attention output `o` and the Λ mask's `o_Λ` (the softmax over the visible keys
+    /// only), and `||o||²` ([`output_errors`](Self::output_errors)).
+    ///
+    /// Errors: as [`add_layer`](Self::add_layer), and for `v` as for `k` (`ShapeMismatch {
+    /// what: "v" }`, `InvalidArgument { what: "v" }`).
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::Calibration;
+    /// let g = ModelGeometry::new(1, 1, 1, 64)?;
+    /// let config = SparsityConfig { sink_tokens: 1, local_tokens: 1, ..SparsityConfig::default() };
+    /// let mut cal = Calibration::new(g, &config)?;
+    /// // Equal logits; values 1 on the sink and the query's own token, 0 between: the Λ
+    /// // output is 1, the dense one (2/3 at t = 2), so the error is 1/2 of it there.
+    /// let t = 3;
+    /// let (q, k) = (vec![0.0f32; t * 64], vec![0.0f32; t * 64]);
+    /// let mut v = vec![1.0f32; t * 64];
+    /// v[64..128].fill(0.0);
+    /// assert_eq!(cal.add_layer_with_values(0, t, &q, &k, &v)?, 1);
+    /// assert!((cal.output_errors()?[0][0] - 0.5).abs() < 1e-12);
+    /// assert!(cal.add_layer_with_values(0, t, &q, &k, &v[1..]).is_err());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn add_layer_with_values(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<usize> {
+        self.accumulate(layer, tokens, q, k, Some(v))
+    }
+
+    fn accumulate(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+        q: &[f32],
+        k: &[f32],
+        v: Option<&[f32]>,
+    ) -> Result<usize> {
         let g = self.geometry;
         let (hq, hkv, d, group) = (g.q_heads(), g.kv_heads(), g.head_dim(), g.group());
         if layer >= g.layers() {
@@ -225,7 +295,9 @@ impl Calibration {
                 format!("{tokens} tokens overflow the activation buffers' size"),
             ));
         };
-        for (what, buf, expected) in [("q", q, q_len), ("k", k, k_len)] {
+        let mut buffers = vec![("q", q, q_len), ("k", k, k_len)];
+        buffers.extend(v.map(|v| ("v", v, k_len)));
+        for (what, buf, expected) in buffers {
             if buf.len() != expected {
                 return Err(LserveError::ShapeMismatch {
                     what,
@@ -243,7 +315,9 @@ impl Calibration {
         let window = self.sink_tokens + self.local_tokens;
         let sampled: Vec<usize> = (window..tokens).step_by(self.stride).collect();
         let mut delta = vec![0.0f64; hkv];
+        let (mut d_error, mut d_output) = (vec![0.0f64; hkv], vec![0.0f64; hkv]);
         let mut logits = vec![0.0f64; tokens];
+        let (mut o_all, mut o_in) = (vec![0.0f64; d], vec![0.0f64; d]);
         for &t in &sampled {
             let outside = self.sink_tokens..=t - self.local_tokens;
             for qh in 0..hq {
@@ -266,7 +340,42 @@ impl Calibration {
                     .iter()
                     .map(|&l| (l - lse).exp())
                     .sum::<f64>();
+                let Some(v) = v else { continue };
+                // o = Σ p_j v_j over all keys; o_Λ = Σ_visible p_j v_j / Σ_visible p_j.
+                o_all.fill(0.0);
+                o_in.fill(0.0);
+                let mut mass_in = 0.0;
+                for (j, &l) in logits[..=t].iter().enumerate() {
+                    let p = (l - lse).exp();
+                    let visible = !outside.contains(&j);
+                    if visible {
+                        mass_in += p;
+                    }
+                    let vrow = &v[(j * hkv + kvh) * d..][..d];
+                    for ((a, b), &x) in o_all.iter_mut().zip(o_in.iter_mut()).zip(vrow) {
+                        *a += p * f64::from(x);
+                        if visible {
+                            *b += p * f64::from(x);
+                        }
+                    }
+                }
+                // The query's own key is visible, so mass_in is 0 only if every visible
+                // probability underflows (logits ~745 below the max); o_Λ is then taken as 0.
+                let inv = if mass_in > 0.0 { 1.0 / mass_in } else { 0.0 };
+                for (a, b) in o_all.iter().zip(&o_in) {
+                    d_error[kvh] += (a - b * inv) * (a - b * inv);
+                    d_output[kvh] += a * a;
+                }
             }
+        }
+        if v.is_some() {
+            for (e, de) in self.error[layer * hkv..][..hkv].iter_mut().zip(&d_error) {
+                *e += de;
+            }
+            for (o, dout) in self.output[layer * hkv..][..hkv].iter_mut().zip(&d_output) {
+                *o += dout;
+            }
+            self.value_positions[layer] += sampled.len() as u64;
         }
         for (m, dm) in self.mass[layer * hkv..][..hkv].iter_mut().zip(&delta) {
             *m += dm;
@@ -319,6 +428,84 @@ impl Calibration {
     }
 }
 
+impl Calibration {
+    /// The relative output error of the Λ mask per KV head, `[layer][kv_head]`: `sqrt(Σ ||o -
+    /// o_Λ||² / Σ ||o||²)` over the rows added with
+    /// [`add_layer_with_values`](Self::add_layer_with_values) (the sampled positions of the
+    /// group's query heads), `o` the dense attention output, `o_Λ` the output over the visible
+    /// keys only. 0 for a head whose dense outputs are all zero.
+    ///
+    /// Errors: a layer with no sampled position added with values is `InvalidArgument { what:
+    /// "calibration" }` naming it.
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::Calibration;
+    /// let g = ModelGeometry::new(1, 1, 1, 64)?;
+    /// let mut cal = Calibration::new(g, &SparsityConfig::default())?;
+    /// let t = 400;
+    /// let (q, k, v) = (vec![0.0f32; t * 64], vec![0.0f32; t * 64], vec![1.0f32; t * 64]);
+    /// cal.add_layer(0, t, &q, &k)?;
+    /// assert!(cal.output_errors().is_err()); // no values yet
+    /// cal.add_layer_with_values(0, t, &q, &k, &v)?;
+    /// // Every value is the same vector: dropping keys changes nothing.
+    /// assert!(cal.output_errors()?[0][0] < 1e-12);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn output_errors(&self) -> Result<Vec<Vec<f64>>> {
+        if let Some(layer) = self.value_positions.iter().position(|&n| n == 0) {
+            return Err(invalid(
+                "calibration",
+                format!(
+                    "layer {layer} has no sampled position added with values \
+                     (add_layer_with_values)"
+                ),
+            ));
+        }
+        let hkv = self.geometry.kv_heads();
+        Ok(self
+            .error
+            .chunks(hkv)
+            .zip(self.output.chunks(hkv))
+            .map(|(err, out)| {
+                err.iter()
+                    .zip(out)
+                    .map(|(&e, &o)| {
+                        if o > 0.0 {
+                            (e / o).min(f64::MAX).sqrt()
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// The scores of `score`: [`scores`](Self::scores) or
+    /// [`output_errors`](Self::output_errors).
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::{Calibration, CalibrationScore};
+    /// let g = ModelGeometry::new(1, 1, 1, 64)?;
+    /// let mut cal = Calibration::new(g, &SparsityConfig::default())?;
+    /// let t = 330;
+    /// cal.add_layer(0, t, &vec![0.0; t * 64], &vec![0.0; t * 64])?;
+    /// assert_eq!(cal.scores_of(CalibrationScore::OutOfWindowMass)?, cal.scores()?);
+    /// assert!(cal.scores_of(CalibrationScore::OutputError).is_err());
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn scores_of(&self, score: CalibrationScore) -> Result<Vec<Vec<f64>>> {
+        match score {
+            CalibrationScore::OutOfWindowMass => self.scores(),
+            CalibrationScore::OutputError => self.output_errors(),
+        }
+    }
+}
+
 impl HeadPattern {
     /// The pattern a [`Calibration`] implies at a target streaming fraction `s` in `[0, 1]`:
     /// the KV heads with the least out-of-window mass ([`Calibration::scores`]) become
@@ -345,8 +532,47 @@ impl HeadPattern {
     /// # Ok::<(), lserve::LserveError>(())
     /// ```
     pub fn from_calibration(calibration: &Calibration, streaming_fraction: f64) -> Result<Self> {
+        Self::from_calibration_by(
+            calibration,
+            CalibrationScore::OutOfWindowMass,
+            streaming_fraction,
+        )
+    }
+
+    /// [`from_calibration`](Self::from_calibration) ranking the heads by `score` (the lowest
+    /// become streaming; the same selection).
+    ///
+    /// Errors: as [`from_calibration`](Self::from_calibration); for
+    /// [`CalibrationScore::OutputError`], a layer added without values, as
+    /// [`Calibration::output_errors`].
+    ///
+    /// ```
+    /// use lserve::config::SparsityConfig;
+    /// use lserve::geometry::ModelGeometry;
+    /// use lserve::head_pattern::{Calibration, CalibrationScore, HeadKind, HeadPattern};
+    /// let g = ModelGeometry::new(1, 2, 2, 64)?;
+    /// let config = SparsityConfig { sink_tokens: 1, local_tokens: 1, ..SparsityConfig::default() };
+    /// let mut cal = Calibration::new(g, &config)?;
+    /// // Both heads spread evenly (the same out-of-window mass); head 0's values are all
+    /// // equal, head 1's grow with the token (j²): only head 1's output changes under Λ.
+    /// let t = 6;
+    /// let (q, k) = (vec![0.0f32; t * 2 * 64], vec![0.0f32; t * 2 * 64]);
+    /// let mut v = vec![1.0f32; t * 2 * 64];
+    /// for j in 0..t {
+    ///     v[(j * 2 + 1) * 64] = (j * j) as f32;
+    /// }
+    /// cal.add_layer_with_values(0, t, &q, &k, &v)?;
+    /// let p = HeadPattern::from_calibration_by(&cal, CalibrationScore::OutputError, 0.5)?;
+    /// assert_eq!(p.layer_kinds(0), &[HeadKind::Streaming, HeadKind::Dense]);
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn from_calibration_by(
+        calibration: &Calibration,
+        score: CalibrationScore,
+        streaming_fraction: f64,
+    ) -> Result<Self> {
         streaming_count(calibration.geometry, streaming_fraction)?;
-        let scores = calibration.scores()?;
+        let scores = calibration.scores_of(score)?;
         Self::from_gating_values(&scores, calibration.geometry, streaming_fraction)
     }
 }
