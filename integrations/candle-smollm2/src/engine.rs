@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use half::f16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
-use lserve::head_pattern::{Calibration, HeadPattern};
+use lserve::head_pattern::{Calibration, CalibrationScore, HeadPattern};
 use lserve::reference::decode::HeadVisit;
 
 use crate::adapter::{prefill_attention, to_f16, LserveAttention, Probe};
@@ -44,6 +44,9 @@ pub enum Heads {
     /// `HeadPattern::from_calibration`: the heads with the least attention mass outside the
     /// sinks + local window on calibration text ([`calibrate`]).
     Calibrated,
+    /// `HeadPattern::from_calibration_by` with `CalibrationScore::OutputError`: the heads whose
+    /// attention output the Λ mask changes least (relative to dense) on calibration text.
+    CalibratedOutput,
     /// A uniformly random choice of the same number of heads ([`random_pattern`]).
     Random {
         /// The seed.
@@ -71,6 +74,7 @@ impl Setting {
             let heads = match self.heads {
                 Heads::Interleaved => String::new(),
                 Heads::Calibrated => "-calib".into(),
+                Heads::CalibratedOutput => "-calibout".into(),
                 Heads::Random { seed } => format!("-rand{seed}"),
             };
             format!("s{}{heads}", self.streaming)
@@ -130,7 +134,7 @@ impl Setting {
     ) -> Result<HeadPattern> {
         Ok(match self.heads {
             Heads::Interleaved => HeadPattern::interleaved(g, self.streaming)?,
-            Heads::Calibrated => {
+            Heads::Calibrated | Heads::CalibratedOutput => {
                 let cal = calibration.with_context(|| {
                     format!("{}: calibrated heads need a calibration", self.name())
                 })?;
@@ -138,7 +142,12 @@ impl Setting {
                     *cal.geometry() == g,
                     "the calibration is of another geometry"
                 );
-                HeadPattern::from_calibration(cal, self.streaming)?
+                let score = if self.heads == Heads::Calibrated {
+                    CalibrationScore::OutOfWindowMass
+                } else {
+                    CalibrationScore::OutputError
+                };
+                HeadPattern::from_calibration_by(cal, score, self.streaming)?
             }
             Heads::Random { seed } => random_pattern(g, self.streaming, seed)?,
         })
@@ -245,8 +254,8 @@ pub fn prefill_observed(
 }
 
 /// Calibrates the model's head pattern on `tokens` (one sequence from its first token): a dense
-/// prefill, each layer's post-RoPE queries and keys (`f32`, as candle computes them) added to a
-/// [`Calibration`] with `config`'s sinks, local window and scale, sampling every `stride`-th
+/// prefill, each layer's post-RoPE queries and keys and its values (`f32`, as candle computes
+/// them) added to a [`Calibration`] (`add_layer_with_values`: both scores) with `config`'s sinks, local window and scale, sampling every `stride`-th
 /// position past the window. Returns it and the seconds spent in it (prefill excluded).
 pub fn calibrate(
     model: &Llama,
@@ -266,7 +275,8 @@ pub fn calibrate(
             let start = Instant::now();
             let q = qkv.q.flatten_all()?.to_vec1::<f32>()?;
             let k = qkv.k.flatten_all()?.to_vec1::<f32>()?;
-            cal.add_layer(layer, tokens.len(), &q, &k)?;
+            let v = qkv.v.flatten_all()?.to_vec1::<f32>()?;
+            cal.add_layer_with_values(layer, tokens.len(), &q, &k, &v)?;
             secs += start.elapsed().as_secs_f64();
             Ok(())
         },

@@ -259,6 +259,13 @@ fn calibrated_setting_uses_the_calibration() {
     assert_eq!(p.streaming_kv_heads(0), &[0]);
     let other = ModelGeometry::new(2, 2, 2, 64).unwrap();
     assert!(setting.pattern(other, Some(&cal)).is_err());
+    // Ranked by output error: this calibration has no values, so no such pattern.
+    let by_output = Setting {
+        heads: Heads::CalibratedOutput,
+        ..setting
+    };
+    assert!(by_output.pattern(g, Some(&cal)).is_err());
+    assert_eq!(by_output.name(), "stream-s0.5-calibout");
     assert_eq!(
         setting.name(),
         "stream-s0.5-calib",
@@ -291,4 +298,10 @@ fn calibration_on_smollm2_scores_every_head() {
         .iter()
         .fold((1.0f64, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
     assert!(hi - lo > 0.1, "scores {lo}..{hi}");
+    let errors: Vec<f64> = cal.output_errors().unwrap().into_iter().flatten().collect();
+    assert!(errors.iter().all(|&e| e.is_finite() && e >= 0.0));
+    let (lo, hi) = errors
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    assert!(hi - lo > 0.1, "output errors {lo}..{hi}");
 }

@@ -15,7 +15,9 @@
 //! `lserve:B:C[:F]` (`B` token budget, `C` reuse interval, `F` streaming fraction), each
 //! optionally followed by `@HEADS`, which heads stream: `@even` (the default,
 //! `HeadPattern::interleaved`), `@calib` (`HeadPattern::from_calibration` on the calibration
-//! text) or `@random:SEED` (a seeded uniformly random choice of as many heads).
+//! text: the least attention mass outside the sinks + local window), `@calib-out` (the same
+//! calibration, ranked by the Λ mask's relative output error, `CalibrationScore::OutputError`)
+//! or `@random:SEED` (a seeded uniformly random choice of as many heads).
 //!
 //! Calibration (only when a setting asks for `@calib`): the first `--calib-tokens` tokens
 //! (default 2048) of `--calib-text` (no default: it should be another text than `--text`) run
@@ -53,6 +55,7 @@ fn parse_setting(full: &str) -> Result<Setting> {
         None => (full, Heads::Interleaved),
         Some((s, "even")) => (s, Heads::Interleaved),
         Some((s, "calib")) => (s, Heads::Calibrated),
+        Some((s, "calib-out")) => (s, Heads::CalibratedOutput),
         Some((s, h)) => match h.strip_prefix("random:") {
             Some(seed) => (
                 s,
@@ -62,7 +65,7 @@ fn parse_setting(full: &str) -> Result<Setting> {
                         .with_context(|| format!("setting {full}: seed {seed:?}"))?,
                 },
             ),
-            None => bail!("setting {full}: heads {h:?} (even, calib, random:SEED)"),
+            None => bail!("setting {full}: heads {h:?} (even, calib, calib-out, random:SEED)"),
         },
     };
     let parts: Vec<&str> = s.split(':').collect();
@@ -206,7 +209,11 @@ fn main() -> Result<()> {
 
     let g = geometry(&model)?;
     let mut prefill_lines = Vec::new();
-    let calibration = if args.settings.iter().any(|s| s.heads == Heads::Calibrated) {
+    let calibration = if args
+        .settings
+        .iter()
+        .any(|s| matches!(s.heads, Heads::Calibrated | Heads::CalibratedOutput))
+    {
         let (cal, line) = run_calibration(&args, &model, &tok)?;
         prefill_lines.push(line);
         Some(cal)
@@ -334,10 +341,10 @@ fn main() -> Result<()> {
         }
         std::fs::write(dir.join("layers.tsv"), tsv)?;
         if let Some(cal) = &calibration {
-            let mut tsv = String::from("layer\tkv_head\tout_of_window_mass\n");
-            for (l, row) in cal.scores()?.iter().enumerate() {
-                for (h, m) in row.iter().enumerate() {
-                    writeln!(tsv, "{l}\t{h}\t{m:.6}")?;
+            let mut tsv = String::from("layer\tkv_head\tout_of_window_mass\toutput_error\n");
+            for (l, (row, err)) in cal.scores()?.iter().zip(cal.output_errors()?).enumerate() {
+                for (h, (m, e)) in row.iter().zip(err).enumerate() {
+                    writeln!(tsv, "{l}\t{h}\t{m:.6}\t{e:.6}")?;
                 }
             }
             std::fs::write(dir.join("calibration.tsv"), tsv)?;
@@ -443,16 +450,24 @@ fn run_calibration(
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
             (a.min(x), b.max(x))
         });
+    let errors: Vec<f64> = cal.output_errors()?.into_iter().flatten().collect();
+    let (elo, ehi) = errors
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
     let line = format!(
         "calibration: `{}`, its first {n} of {} tokens, dense prefill, every {}th position from \
          {} on ({} positions); {secs:.1}s ({scoring:.1}s scoring); out-of-window mass per KV \
-         head {lo:.4}..{hi:.4}, mean {:.4}",
+         head {lo:.4}..{hi:.4}, mean {:.4}; Λ output error per KV head {elo:.4}..{ehi:.4}, \
+         mean {:.4}",
         path.display(),
         ids.len(),
         args.calib_stride,
         config.sink_tokens + config.local_tokens,
         cal.positions()[0],
-        mean(&scores)
+        mean(&scores),
+        mean(&errors)
     );
     eprintln!("{line}");
     Ok((cal, line))
