@@ -2,7 +2,9 @@
 //!
 //! A pattern comes from DuoAttention's gating values (`full_attention_heads.tsv`, from a file or
 //! one of the published files embedded in lserve, [`PublishedGating`]) and a target streaming
-//! fraction, from explicit per-layer kinds, or from a deterministic synthetic default.
+//! fraction, from calibration activations without training ([`Calibration`],
+//! [`HeadPattern::from_calibration`]), from explicit per-layer kinds, or from a deterministic
+//! synthetic default.
 //! All query heads of a KV group follow their KV head.
 //!
 //! Per layer, the dense heads and the streaming heads each get a *compact index* (their rank
@@ -10,6 +12,10 @@
 //! coordinate of the dense page pool and of the streaming store (`docs/ARCHITECTURE.md`).
 
 use std::path::Path;
+
+mod calibration;
+
+pub use calibration::{Calibration, CalibrationScore};
 
 use crate::error::{LserveError, Result};
 use crate::geometry::ModelGeometry;

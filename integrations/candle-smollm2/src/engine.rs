@@ -3,16 +3,16 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use candle_core::Tensor;
 use half::f16;
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
-use lserve::head_pattern::HeadPattern;
+use lserve::head_pattern::{Calibration, CalibrationScore, HeadPattern};
 use lserve::reference::decode::HeadVisit;
 
 use crate::adapter::{prefill_attention, to_f16, LserveAttention, Probe};
-use crate::model::Llama;
+use crate::model::{Llama, Qkv};
 
 /// How the dense (non-streaming) heads attend at decode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,20 +35,49 @@ pub enum Selection {
     },
 }
 
+/// Which KV heads stream at a setting's fraction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heads {
+    /// `HeadPattern::interleaved`: evenly spread (a synthetic default; there is no published
+    /// DuoAttention gating for SmolLM2).
+    Interleaved,
+    /// `HeadPattern::from_calibration`: the heads with the least attention mass outside the
+    /// sinks + local window on calibration text ([`calibrate`]).
+    Calibrated,
+    /// `HeadPattern::from_calibration_by` with `CalibrationScore::OutputError`: the heads whose
+    /// attention output the Λ mask changes least (relative to dense) on calibration text.
+    CalibratedOutput,
+    /// A uniformly random choice of the same number of heads ([`random_pattern`]).
+    Random {
+        /// The seed.
+        seed: u64,
+    },
+}
+
 /// One attention configuration: which heads stream, how the dense heads select.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Setting {
     /// Fraction of KV heads that are streaming heads (sinks 64 + local 256).
     pub streaming: f64,
+    /// Which heads those are.
+    pub heads: Heads,
     /// The dense heads' selection.
     pub selection: Selection,
 }
 
 impl Setting {
-    /// A short name: `dense`, `stream0.25`, `flat-b1024`, `lserve-b1024-r4-s0.5`, ...
+    /// A short name: `dense`, `stream-s0.25`, `flat-b1024`, `lserve-b1024-r4-s0.5`, ..., with
+    /// `-calib` or `-randSEED` after the fraction for calibrated or random heads (nothing for
+    /// interleaved ones).
     pub fn name(&self) -> String {
         let s = if self.streaming > 0.0 {
-            format!("s{}", self.streaming)
+            let heads = match self.heads {
+                Heads::Interleaved => String::new(),
+                Heads::Calibrated => "-calib".into(),
+                Heads::CalibratedOutput => "-calibout".into(),
+                Heads::Random { seed } => format!("-rand{seed}"),
+            };
+            format!("s{}{heads}", self.streaming)
         } else {
             String::new()
         };
@@ -96,11 +125,53 @@ impl Setting {
         }
     }
 
-    /// The head pattern: `HeadPattern::interleaved` (evenly spread streaming heads; there is no
-    /// published DuoAttention gating for SmolLM2).
-    pub fn pattern(&self, g: ModelGeometry) -> Result<HeadPattern> {
-        Ok(HeadPattern::interleaved(g, self.streaming)?)
+    /// The head pattern at this setting's fraction, per [`Heads`]; calibrated heads need the
+    /// `calibration` (an error without it).
+    pub fn pattern(
+        &self,
+        g: ModelGeometry,
+        calibration: Option<&Calibration>,
+    ) -> Result<HeadPattern> {
+        Ok(match self.heads {
+            Heads::Interleaved => HeadPattern::interleaved(g, self.streaming)?,
+            Heads::Calibrated | Heads::CalibratedOutput => {
+                let cal = calibration.with_context(|| {
+                    format!("{}: calibrated heads need a calibration", self.name())
+                })?;
+                ensure!(
+                    *cal.geometry() == g,
+                    "the calibration is of another geometry"
+                );
+                let score = if self.heads == Heads::Calibrated {
+                    CalibrationScore::OutOfWindowMass
+                } else {
+                    CalibrationScore::OutputError
+                };
+                HeadPattern::from_calibration_by(cal, score, self.streaming)?
+            }
+            Heads::Random { seed } => random_pattern(g, self.streaming, seed)?,
+        })
     }
+}
+
+/// `round(fraction * layers * kv_heads)` streaming heads chosen uniformly at random (seeded):
+/// every head gets a pseudo-random gating value (splitmix64 of `seed`, in `[0, 1)`) and
+/// `HeadPattern::from_gating_values` thresholds them, so the count is the one every other
+/// pattern of that fraction has.
+pub fn random_pattern(g: ModelGeometry, fraction: f64, seed: u64) -> Result<HeadPattern> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let alpha: Vec<Vec<f64>> = (0..g.layers())
+        .map(|_| (0..g.kv_heads()).map(|_| next()).collect())
+        .collect();
+    Ok(HeadPattern::from_gating_values(&alpha, g, fraction)?)
 }
 
 /// lserve's geometry of the model.
@@ -142,6 +213,18 @@ pub fn prefill(
     config: &SparsityConfig,
     tokens: &[u32],
 ) -> Result<Prefilled> {
+    prefill_observed(model, pattern, config, tokens, &mut |_, _| Ok(()))
+}
+
+/// [`prefill`], handing each layer's attention inputs (after RoPE) to `observe` before the
+/// layer attends.
+pub fn prefill_observed(
+    model: &Llama,
+    pattern: &HeadPattern,
+    config: &SparsityConfig,
+    tokens: &[u32],
+    observe: &mut dyn FnMut(usize, &Qkv) -> Result<()>,
+) -> Result<Prefilled> {
     ensure!(!tokens.is_empty(), "an empty prompt");
     let mut timing = Timing::default();
     let mut kv = Vec::new();
@@ -152,6 +235,7 @@ pub fn prefill(
         let start = Instant::now();
         let qkv = model.qkv(layer, &x, 0)?;
         timing.candle += start.elapsed();
+        observe(layer, &qkv)?;
         let start = Instant::now();
         let attn = prefill_attention(pattern, config, layer, &qkv.q, &qkv.k, &qkv.v)?;
         kv.push((to_f16(&qkv.k)?, to_f16(&qkv.v)?));
@@ -169,17 +253,48 @@ pub fn prefill(
     })
 }
 
-/// A cache for `setting` holding the prefilled prompt, with room for `decode` more tokens.
-pub fn cache_for(
+/// Calibrates the model's head pattern on `tokens` (one sequence from its first token): a dense
+/// prefill, each layer's post-RoPE queries and keys and its values (`f32`, as candle computes
+/// them) added to a [`Calibration`] (`add_layer_with_values`: both scores) with `config`'s sinks, local window and scale, sampling every `stride`-th
+/// position past the window. Returns it and the seconds spent in it (prefill excluded).
+pub fn calibrate(
     model: &Llama,
+    config: &SparsityConfig,
+    tokens: &[u32],
+    stride: usize,
+) -> Result<(Calibration, Prefilled, f64)> {
+    let g = geometry(model)?;
+    let mut cal = Calibration::new(g, config)?.with_stride(stride)?;
+    let mut secs = 0.0;
+    let pre = prefill_observed(
+        model,
+        &HeadPattern::all_dense(g),
+        config,
+        tokens,
+        &mut |layer, qkv| {
+            let start = Instant::now();
+            let q = qkv.q.flatten_all()?.to_vec1::<f32>()?;
+            let k = qkv.k.flatten_all()?.to_vec1::<f32>()?;
+            let v = qkv.v.flatten_all()?.to_vec1::<f32>()?;
+            cal.add_layer_with_values(layer, tokens.len(), &q, &k, &v)?;
+            secs += start.elapsed().as_secs_f64();
+            Ok(())
+        },
+    )?;
+    Ok((cal, pre, secs))
+}
+
+/// A cache for `setting` with head pattern `pattern` (the one `prompt` was prefilled with)
+/// holding the prefilled prompt, with room for `decode` more tokens.
+pub fn cache_for(
     setting: &Setting,
+    pattern: &HeadPattern,
     prompt: &Prefilled,
     decode: usize,
     probe: bool,
 ) -> Result<LserveAttention> {
-    let g = geometry(model)?;
     let mut attn = LserveAttention::new(
-        setting.pattern(g)?,
+        pattern.clone(),
         setting.config(),
         prompt.tokens + decode,
         probe,

@@ -6,7 +6,7 @@ use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::HeadPattern;
 use lserve_candle_smollm2::adapter::{prefill_attention, to_f16, LserveAttention};
-use lserve_candle_smollm2::engine::{self, Selection, Setting, Timing};
+use lserve_candle_smollm2::engine::{self, Heads, Selection, Setting, Timing};
 
 /// Causal softmax attention of `q [T][Hq][D]` over `k`, `v [T][Hkv][D]` in candle ops (f32),
 /// query head `h` on KV head `h / G`; rows `[T][Hq * D]`.
@@ -73,6 +73,7 @@ fn adapter_prefill_and_decode_equal_candle_attention_for_group_3() {
     // The same tokens again: a prompt of t - 5 tokens, then 5 decode steps through the cache.
     let setting = Setting {
         streaming: 0.0,
+        heads: Heads::Interleaved,
         selection: Selection::Dense,
     };
     let mut attn = LserveAttention::new(pattern, setting.config(), t, true).unwrap();
@@ -110,6 +111,7 @@ fn selection_probe_reports_the_mass_it_missed() {
     let q = f16_round(&Tensor::randn(0f32, 2.0, (1, hq, d), &dev).unwrap());
     let setting = Setting {
         streaming: 0.0,
+        heads: Heads::Interleaved,
         selection: Selection::Flat { budget: 64 },
     };
     let mut attn =
@@ -144,6 +146,7 @@ fn dense_decode_matches_prefill_on_smollm2() {
     assert!(ids.len() > 20, "{} tokens", ids.len());
     let setting = Setting {
         streaming: 0.0,
+        heads: Heads::Interleaved,
         selection: Selection::Dense,
     };
     let g = engine::geometry(&model).unwrap();
@@ -151,7 +154,7 @@ fn dense_decode_matches_prefill_on_smollm2() {
     // Logits of every position from one prefill of all tokens.
     let full = engine::prefill(
         &model,
-        &setting.pattern(g).unwrap(),
+        &setting.pattern(g, None).unwrap(),
         &setting.config(),
         &ids,
     )
@@ -160,12 +163,13 @@ fn dense_decode_matches_prefill_on_smollm2() {
     // The prompt, then the last 4 tokens decoded one at a time.
     let pre = engine::prefill(
         &model,
-        &setting.pattern(g).unwrap(),
+        &setting.pattern(g, None).unwrap(),
         &setting.config(),
         &ids[..p],
     )
     .unwrap();
-    let mut attn = engine::cache_for(&model, &setting, &pre, n - p, false).unwrap();
+    let pattern = setting.pattern(g, None).unwrap();
+    let mut attn = engine::cache_for(&setting, &pattern, &pre, n - p, false).unwrap();
     let mut timing = Timing::default();
     let mut last = Vec::new();
     for (i, &token) in ids[p..].iter().enumerate() {
@@ -187,4 +191,117 @@ fn dense_decode_matches_prefill_on_smollm2() {
             .unwrap(),
     );
     assert_eq!(a, b);
+}
+
+/// Random patterns: the fraction's count of streaming heads, a function of the seed, and not
+/// the same choice for every seed.
+#[test]
+fn random_patterns_have_the_count_and_depend_on_the_seed() {
+    let g = ModelGeometry::new(30, 9, 3, 64).unwrap();
+    for fraction in [0.0, 0.25, 0.5, 1.0] {
+        let want = (fraction * 90.0_f64).round() as usize;
+        for seed in 0..5 {
+            let p = engine::random_pattern(g, fraction, seed).unwrap();
+            assert_eq!(p.total_streaming_heads(), want);
+            assert_eq!(p, engine::random_pattern(g, fraction, seed).unwrap());
+        }
+    }
+    let patterns: Vec<HeadPattern> = (0..5)
+        .map(|seed| engine::random_pattern(g, 0.5, seed).unwrap())
+        .collect();
+    for i in 0..5 {
+        for j in i + 1..5 {
+            assert_ne!(patterns[i], patterns[j], "seeds {i} and {j}");
+        }
+    }
+    // Not the interleaved pattern either, and streaming heads in many layers.
+    assert_ne!(patterns[0], HeadPattern::interleaved(g, 0.5).unwrap());
+    let layers_with_streaming = (0..30)
+        .filter(|&l| patterns[0].streaming_heads(l) > 0)
+        .count();
+    assert!(layers_with_streaming > 15, "{layers_with_streaming}");
+    assert!(engine::random_pattern(g, 1.5, 0).is_err());
+}
+
+/// Calibrated heads need a calibration; with one, `Setting::pattern` is
+/// `HeadPattern::from_calibration` of it.
+#[test]
+fn calibrated_setting_uses_the_calibration() {
+    use lserve::head_pattern::Calibration;
+    let g = ModelGeometry::new(1, 2, 2, 64).unwrap();
+    let setting = Setting {
+        streaming: 0.5,
+        heads: Heads::Calibrated,
+        selection: Selection::Dense,
+    };
+    assert!(setting.pattern(g, None).is_err());
+    let config = SparsityConfig {
+        sink_tokens: 1,
+        local_tokens: 2,
+        ..SparsityConfig::default()
+    };
+    let mut cal = Calibration::new(g, &config).unwrap();
+    // KV head 1's query looks at key 1, outside the window from position 3; KV head 0's at the
+    // sink: head 0 streams.
+    let t = 8;
+    let mut k = vec![0.0f32; t * 2 * 64];
+    let mut q = vec![0.0f32; t * 2 * 64];
+    for j in 0..t {
+        for h in 0..2 {
+            k[(j * 2 + h) * 64 + j] = 1.0;
+        }
+        q[(j * 2) * 64] = 1000.0;
+        q[(j * 2 + 1) * 64 + 1] = 1000.0;
+    }
+    cal.add_layer(0, t, &q, &k).unwrap();
+    let p = setting.pattern(g, Some(&cal)).unwrap();
+    assert_eq!(p, HeadPattern::from_calibration(&cal, 0.5).unwrap());
+    assert_eq!(p.streaming_kv_heads(0), &[0]);
+    let other = ModelGeometry::new(2, 2, 2, 64).unwrap();
+    assert!(setting.pattern(other, Some(&cal)).is_err());
+    // Ranked by output error: this calibration has no values, so no such pattern.
+    let by_output = Setting {
+        heads: Heads::CalibratedOutput,
+        ..setting
+    };
+    assert!(by_output.pattern(g, Some(&cal)).is_err());
+    assert_eq!(by_output.name(), "stream-s0.5-calibout");
+    assert_eq!(
+        setting.name(),
+        "stream-s0.5-calib",
+        "the name says the heads are calibrated"
+    );
+}
+
+/// Calibration on the real model: every KV head gets a score in [0, 1], and the heads differ
+/// (some attend far more outside the window than others).
+#[test]
+#[ignore = "needs the SmolLM2 GGUF: scripts/fetch_smollm2.sh"]
+fn calibration_on_smollm2_scores_every_head() {
+    let path = lserve_candle_smollm2::default_gguf_path().unwrap();
+    let (model, content) = lserve_candle_smollm2::model::Llama::load(&path).unwrap();
+    let tok = lserve_candle_smollm2::tokenizer::from_gguf(&content).unwrap();
+    let text = std::fs::read_to_string("/usr/share/common-licenses/Apache-2.0").unwrap();
+    let ids = lserve_candle_smollm2::tokenizer::encode(&tok, &text).unwrap();
+    let config = SparsityConfig::default();
+    let n = 420;
+    let (cal, _, _) = engine::calibrate(&model, &config, &ids[..n], 4).unwrap();
+    assert!(
+        cal.positions().iter().all(|&p| p == 25),
+        "{:?}",
+        cal.positions()
+    );
+    let scores: Vec<f64> = cal.scores().unwrap().into_iter().flatten().collect();
+    assert_eq!(scores.len(), 90);
+    assert!(scores.iter().all(|&s| (0.0..=1.0 + 1e-9).contains(&s)));
+    let (lo, hi) = scores
+        .iter()
+        .fold((1.0f64, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    assert!(hi - lo > 0.1, "scores {lo}..{hi}");
+    let errors: Vec<f64> = cal.output_errors().unwrap().into_iter().flatten().collect();
+    assert!(errors.iter().all(|&e| e.is_finite() && e >= 0.0));
+    let (lo, hi) = errors
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    assert!(hi - lo > 0.1, "output errors {lo}..{hi}");
 }

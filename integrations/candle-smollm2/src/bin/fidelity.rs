@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --bin fidelity -- [--gguf PATH] [--text PATH] [--context N] [--eval N]
 //!     [--settings LIST] [--probe-every K] [--out DIR]
+//!     [--calib-text PATH] [--calib-tokens N] [--calib-stride K]
 //! ```
 //!
 //! The prompt is the `N` tokens before the evaluated ones; it is prefilled once per streaming
@@ -11,17 +12,27 @@
 //! that configuration, fed the true token; its logits score the next true token.
 //!
 //! `--settings` is a comma-separated list of `dense`, `stream:F`, `flat:B[:F]`,
-//! `lserve:B:C[:F]` (`B` token budget, `C` reuse interval, `F` streaming fraction).
+//! `lserve:B:C[:F]` (`B` token budget, `C` reuse interval, `F` streaming fraction), each
+//! optionally followed by `@HEADS`, which heads stream: `@even` (the default,
+//! `HeadPattern::interleaved`), `@calib` (`HeadPattern::from_calibration` on the calibration
+//! text: the least attention mass outside the sinks + local window), `@calib-out` (the same
+//! calibration, ranked by the Λ mask's relative output error, `CalibrationScore::OutputError`)
+//! or `@random:SEED` (a seeded uniformly random choice of as many heads).
+//!
+//! Calibration (only when a setting asks for `@calib`): the first `--calib-tokens` tokens
+//! (default 2048) of `--calib-text` (no default: it should be another text than `--text`) run
+//! through the model with dense attention; every `--calib-stride`-th position (default 8) past
+//! the sinks + local window scores each KV head by its attention mass outside the window.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use lserve::head_pattern::{Calibration, HeadPattern};
 use lserve::reference::decode::HeadVisit;
 use lserve_candle_smollm2::engine::{
-    cache_for, decode_token, geometry, nll, prefill, Selection, Setting, Timing,
+    cache_for, calibrate, decode_token, geometry, nll, prefill, Heads, Selection, Setting, Timing,
 };
 use lserve_candle_smollm2::model::Llama;
 use lserve_candle_smollm2::{default_gguf_path, tokenizer};
@@ -34,9 +45,29 @@ struct Args {
     settings: Vec<Setting>,
     probe_every: usize,
     out: Option<PathBuf>,
+    calib_text: Option<PathBuf>,
+    calib_tokens: usize,
+    calib_stride: usize,
 }
 
-fn parse_setting(s: &str) -> Result<Setting> {
+fn parse_setting(full: &str) -> Result<Setting> {
+    let (s, heads) = match full.split_once('@') {
+        None => (full, Heads::Interleaved),
+        Some((s, "even")) => (s, Heads::Interleaved),
+        Some((s, "calib")) => (s, Heads::Calibrated),
+        Some((s, "calib-out")) => (s, Heads::CalibratedOutput),
+        Some((s, h)) => match h.strip_prefix("random:") {
+            Some(seed) => (
+                s,
+                Heads::Random {
+                    seed: seed
+                        .parse()
+                        .with_context(|| format!("setting {full}: seed {seed:?}"))?,
+                },
+            ),
+            None => bail!("setting {full}: heads {h:?} (even, calib, calib-out, random:SEED)"),
+        },
+    };
     let parts: Vec<&str> = s.split(':').collect();
     let num = |i: usize| -> Result<usize> {
         parts
@@ -53,27 +84,23 @@ fn parse_setting(s: &str) -> Result<Setting> {
                 .with_context(|| format!("setting {s}: {f} is not a fraction")),
         }
     };
-    Ok(match parts[0] {
-        "dense" => Setting {
-            streaming: 0.0,
-            selection: Selection::Dense,
-        },
-        "stream" => Setting {
-            streaming: frac(1)?,
-            selection: Selection::Dense,
-        },
-        "flat" => Setting {
-            streaming: frac(2)?,
-            selection: Selection::Flat { budget: num(1)? },
-        },
-        "lserve" => Setting {
-            streaming: frac(3)?,
-            selection: Selection::Hierarchical {
+    let (streaming, selection) = match parts[0] {
+        "dense" => (0.0, Selection::Dense),
+        "stream" => (frac(1)?, Selection::Dense),
+        "flat" => (frac(2)?, Selection::Flat { budget: num(1)? }),
+        "lserve" => (
+            frac(3)?,
+            Selection::Hierarchical {
                 budget: num(1)?,
                 reuse: num(2)?,
             },
-        },
+        ),
         other => bail!("unknown setting kind {other:?} (dense, stream, flat, lserve)"),
+    };
+    Ok(Setting {
+        streaming,
+        heads,
+        selection,
     })
 }
 
@@ -86,6 +113,9 @@ fn parse_args() -> Result<Args> {
         settings: Vec::new(),
         probe_every: 4,
         out: None,
+        calib_text: None,
+        calib_tokens: 2048,
+        calib_stride: 8,
     };
     let mut settings = "dense".to_string();
     let mut it = std::env::args().skip(1);
@@ -99,6 +129,9 @@ fn parse_args() -> Result<Args> {
             "--settings" => settings = value()?,
             "--probe-every" => args.probe_every = value()?.parse().context("--probe-every")?,
             "--out" => args.out = Some(value()?.into()),
+            "--calib-text" => args.calib_text = Some(value()?.into()),
+            "--calib-tokens" => args.calib_tokens = value()?.parse().context("--calib-tokens")?,
+            "--calib-stride" => args.calib_stride = value()?.parse().context("--calib-stride")?,
             "--help" | "-h" => {
                 println!("see the module documentation of src/bin/fidelity.rs");
                 std::process::exit(0);
@@ -174,25 +207,44 @@ fn main() -> Result<()> {
         args.eval
     );
 
-    // One prefill per streaming fraction.
-    let mut by_fraction: BTreeMap<u64, Vec<Setting>> = BTreeMap::new();
-    for s in &args.settings {
-        by_fraction
-            .entry(s.streaming.to_bits())
-            .or_default()
-            .push(*s);
-    }
     let g = geometry(&model)?;
-    let mut outcomes = Vec::new();
     let mut prefill_lines = Vec::new();
-    for settings in by_fraction.values() {
+    let calibration = if args
+        .settings
+        .iter()
+        .any(|s| matches!(s.heads, Heads::Calibrated | Heads::CalibratedOutput))
+    {
+        let (cal, line) = run_calibration(&args, &model, &tok)?;
+        prefill_lines.push(line);
+        Some(cal)
+    } else {
+        None
+    };
+
+    // One prefill per head pattern (settings with the same streaming heads share it), in the
+    // order of their first setting.
+    let mut by_pattern: Vec<(HeadPattern, Vec<Setting>)> = Vec::new();
+    for s in &args.settings {
+        let pattern = s.pattern(g, calibration.as_ref())?;
+        match by_pattern.iter_mut().find(|(p, _)| *p == pattern) {
+            Some((_, list)) => list.push(*s),
+            None => by_pattern.push((pattern, vec![*s])),
+        }
+    }
+    let mut outcomes = Vec::new();
+    for (pattern, settings) in &by_pattern {
         let s0 = settings[0];
         let start = Instant::now();
-        let pre = prefill(&model, &s0.pattern(g)?, &s0.config(), prompt)?;
+        let pre = prefill(&model, pattern, &s0.config(), prompt)?;
         let secs = start.elapsed().as_secs_f64();
         let line = format!(
-            "prefill {context} tokens, streaming {}: {secs:.1}s (candle {:.1}s, lserve {:.1}s)",
-            s0.streaming,
+            "prefill {context} tokens, streaming {} ({}): {secs:.1}s (candle {:.1}s, lserve {:.1}s)",
+            pattern.streaming_fraction(),
+            settings
+                .iter()
+                .map(Setting::name)
+                .collect::<Vec<_>>()
+                .join(", "),
             pre.timing.candle.as_secs_f64(),
             pre.timing.lserve.as_secs_f64()
         );
@@ -200,7 +252,7 @@ fn main() -> Result<()> {
         prefill_lines.push(line);
         for setting in settings {
             let start = Instant::now();
-            let mut attn = cache_for(&model, setting, &pre, args.eval, true)?;
+            let mut attn = cache_for(setting, pattern, &pre, args.eval, true)?;
             let mut o = Outcome {
                 setting: *setting,
                 nll: Vec::new(),
@@ -212,7 +264,6 @@ fn main() -> Result<()> {
                 timing: Timing::default(),
                 seconds: 0.0,
             };
-            let pattern = setting.pattern(g)?;
             for (i, (&token, &target)) in fed.iter().zip(targets).enumerate() {
                 let step = decode_token(&model, &mut attn, token, context + i, &mut o.timing)?;
                 o.nll.push(nll(&step.logits, target)?);
@@ -261,7 +312,8 @@ fn main() -> Result<()> {
         }
     }
 
-    let report = render(&args, context, ids.len(), &prefill_lines, &outcomes);
+    let mut report = render(&args, context, ids.len(), &prefill_lines, &outcomes);
+    report.push_str(&random_summary(&outcomes));
     println!("{report}");
     if let Some(dir) = &args.out {
         std::fs::create_dir_all(dir)?;
@@ -288,6 +340,27 @@ fn main() -> Result<()> {
             }
         }
         std::fs::write(dir.join("layers.tsv"), tsv)?;
+        if let Some(cal) = &calibration {
+            let mut tsv = String::from("layer\tkv_head\tout_of_window_mass\toutput_error\n");
+            for (l, (row, err)) in cal.scores()?.iter().zip(cal.output_errors()?).enumerate() {
+                for (h, (m, e)) in row.iter().zip(err).enumerate() {
+                    writeln!(tsv, "{l}\t{h}\t{m:.6}\t{e:.6}")?;
+                }
+            }
+            std::fs::write(dir.join("calibration.tsv"), tsv)?;
+        }
+        let mut tsv = String::from("pattern\tlayer\tstreaming_kv_heads\n");
+        for (pattern, settings) in &by_pattern {
+            for l in 0..pattern.layers() {
+                let heads: Vec<String> = pattern
+                    .streaming_kv_heads(l)
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect();
+                writeln!(tsv, "{}\t{l}\t{}", settings[0].name(), heads.join(","))?;
+            }
+        }
+        std::fs::write(dir.join("patterns.tsv"), tsv)?;
     }
     Ok(())
 }
@@ -348,6 +421,111 @@ fn render(
             o.timing.candle.as_secs_f64(),
             o.timing.lserve.as_secs_f64()
         );
+    }
+    s
+}
+
+/// Runs the calibration text through the model (dense) into a [`Calibration`]; returns it and
+/// a report line (tokens, stride, time, the scores' spread).
+fn run_calibration(
+    args: &Args,
+    model: &Llama,
+    tok: &tokenizers::Tokenizer,
+) -> Result<(Calibration, String)> {
+    let path = args
+        .calib_text
+        .as_ref()
+        .context("@calib settings need --calib-text (another text than --text)")?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let ids = tokenizer::encode(tok, &text)?;
+    let n = args.calib_tokens.min(ids.len());
+    let config = lserve::config::SparsityConfig::default();
+    let start = Instant::now();
+    let (cal, _, scoring) = calibrate(model, &config, &ids[..n], args.calib_stride)?;
+    let secs = start.elapsed().as_secs_f64();
+    let scores: Vec<f64> = cal.scores()?.into_iter().flatten().collect();
+    let (lo, hi) = scores
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    let errors: Vec<f64> = cal.output_errors()?.into_iter().flatten().collect();
+    let (elo, ehi) = errors
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    let line = format!(
+        "calibration: `{}`, its first {n} of {} tokens, dense prefill, every {}th position from \
+         {} on ({} positions); {secs:.1}s ({scoring:.1}s scoring); out-of-window mass per KV \
+         head {lo:.4}..{hi:.4}, mean {:.4}; Λ output error per KV head {elo:.4}..{ehi:.4}, \
+         mean {:.4}",
+        path.display(),
+        ids.len(),
+        args.calib_stride,
+        config.sink_tokens + config.local_tokens,
+        cal.positions()[0],
+        mean(&scores),
+        mean(&errors)
+    );
+    eprintln!("{line}");
+    Ok((cal, line))
+}
+
+/// For each (selection, fraction) with random-head settings: the median of their mean NLLs,
+/// beside the calibrated and evenly spread settings of the same selection and fraction.
+fn random_summary(outcomes: &[Outcome]) -> String {
+    let mut s = String::new();
+    let mut keys: Vec<(Selection, u64)> = Vec::new();
+    for o in outcomes {
+        let key = (o.setting.selection, o.setting.streaming.to_bits());
+        if matches!(o.setting.heads, Heads::Random { .. }) && !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    for (selection, bits) in keys {
+        let same: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| o.setting.selection == selection && o.setting.streaming.to_bits() == bits)
+            .collect();
+        let mut random: Vec<f64> = same
+            .iter()
+            .filter(|o| matches!(o.setting.heads, Heads::Random { .. }))
+            .map(|o| mean(&o.nll))
+            .collect();
+        random.sort_by(f64::total_cmp);
+        let n = random.len();
+        let median = if n % 2 == 1 {
+            random[n / 2]
+        } else {
+            (random[n / 2 - 1] + random[n / 2]) / 2.0
+        };
+        let _ = writeln!(
+            s,
+            "\nStreaming fraction {}, {selection:?}: median mean NLL of {n} random patterns {median:.4} \
+             (min {:.4}, max {:.4})",
+            f64::from_bits(bits),
+            random[0],
+            random[n - 1]
+        );
+        for o in same
+            .iter()
+            .filter(|o| !matches!(o.setting.heads, Heads::Random { .. }))
+        {
+            let m = mean(&o.nll);
+            let _ = writeln!(
+                s,
+                "- {}: {m:.4} ({:+.4} vs the random median; {})",
+                o.setting.name(),
+                m - median,
+                if m < median {
+                    "below it"
+                } else {
+                    "not below it"
+                }
+            );
+        }
     }
     s
 }
