@@ -396,7 +396,8 @@ unsafe fn attend_tile<E: MmaElement + CodeElement>(
         });
     });
     // SAFETY: every lane is here; `1 <= valid <= 16`.
-    let correction = unsafe { add_column_tile(&mut state.softmax, &mut s, valid, scale_log2, lane) };
+    let correction =
+        unsafe { add_column_tile(&mut state.softmax, &mut s, valid, scale_log2, lane) };
     // P scaled per key by the value scale; Σ p_j o_j of the value offsets.
     let mut v_off = [0.0f32; 2];
     crate::unroll8!(e in 0..2 => {
@@ -607,25 +608,32 @@ unsafe fn decode_attention_coded<E: MmaElement + CodeElement>(a: &CodedDecodeArg
     // whole block calls it; the merge area fits the coded stages (`coded_decode_smem_bytes`);
     // each lane stores into its warp's slots of heads `2t + c < group`.
     unsafe {
-        super::merge_warps::<D>(p, attn.part_acc.get(), attn.part_ml.get(), pair, split, |area| {
-            let mut c = 0;
-            while c < 2 {
-                let g = 2 * t + c as u32;
-                if g < group {
-                    let at = super::merge_slot::<D>(group, warp, g);
-                    if r == 0 {
-                        *area.add(at) = heads[c].m;
-                        *area.add(at + 1) = heads[c].l;
+        super::merge_warps::<D>(
+            p,
+            attn.part_acc.get(),
+            attn.part_ml.get(),
+            pair,
+            split,
+            |area| {
+                let mut c = 0;
+                while c < 2 {
+                    let g = 2 * t + c as u32;
+                    if g < group {
+                        let at = super::merge_slot::<D>(group, warp, g);
+                        if r == 0 {
+                            *area.add(at) = heads[c].m;
+                            *area.add(at + 1) = heads[c].l;
+                        }
+                        crate::unroll8!(i in 0..O_TILES => {
+                            let d = at + 2 + (16 * r) as usize + 2 * i;
+                            *area.add(d) = state.o[i].regs[c] + v_offset[c];
+                            *area.add(d + 1) = state.o[i].regs[2 + c] + v_offset[c];
+                        });
                     }
-                    crate::unroll8!(i in 0..O_TILES => {
-                        let d = at + 2 + (16 * r) as usize + 2 * i;
-                        *area.add(d) = state.o[i].regs[c] + v_offset[c];
-                        *area.add(d + 1) = state.o[i].regs[2 + c] + v_offset[c];
-                    });
+                    c += 1;
                 }
-                c += 1;
-            }
-        })
+            },
+        )
     };
 }
 
