@@ -259,17 +259,17 @@ pub struct CodedKvPtrs {
     /// Dense pool V codes, as `k_pool`.
     pub v_pool: GlobalPtr<u8>,
     /// Dense pool K row words, `[capacity][dense_heads][page_tokens]`.
-    pub k_pool_params: GlobalPtr<u32>,
-    /// Dense pool V row words, as `k_pool_params`.
-    pub v_pool_params: GlobalPtr<u32>,
+    pub k_pool_words: GlobalPtr<u32>,
+    /// Dense pool V row words, as `k_pool_words`.
+    pub v_pool_words: GlobalPtr<u32>,
     /// Streaming store K codes, `[slots][streaming_heads][sink + local][D]` bytes.
     pub k_stream: GlobalPtr<u8>,
     /// Streaming store V codes, as `k_stream`.
     pub v_stream: GlobalPtr<u8>,
     /// Streaming store K row words, `[slots][streaming_heads][sink + local]`.
-    pub k_stream_params: GlobalPtr<u32>,
-    /// Streaming store V row words, as `k_stream_params`.
-    pub v_stream_params: GlobalPtr<u32>,
+    pub k_stream_words: GlobalPtr<u32>,
+    /// Streaming store V row words, as `k_stream_words`.
+    pub v_stream_words: GlobalPtr<u32>,
 }
 
 /// The one argument of an integer-coded decode attention launch (`decode_attention_int8_*`):

@@ -156,12 +156,12 @@ impl CodedLayer {
         CodedKvPtrs {
             k_pool: launch.read(&self.k_pool),
             v_pool: launch.read(&self.v_pool),
-            k_pool_params: launch.read(&self.k_pool_words),
-            v_pool_params: launch.read(&self.v_pool_words),
+            k_pool_words: launch.read(&self.k_pool_words),
+            v_pool_words: launch.read(&self.v_pool_words),
             k_stream: launch.read(&self.k_stream),
             v_stream: launch.read(&self.v_stream),
-            k_stream_params: launch.read(&self.k_stream_words),
-            v_stream_params: launch.read(&self.v_stream_words),
+            k_stream_words: launch.read(&self.k_stream_words),
+            v_stream_words: launch.read(&self.v_stream_words),
         }
     }
 }

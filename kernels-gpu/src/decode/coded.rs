@@ -63,7 +63,7 @@ const D: usize = CODED_HEAD_DIM as usize;
 const ROW_CHUNKS: u32 = D as u32 / 16;
 /// Bytes of one K (or V) code tile.
 const CODE_TILE_BYTES: u32 = DECODE_TILE_ROWS * D as u32;
-/// `k` steps of `S' = Q Cᵀ` over the head dimension.
+/// `k` steps of `Sᵀ = U_k Qᵀ` over the head dimension.
 const K_STEPS: usize = D / 16;
 /// `Oᵀ` accumulators of 16 dimensions.
 const O_TILES: usize = D / 16;
@@ -129,15 +129,15 @@ impl CodedRows {
             Self {
                 k: c.k_stream.get(),
                 v: c.v_stream.get(),
-                k_words: c.k_stream_params.get(),
-                v_words: c.v_stream_params.get(),
+                k_words: c.k_stream_words.get(),
+                v_words: c.v_stream_words.get(),
             }
         } else {
             Self {
                 k: c.k_pool.get(),
                 v: c.v_pool.get(),
-                k_words: c.k_pool_params.get(),
-                v_words: c.v_pool_params.get(),
+                k_words: c.k_pool_words.get(),
+                v_words: c.v_pool_words.get(),
             }
         }
     }
