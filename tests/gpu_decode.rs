@@ -255,15 +255,18 @@ fn reference_inputs<E: DeviceElement>(
 }
 
 fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
-    run_case_with_splits::<E>(gpu, case, MAX_SPLITS)
+    run_case_with_splits::<E>(gpu, case, MAX_SPLITS, None)
 }
 
 /// [`run_case`] with at most `max_splits` splits per pair (long splits take the bulk-copy
-/// kernel).
+/// kernel), over the cache as uploaded (`coded: None`) or an integer-coded copy of it
+/// (`DeviceKvCache::upload_coded`; the reference is then the attention over the dequantized
+/// rows, on the index tables the reference step left).
 fn run_case_with_splits<E: DeviceElement>(
     gpu: &GpuContext,
     case: &Case,
     max_splits: u32,
+    coded: Option<IntFormat>,
 ) -> Result<(), TestCaseError> {
     let mut p = prompted::<E>(case);
     let g = *p.mgr.geometry();
@@ -280,7 +283,22 @@ fn run_case_with_splits<E: DeviceElement>(
             p.mgr.advance_decode_step(s).unwrap();
         }
 
-        let mut cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
+        let (mut cache, want) = match coded {
+            None => (
+                DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap(),
+                want.out,
+            ),
+            Some(format) => {
+                let cache =
+                    DeviceKvCache::upload_coded(gpu, &p.mgr, &p.host, &p.tables, format).unwrap();
+                prop_assert_eq!(cache.format(), KvFormat::Int(format));
+                let (want, _) = decode_attention_tables_coded(
+                    &p.mgr, &p.host, &p.tables, 0, &p.seqs, &q, format,
+                )
+                .unwrap();
+                (cache, want)
+            }
+        };
         batch_dev.set(gpu, &p.mgr, &mut cache, &p.seqs).unwrap();
         let q_dev = gpu.stream().clone_htod(&q).unwrap();
         let mut out = gpu
@@ -289,7 +307,7 @@ fn run_case_with_splits<E: DeviceElement>(
             .unwrap();
         decode_attention(gpu, &cache, 0, &batch_dev, &q_dev, &mut out, &mut ws).unwrap();
         let got: Vec<E> = gpu.stream().clone_dtoh(&out).unwrap();
-        let err = worst_row_error(&got, &want.out, d);
+        let err = worst_row_error(&got, &want, d);
         let tol = tolerance::<E>();
         prop_assert!(
             err < tol,
@@ -342,13 +360,13 @@ fn long_dense_sequence_uses_many_splits() {
     // One split per pair: 20,000 rows are 312 tiles per warp, past the bulk-copy line, so the
     // bulk-copy kernel serves the launch (the short streaming pair too); both element types and
     // head dims.
-    run_case_with_splits::<bf16>(&gpu, &case, 1).unwrap();
+    run_case_with_splits::<bf16>(&gpu, &case, 1, None).unwrap();
     let case = Case {
         head_dim: 64,
         f16: true,
         ..case
     };
-    run_case_with_splits::<f16>(&gpu, &case, 1).unwrap();
+    run_case_with_splits::<f16>(&gpu, &case, 1, None).unwrap();
 }
 
 /// The launch that appends, on long splits: one split per pair over a 20,000-token dense
@@ -737,43 +755,11 @@ fn int8() -> IntFormat {
     IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead)
 }
 
-/// [`run_case`] over an INT8 coded copy of the cache (`DeviceKvCache::upload_coded`): the GPU's
-/// `decode_attention_int8_*` against the reference's attention over the dequantized rows, on the
-/// index tables the reference step left (the same pages). Rows no token wrote are infinite, so
-/// their codes dequantize to NaN: a kernel that reads one fails.
+/// [`run_case`] over an INT8 coded copy of the cache: the GPU's `decode_attention_int8_*`
+/// against the reference's attention over the dequantized rows. Rows no token wrote are
+/// infinite, so their codes dequantize to NaN: a kernel that reads one fails.
 fn run_coded_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
-    let mut p = prompted::<E>(case);
-    let g = *p.mgr.geometry();
-    let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
-    let mut batch_dev = DecodeBatch::new(gpu, batch).unwrap();
-    let mut ws = DecodeWorkspace::new(gpu, batch, hkv, g.group(), d).unwrap();
-    for step in 0..case.steps {
-        let Step { q, .. } = p.reference_step();
-        for &s in &p.seqs {
-            p.mgr.advance_decode_step(s).unwrap();
-        }
-        let (want, _) =
-            decode_attention_tables_coded(&p.mgr, &p.host, &p.tables, 0, &p.seqs, &q, int8())
-                .unwrap();
-        let mut cache =
-            DeviceKvCache::upload_coded(gpu, &p.mgr, &p.host, &p.tables, int8()).unwrap();
-        prop_assert_eq!(cache.format(), KvFormat::Int(int8()));
-        batch_dev.set(gpu, &p.mgr, &mut cache, &p.seqs).unwrap();
-        let q_dev = gpu.stream().clone_htod(&q).unwrap();
-        let mut out = gpu
-            .stream()
-            .clone_htod(&vec![E::from_f32(f32::NAN); batch * hq * d])
-            .unwrap();
-        decode_attention(gpu, &cache, 0, &batch_dev, &q_dev, &mut out, &mut ws).unwrap();
-        let got: Vec<E> = gpu.stream().clone_dtoh(&out).unwrap();
-        let err = worst_row_error(&got, &want, d);
-        let tol = tolerance::<E>();
-        prop_assert!(
-            err < tol,
-            "step {step}: worst relative error {err:.3e} (tolerance {tol:.0e})"
-        );
-    }
-    Ok(())
+    run_case_with_splits::<E>(gpu, case, MAX_SPLITS, Some(int8()))
 }
 
 proptest! {
