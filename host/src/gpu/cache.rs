@@ -426,9 +426,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     ///
     /// Allocates on the device only (a long-context cache need not fit in host memory).
     pub fn new(gpu: &GpuContext, manager: &KvCacheManager) -> Result<Self> {
-        let entry_capacity =
-            IndexTables::entry_capacity_for(manager.config(), manager.max_seq_len());
-        Self::build(gpu, manager, Contents::Zeroed { entry_capacity }, None)
+        Self::zeroed(gpu, manager, None)
     }
 
     /// A cache holding a copy of `host` (K/V and statistics) and of `index`, with the block
@@ -446,17 +444,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         host: &HostKvCache<E>,
         index: &IndexTables,
     ) -> Result<Self> {
-        // Before anything is allocated: the tables list only pages of the pool, each in the
-        // slot of the sequence that owns it (the kernels cannot tell another sequence's page
-        // from their own).
-        index.check_against(manager)?;
-        if host.pattern() != manager.pattern() || host.layers() != index.layers() {
-            return Err(LserveError::InvalidArgument {
-                what: "host cache / index tables",
-                reason: "shaped for a different pattern than the manager".into(),
-            });
-        }
-        Self::build(gpu, manager, Contents::Host { host, index }, None)
+        Self::copied(gpu, manager, host, index, None)
     }
 
     /// A zeroed cache as [`new`](Self::new) whose K and V are integer codes in `format`: INT8
@@ -491,14 +479,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         format: IntFormat,
     ) -> Result<Self> {
         check_coded_format(format, manager.geometry().head_dim())?;
-        let entry_capacity =
-            IndexTables::entry_capacity_for(manager.config(), manager.max_seq_len());
-        Self::build(
-            gpu,
-            manager,
-            Contents::Zeroed { entry_capacity },
-            Some(format),
-        )
+        Self::zeroed(gpu, manager, Some(format))
     }
 
     /// A coded cache (as [`new_coded`](Self::new_coded)) holding `host`'s K/V quantized to
@@ -516,6 +497,33 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         format: IntFormat,
     ) -> Result<Self> {
         check_coded_format(format, manager.geometry().head_dim())?;
+        Self::copied(gpu, manager, host, index, Some(format))
+    }
+
+    /// [`new`](Self::new) / [`new_coded`](Self::new_coded): a zeroed cache, its K/V 16-bit or
+    /// `coded`.
+    fn zeroed(
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        coded: Option<IntFormat>,
+    ) -> Result<Self> {
+        let entry_capacity =
+            IndexTables::entry_capacity_for(manager.config(), manager.max_seq_len());
+        Self::build(gpu, manager, Contents::Zeroed { entry_capacity }, coded)
+    }
+
+    /// [`upload`](Self::upload) / [`upload_coded`](Self::upload_coded): a copy of `host` and
+    /// `index`, its K/V 16-bit or `coded`.
+    fn copied(
+        gpu: &GpuContext,
+        manager: &KvCacheManager,
+        host: &HostKvCache<E>,
+        index: &IndexTables,
+        coded: Option<IntFormat>,
+    ) -> Result<Self> {
+        // Before anything is allocated: the tables list only pages of the pool, each in the
+        // slot of the sequence that owns it (the kernels cannot tell another sequence's page
+        // from their own).
         index.check_against(manager)?;
         if host.pattern() != manager.pattern() || host.layers() != index.layers() {
             return Err(LserveError::InvalidArgument {
@@ -523,7 +531,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 reason: "shaped for a different pattern than the manager".into(),
             });
         }
-        Self::build(gpu, manager, Contents::Host { host, index }, Some(format))
+        Self::build(gpu, manager, Contents::Host { host, index }, coded)
     }
 
     /// The format of the cache's K and V.
