@@ -17,7 +17,7 @@ use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::{HostKvCache, KvCacheManager, PageId, SeqId, StreamingStore};
 use lserve::LserveError;
 
-use super::manager_model::{check_live, LiveSeq, Sizes};
+use super::manager_model::{check_live, pattern_of, LiveSeq, Sizes};
 use super::size::Size;
 
 #[derive(Arbitrary, Debug)]
@@ -193,21 +193,8 @@ pub fn run(data: &[u8]) {
     let Ok(input) = Input::arbitrary_take_rest(u) else {
         return;
     };
-    let layers = 1 + input.layers as usize % 2;
-    let kv = 1 + input.kv_heads as usize % 3;
-    let g = ModelGeometry::new(layers, kv * (1 + input.group as usize % 2), kv, 64)
-        .expect("a served geometry");
-    let kinds = (0..layers)
-        .map(|l| {
-            (0..kv)
-                .map(|h| match input.kinds >> (l * kv + h) & 1 {
-                    1 => HeadKind::Streaming,
-                    _ => HeadKind::Dense,
-                })
-                .collect()
-        })
-        .collect();
-    let pattern = HeadPattern::from_kinds(g, kinds).expect("shape matches");
+    let pattern = pattern_of(input.layers, input.kv_heads, input.group, input.kinds);
+    let g = *pattern.geometry();
     let page_tokens = 1 << (input.page_pow % 4);
     let config = SparsityConfig {
         sink_tokens: input.sink as usize % 6,

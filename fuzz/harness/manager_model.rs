@@ -1,7 +1,29 @@
-//! The checks of a `KvCacheManager` against a harness's model of its live sequences, shared by
-//! the `cache_manager` and `session` harnesses.
+//! The checks of a `KvCacheManager` against a harness's model of its live sequences, and the
+//! model shape an input's bytes give, shared by the `cache_manager` and `session` harnesses.
 
+use lserve::geometry::ModelGeometry;
+use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::{KvCacheManager, PageId, SeqId, PAD_PAGE};
+
+/// The harnesses' model shape from an input's bytes: 1-2 layers, 1-3 KV heads, group 1 or 2,
+/// head dim 64, and head kinds from `kinds` (bit `layer * kv_heads + head` set: streaming).
+pub fn pattern_of(layers: u8, kv_heads: u8, group: u8, kinds: u16) -> HeadPattern {
+    let layers = 1 + layers as usize % 2;
+    let kv = 1 + kv_heads as usize % 3;
+    let g = ModelGeometry::new(layers, kv * (1 + group as usize % 2), kv, 64)
+        .expect("a served geometry");
+    let kinds = (0..layers)
+        .map(|l| {
+            (0..kv)
+                .map(|h| match kinds >> (l * kv + h) & 1 {
+                    1 => HeadKind::Streaming,
+                    _ => HeadKind::Dense,
+                })
+                .collect()
+        })
+        .collect();
+    HeadPattern::from_kinds(g, kinds).expect("shape matches")
+}
 
 /// What the model holds of one live sequence.
 pub struct LiveSeq<'a> {

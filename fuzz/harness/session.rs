@@ -26,13 +26,12 @@ use std::ops::Range;
 use arbitrary::{Arbitrary, Unstructured};
 use lserve::config::SparsityConfig;
 use lserve::dtype::DType;
-use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::{KvCacheManager, PageId, SeqId};
 use lserve::session::{KvMemory, SequenceState, Sequences};
 use lserve::LserveError;
 
-use super::manager_model::{check_live, LiveSeq, Sizes};
+use super::manager_model::{check_live, pattern_of, LiveSeq, Sizes};
 use super::size::Size;
 
 /// Chunks one prefill covers at most, and tokens (`reserve_prefill`'s documented limits).
@@ -239,21 +238,8 @@ pub fn run(data: &[u8]) {
     let Ok(input) = Input::arbitrary_take_rest(u) else {
         return;
     };
-    let layers = 1 + input.layers as usize % 2;
-    let kv = 1 + input.kv_heads as usize % 3;
-    let g = ModelGeometry::new(layers, kv * (1 + input.group as usize % 2), kv, 64)
-        .expect("a served geometry");
-    let kinds = (0..layers)
-        .map(|l| {
-            (0..kv)
-                .map(|h| match input.kinds >> (l * kv + h) & 1 {
-                    1 => HeadKind::Streaming,
-                    _ => HeadKind::Dense,
-                })
-                .collect()
-        })
-        .collect();
-    let pattern = HeadPattern::from_kinds(g, kinds).expect("shape matches");
+    let pattern = pattern_of(input.layers, input.kv_heads, input.group, input.kinds);
+    let g = *pattern.geometry();
     let (page_pow, max_seq_len) = match input.max_seq_len {
         MaxLen::Small(m) => (input.page_pow as usize % 4, 1 + m as usize % 80),
         MaxLen::Huge(m) => (
