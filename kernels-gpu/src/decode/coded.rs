@@ -42,6 +42,7 @@ use lserve_abi::decode::{
     coded_stage_bytes, CodedDecodeArgs, CODED_HEAD_DIM, CODED_STAGES, DECODE_TILE_ROWS,
 };
 
+use super::online_softmax::add_column_tile;
 use super::rows::{PairInputs, RowSource};
 use super::tiles::WARPS;
 use crate::convert::{Bf16, CodeElement, Half16, CODE_CENTRE, F16};
@@ -49,7 +50,7 @@ use crate::cp_async::{
     commit_group, cp_async_16_zfill_with_policy, cp_async_4_zfill_with_policy, l2_evict_first,
     wait_all, wait_group,
 };
-use crate::math::{byte_perm, exp2, fma};
+use crate::math::{byte_perm, fma};
 use crate::mma::{mma_m16n8k16, FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, ld_shared_u32, ld_shared_v4_u32, shared_addr};
 use crate::sync::{sync_threads, sync_warp};
@@ -280,57 +281,6 @@ unsafe fn load_queries<E: MmaElement>(q_group: *const u16, group: u32, lane: u32
         sum: [column(sum, 0), column(sum, 1)],
         unscale: [column(unscale, 0), column(unscale, 1)],
     }
-}
-
-/// The softmax step of one tile for this lane's heads: raw scores `s` (`Sᵀ`: registers `2e + c`
-/// are key `r + 8e` of head `2t + c`), keys `valid..16` masked; turns them into probabilities
-/// and returns each head's correction `2^(m_old - m_new)`.
-///
-/// # Safety
-/// All 32 lanes call it (shuffles); `1 <= valid <= 16`.
-#[inline(always)]
-unsafe fn add_column_tile(
-    states: &mut [SoftmaxState; 2],
-    s: &mut FragC,
-    valid: u32,
-    scale: f32,
-    lane: u32,
-) -> [f32; 2] {
-    let r = lane / 4;
-    let mut corrections = [0.0; 2];
-    crate::unroll8!(c in 0..2 => {
-        let mut tile_max = f32::NEG_INFINITY;
-        crate::unroll8!(e in 0..2 => {
-            let key = r + 8 * e as u32;
-            let x = if key < valid {
-                s.regs[2 * e + c] * scale
-            } else {
-                f32::NEG_INFINITY
-            };
-            s.regs[2 * e + c] = x;
-            tile_max = tile_max.max(x);
-        });
-        // The head's 16 keys are in lanes t, t + 4, .., t + 28.
-        // SAFETY: forwarded: every lane is here.
-        let tile_max = unsafe {
-            let m = tile_max.max(shfl_xor_f32(tile_max, 4));
-            let m = m.max(shfl_xor_f32(m, 8));
-            m.max(shfl_xor_f32(m, 16))
-        };
-        let state = &mut states[c];
-        let m_new = state.m.max(tile_max);
-        // Finite: key 0 of every tile is valid. `2^(-inf) = 0` covers the first tile.
-        let correction = exp2(state.m - m_new);
-        let mut sum = 0.0;
-        crate::unroll8!(e in 0..2 => {
-            let p = exp2(s.regs[2 * e + c] - m_new);
-            s.regs[2 * e + c] = p;
-            sum += p;
-        });
-        state.rescale_add(m_new, correction, sum);
-        corrections[c] = correction;
-    });
-    corrections
 }
 
 /// Adds one landed tile to the warp's state.
