@@ -11,7 +11,8 @@
 //!   the graph's divided by the layers. (One layer replayed alone would keep its few MB of
 //!   selected pages in the 50 MB L2 from one replay to the next, and would count the once-per-step
 //!   advance once per layer.)
-//! - `step/lserve`: both sparsities, timed the same way;
+//! - `step/lserve`: both sparsities, timed the same way; `step/lserve_int8` the same over an
+//!   INT8 cache (the append quantizes, the coded attention reads codes; statistics bf16);
 //! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern), timed per layer
 //!   of a step graph like `step/*` (so the once-per-step advance is shared by the layers, as in a
 //!   step, and the selector's cost compares with the rest of a step layer);
@@ -19,6 +20,7 @@
 //!   batch written into the cache, with the incremental `kmin`/`kmax` update), every head dense
 //!   (each KV head updates its statistics), the token at position `context - 1` (inside a
 //!   logical page, as 15 of 16 steps are: the update reads and writes the statistics);
+//!   `kv/append_int8` the same into an INT8 cache (the rows quantized as they are written);
 //! - `kv/pool`: key-statistics pooling over the whole context (`pool_key_stats` of `0..context`,
 //!   every head dense), batch 1 only;
 //! - `attention/dense_mha`, `step/lserve_mha`: the dense baseline and the LServe step for one
@@ -106,6 +108,8 @@ struct Bench {
     config: SparsityConfig,
     pattern: HeadPattern,
     len: usize,
+    /// Bytes of one K or V row in the cache (`ROW_BYTES`, or an INT8 row and its word).
+    kv_row_bytes: usize,
 }
 
 /// Layers in the graph of a `step/*` case: enough that the selected pages of all of them
@@ -119,7 +123,8 @@ fn step_layers(batch: usize) -> usize {
 }
 
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
-/// the statistics pooled from it. With `planned`, the last token is left for the step's plan to
+/// the statistics pooled from it (`coded`: an INT8 cache of random codes, words and statistics,
+/// `DeviceKvCache::fill_random`). With `planned`, the last token is left for the step's plan to
 /// reserve (`DecodeStep::plan`, as an engine's step does).
 #[allow(clippy::too_many_arguments)]
 fn bench_case(
@@ -132,6 +137,7 @@ fn bench_case(
     streaming: bool,
     selection: bool,
     reuse: usize,
+    coded: bool,
 ) -> lserve::Result<Bench> {
     let g = ModelGeometry::new(layers, model.hq, model.hkv, D)?;
     let pattern = if streaming {
@@ -157,12 +163,19 @@ fn bench_case(
     for &s in &seqs {
         mgr.reserve(s, cached)?;
     }
-    let mut cache = DeviceKvCache::<bf16>::new(gpu, &mgr)?;
+    let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
+    let mut cache = if coded {
+        DeviceKvCache::<bf16>::new_coded(gpu, &mgr, int8)?
+    } else {
+        DeviceKvCache::<bf16>::new(gpu, &mgr)?
+    };
     cache.fill_random(gpu, 17)?;
     let ranges: Vec<_> = seqs.iter().map(|&s| (s, 0..cached)).collect();
     let plan = KvWritePlan::new(&mgr, &ranges)?.upload(gpu, &mgr, &mut cache)?;
-    for layer in 0..layers {
-        pool_key_stats(gpu, &mut cache, layer, &plan)?;
+    if !coded {
+        for layer in 0..layers {
+            pool_key_stats(gpu, &mut cache, layer, &plan)?;
+        }
     }
     let mut b = DecodeBatch::new(gpu, batch)?;
     b.set(gpu, &mgr, &mut cache, &seqs)?;
@@ -195,6 +208,7 @@ fn bench_case(
         config,
         pattern,
         len,
+        kv_row_bytes: if coded { int8.row_bytes(D)? } else { ROW_BYTES },
     })
 }
 
@@ -203,7 +217,7 @@ impl Bench {
     /// statistics of the dense heads once per reuse interval, plus q and out.
     fn step_bytes(&self, with_selection: bool, with_attention: bool) -> u64 {
         let n_p = self.config.page_tokens;
-        let row = 2 * ROW_BYTES;
+        let row = 2 * self.kv_row_bytes;
         let batch = self.batch.len();
         let mut bytes = 0usize;
         for h in 0..self.model.hkv {
@@ -238,7 +252,7 @@ impl Bench {
         let starts_logical = pos.is_multiple_of(self.config.logical_page_tokens);
         let mut per_seq = 0usize;
         for h in 0..self.model.hkv {
-            per_seq += 2 * (2 * ROW_BYTES); // K+V: read, then written
+            per_seq += 2 * (ROW_BYTES + self.kv_row_bytes); // K+V: read, then written
             if self.pattern.kind(0, h) == HeadKind::Dense {
                 let stats = 2 * ROW_BYTES; // kmin + kmax of one head
                 per_seq += if starts_logical { stats } else { 2 * stats };
@@ -397,15 +411,36 @@ fn decode(c: &mut Criterion) {
             let id = |name: &str| BenchmarkId::new(name, format!("b{batch}/{context}"));
             let case = |group: &str, name: &str| format!("{group}/{name}/b{batch}/{context}");
             // (model, group, name, streaming heads, page selection, reuse, run selection, run
-            // attention)
+            // attention, INT8 KV)
             let l3 = LLAMA3_8B;
             let variants = [
-                (l3, "attention", "dense", false, false, 4, false, true),
-                (l3, "attention", "static", true, false, 4, false, true),
-                (l3, "step", "dynamic", false, true, 4, true, true),
-                (l3, "step", "lserve", true, true, 4, true, true),
-                (l3, "selector", "reuse1", true, true, 1, true, false),
-                (l3, "selector", "reuse4", true, true, 4, true, false),
+                (
+                    l3,
+                    "attention",
+                    "dense",
+                    false,
+                    false,
+                    4,
+                    false,
+                    true,
+                    false,
+                ),
+                (
+                    l3,
+                    "attention",
+                    "static",
+                    true,
+                    false,
+                    4,
+                    false,
+                    true,
+                    false,
+                ),
+                (l3, "step", "dynamic", false, true, 4, true, true, false),
+                (l3, "step", "lserve", true, true, 4, true, true, false),
+                (l3, "step", "lserve_int8", true, true, 4, true, true, true),
+                (l3, "selector", "reuse1", true, true, 1, true, false, false),
+                (l3, "selector", "reuse4", true, true, 4, true, false, false),
                 (
                     LLAMA2_7B,
                     "attention",
@@ -415,11 +450,31 @@ fn decode(c: &mut Criterion) {
                     4,
                     false,
                     true,
+                    false,
                 ),
-                (LLAMA2_7B, "step", "lserve_mha", true, true, 4, true, true),
+                (
+                    LLAMA2_7B,
+                    "step",
+                    "lserve_mha",
+                    true,
+                    true,
+                    4,
+                    true,
+                    true,
+                    false,
+                ),
             ];
-            for (model, group_name, name, streaming, selection, reuse, run_select, run_attend) in
-                variants
+            for (
+                model,
+                group_name,
+                name,
+                streaming,
+                selection,
+                reuse,
+                run_select,
+                run_attend,
+                coded,
+            ) in variants
             {
                 // The MHA model's cases are batch 1 only (the paper's setting).
                 let mha = model.hkv == model.hq;
@@ -445,6 +500,7 @@ fn decode(c: &mut Criterion) {
                     streaming,
                     selection,
                     reuse,
+                    coded,
                 );
                 let mut l = match made {
                     Ok(l) => l,
@@ -545,25 +601,34 @@ fn decode(c: &mut Criterion) {
             // holds `context` tokens after the append (position `context - 1`: the last token
             // of a logical page, so the update reads and writes the statistics, as 15 of 16
             // steps do with logical pages of 16).
-            if selected(&case("kv", "append")) {
-                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4) {
+            // `kv/append_int8`: the same into an INT8 cache (each row quantized as it is
+            // written: the codes and the word are the same on every replay too).
+            for (name, coded) in [("append", false), ("append_int8", true)] {
+                if !selected(&case("kv", name)) {
+                    continue;
+                }
+                match bench_case(
+                    &gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4, coded,
+                ) {
                     Ok(mut l) => {
                         let bytes = l.append_bytes();
-                        bench_captured(c, &gpu, "kv", id("append"), bytes, 1, || {
+                        bench_captured(c, &gpu, "kv", id(name), bytes, 1, || {
                             let Bench {
                                 cache, batch, k, v, ..
                             } = &mut l;
                             append_kv(&gpu, cache, 0, batch, &*k, &*v).expect("append");
                         });
                     }
-                    Err(e) => println!("kv/append b{batch}/{context}: skipped ({e})"),
+                    Err(e) => println!("kv/{name} b{batch}/{context}: skipped ({e})"),
                 }
             }
 
             // Statistics pooling over the whole context (prefill's pooling of a prompt, or a
             // rebuild): it recomputes `kmin`/`kmax` from the K rows, so replays are state-free.
             if batch == 1 && selected(&case("kv", "pool")) {
-                match bench_case(&gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4) {
+                match bench_case(
+                    &gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4, false,
+                ) {
                     Ok(mut l) => {
                         let bytes = l.pool_bytes();
                         bench_captured(c, &gpu, "kv", id("pool"), bytes, 1, || {

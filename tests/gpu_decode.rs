@@ -15,14 +15,17 @@
 
 mod common;
 
-use common::{check_selection, f16_or_bf16, gpu, head_pattern, random_vec, tolerance};
+use common::{
+    assert_coded_layer, check_selection, f16_or_bf16, gpu, head_pattern, int8, random_vec,
+    tolerance,
+};
 use half::{bf16, f16};
 use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
-    decode_attention, AppendLaunch, DecodeBatch, DecodePlan, DecodeWorkspace, DeviceElement,
-    DeviceKvCache, GpuContext, MAX_SPLITS,
+    decode_attention, download_selection, read_coded_layer, AppendLaunch, DecodeBatch, DecodePlan,
+    DecodeWorkspace, DeviceElement, DeviceKvCache, GpuContext, MAX_SPLITS,
 };
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
@@ -379,19 +382,25 @@ fn long_dense_sequence_uses_many_splits() {
 fn appending_launch_on_bulk_copied_tiles() {
     let gpu = gpu();
     let case = long_dense_case(2, 11);
-    run_steps::<bf16>(&gpu, &case, false, 0, AppendLaunch::Fused, 1).unwrap();
+    run_steps::<bf16>(&gpu, &case, false, 0, AppendLaunch::Fused, 1, None).unwrap();
     let case = Case {
         head_dim: 64,
         f16: true,
         ..case
     };
-    run_steps::<f16>(&gpu, &case, true, 0, AppendLaunch::Fused, 1).unwrap();
+    run_steps::<f16>(&gpu, &case, true, 0, AppendLaunch::Fused, 1, None).unwrap();
 }
 
 /// Whole decode steps on the device (append, select when due, attend, advance), several in a
 /// row with reuse, against the reference decode step. Where the GPU's selection differs from the
 /// reference on a near-tie, that step is checked against the reference attending over the GPU's
 /// selection, and the case stops there (the two held selections have diverged legitimately).
+///
+/// With `coded`, the cache is an integer-coded copy of the prompts (`upload_coded`); the step's
+/// append then quantizes the token's rows (the layer must hold the reference's cache quantized
+/// row by row, and the statistics of the unquantized keys), and the reference output is the
+/// attention over the dequantized rows on the reference's selection.
+#[allow(clippy::too_many_arguments)]
 fn run_steps<E: DeviceElement>(
     gpu: &GpuContext,
     case: &Case,
@@ -399,6 +408,7 @@ fn run_steps<E: DeviceElement>(
     first_step: u64,
     append: AppendLaunch,
     max_splits: u32,
+    coded: Option<IntFormat>,
 ) -> Result<(), TestCaseError> {
     use lserve::gpu::DecodeStep;
     use lserve::reference::decode::decode_attention_tables;
@@ -414,7 +424,12 @@ fn run_steps<E: DeviceElement>(
     }
     let g = *p.mgr.geometry();
     let (hq, hkv, d, batch) = (g.q_heads(), g.kv_heads(), g.head_dim(), p.seqs.len());
-    let mut cache = DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap();
+    let mut cache = match coded {
+        None => DeviceKvCache::upload(gpu, &p.mgr, &p.host, &p.tables).unwrap(),
+        Some(format) => {
+            DeviceKvCache::upload_coded(gpu, &p.mgr, &p.host, &p.tables, format).unwrap()
+        }
+    };
     let mut step_ws = DecodeStep::new(gpu, &cache, batch)
         .unwrap()
         .with_append_launch(append)
@@ -479,13 +494,26 @@ fn run_steps<E: DeviceElement>(
         let got: Vec<E> = stream.clone_dtoh(&out).unwrap();
 
         // Compare the selections (near-ties allowed), then the outputs.
-        let mut gpu_host = HostKvCache::<E>::for_manager(&p.mgr).unwrap();
         let mut gpu_tables = IndexTables::for_manager(&p.mgr).unwrap();
-        cache.download(gpu, &mut gpu_host, &mut gpu_tables).unwrap();
-        prop_assert!(
-            gpu_host == p.host,
-            "step {step}: the device cache differs from the reference's after append"
-        );
+        match coded {
+            None => {
+                let mut gpu_host = HostKvCache::<E>::for_manager(&p.mgr).unwrap();
+                cache.download(gpu, &mut gpu_host, &mut gpu_tables).unwrap();
+                prop_assert!(
+                    gpu_host == p.host,
+                    "step {step}: the device cache differs from the reference's after append"
+                );
+            }
+            Some(_) => {
+                let got = read_coded_layer(gpu, &cache, 0).unwrap();
+                assert_coded_layer(&got, &p.host, 0)
+                    .map_err(|e| TestCaseError::fail(format!("step {step}: {e}")))?;
+                let state = download_selection(gpu, &cache, 0).unwrap();
+                gpu_tables
+                    .overwrite_layer(0, &state.index_pages, &state.index_lens)
+                    .unwrap();
+            }
+        }
         let mut diverged = false;
         for (b, &s) in p.seqs.iter().enumerate() {
             let view = p.mgr.view(s).unwrap();
@@ -540,10 +568,17 @@ fn run_steps<E: DeviceElement>(
                 }
             }
         }
-        let want_out = if diverged {
-            decode_attention_tables(&p.mgr, &p.host, &gpu_tables, 0, &p.seqs, &q).unwrap()
-        } else {
-            want.out
+        let tables = if diverged { &gpu_tables } else { &p.tables };
+        let want_out = match coded {
+            Some(format) => {
+                decode_attention_tables_coded(&p.mgr, &p.host, tables, 0, &p.seqs, &q, format)
+                    .unwrap()
+                    .0
+            }
+            None if diverged => {
+                decode_attention_tables(&p.mgr, &p.host, tables, 0, &p.seqs, &q).unwrap()
+            }
+            None => want.out,
         };
         let err = worst_row_error(&got, &want_out, d);
         let tol = tolerance::<E>();
@@ -571,7 +606,7 @@ proptest! {
         ],
     ) {
         let gpu = gpu();
-        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph, 0, append, MAX_SPLITS))?;
+        f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph, 0, append, MAX_SPLITS, None))?;
     }
 }
 
@@ -604,12 +639,85 @@ fn reused_selections_follow_new_pages_without_the_selector() {
     };
     for graph in [false, true] {
         for append in [AppendLaunch::Fused, AppendLaunch::Separate] {
-            run_steps::<bf16>(&gpu, &case, graph, 0, append, MAX_SPLITS).unwrap();
+            run_steps::<bf16>(&gpu, &case, graph, 0, append, MAX_SPLITS, None).unwrap();
         }
     }
     // Uploaded mid-decode (step 1 of reuse 4): the cache holds no selection, so the first step
     // selects although its counter is not a multiple of 4 (`PlannedStep::selects`).
-    run_steps::<bf16>(&gpu, &case, false, 1, AppendLaunch::Fused, MAX_SPLITS).unwrap();
+    run_steps::<bf16>(&gpu, &case, false, 1, AppendLaunch::Fused, MAX_SPLITS, None).unwrap();
+}
+
+/// Whole decode steps over an integer-coded cache (`run_steps` with `coded`): the append kernel
+/// quantizes each step's token (the only placement a coded cache takes: `Auto` and `Separate`),
+/// the selector runs on the statistics of the unquantized keys, the coded attention reads the
+/// selection; with reuse, pages opened between selections, `dynamic_min_len` crossed, eagerly and
+/// as captured graphs, bf16 and f16, and a batch of 8 long sequences with 4 KV heads.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn coded_decode_steps_match_reference() {
+    let gpu = gpu();
+    let case = Case {
+        head_dim: 128,
+        kv_heads: 2,
+        group: 2,
+        streaming: vec![false, true],
+        page_tokens: 16,
+        logical_per_page: 4,
+        top_k: 2,
+        sink: 4,
+        local: 16,
+        dynamic_min_len: 40,
+        reuse: 4,
+        prompts: vec![46, 60, 30],
+        steps: 12,
+        f16: false,
+        seed: 17,
+    };
+    for graph in [false, true] {
+        for append in [AppendLaunch::Auto, AppendLaunch::Separate] {
+            run_steps::<bf16>(&gpu, &case, graph, 0, append, MAX_SPLITS, Some(int8())).unwrap();
+        }
+    }
+    let f16_case = Case {
+        f16: true,
+        ..case.clone()
+    };
+    run_steps::<f16>(
+        &gpu,
+        &f16_case,
+        false,
+        1,
+        AppendLaunch::Auto,
+        MAX_SPLITS,
+        Some(int8()),
+    )
+    .unwrap();
+    let long = Case {
+        kv_heads: 4,
+        group: 4,
+        streaming: vec![false, true, false, false],
+        page_tokens: 64,
+        logical_per_page: 4,
+        top_k: 8,
+        sink: 64,
+        local: 256,
+        dynamic_min_len: 1024,
+        reuse: 2,
+        prompts: vec![3000, 1500, 900, 4100, 2200, 64, 1025, 2500],
+        steps: 6,
+        seed: 18,
+        ..case
+    };
+    run_steps::<bf16>(
+        &gpu,
+        &long,
+        false,
+        0,
+        AppendLaunch::Auto,
+        MAX_SPLITS,
+        Some(int8()),
+    )
+    .unwrap();
 }
 
 /// Every (head dim, GQA group, element type) the geometry accepts, against the reference on each
@@ -658,14 +766,22 @@ fn every_group_and_head_dim_matches_reference() {
                     .and_then(|()| {
                         f16_or_bf16!(
                             use_f16,
-                            run_steps(&gpu, &sparse, false, 0, AppendLaunch::Fused, MAX_SPLITS)
+                            run_steps(
+                                &gpu,
+                                &sparse,
+                                false,
+                                0,
+                                AppendLaunch::Fused,
+                                MAX_SPLITS,
+                                None
+                            )
                         )
                     })
                     .and_then(|()| {
                         // 2000 rows in one split: 32 tiles per warp, past the bulk-copy line.
                         f16_or_bf16!(
                             use_f16,
-                            run_steps(&gpu, &long, false, 0, AppendLaunch::Fused, 1)
+                            run_steps(&gpu, &long, false, 0, AppendLaunch::Fused, 1, None)
                         )
                     });
                 if let Err(e) = r {
@@ -750,11 +866,6 @@ fn profiler_measures_every_length_and_finds_the_crossover() {
     eprintln!("{profile:#?}");
 }
 
-/// INT8 per token-head, the format the coded decode kernels read.
-fn int8() -> IntFormat {
-    IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead)
-}
-
 /// [`run_case`] over an INT8 coded copy of the cache: the GPU's `decode_attention_int8_*`
 /// against the reference's attention over the dequantized rows. Rows no token wrote are
 /// infinite, so their codes dequantize to NaN: a kernel that reads one fails.
@@ -784,13 +895,14 @@ fn coded_decode_attention_over_a_long_sequence() {
     run_coded_case::<f16>(&gpu, &Case { f16: true, ..case }).unwrap();
 }
 
-/// A coded cache is read by `DecodePlan`; what would read or write its 16-bit K/V refuses it
-/// with a typed error before anything is enqueued, and formats without kernels are refused
-/// when the cache is made.
+/// A coded cache is read by `DecodePlan` and written by the append and the row write; what would
+/// read or write its 16-bit K/V refuses it with a typed error before anything is enqueued (the
+/// download, pooling from the pool, an attention launch that appends), and formats without
+/// kernels are refused when the cache is made.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn coded_caches_refuse_what_they_do_not_serve() {
-    use lserve::gpu::{AppendAttendPlan, AppendPlan, DecodeStep, KvWritePlan};
+    use lserve::gpu::{AppendAttendPlan, KvWritePlan};
     let gpu = gpu();
     let case = Case {
         head_dim: 128,
@@ -817,11 +929,27 @@ fn coded_caches_refuse_what_they_do_not_serve() {
             "{r:?}"
         )
     };
-    format_error(AppendPlan::new(&gpu, &cache, &batch).map(|_| ()));
-    format_error(AppendAttendPlan::new(&gpu, &cache, &batch, &ws, AppendLaunch::Auto).map(|_| ()));
-    format_error(DecodeStep::new(&gpu, &cache, 1).map(|_| ()));
+    // The attention does not append: the append kernel does, first.
+    let fused = AppendAttendPlan::new(&gpu, &cache, &batch, &ws, AppendLaunch::Fused);
+    assert!(
+        matches!(
+            fused,
+            Err(LserveError::InvalidArgument {
+                what: "append launch",
+                ..
+            })
+        ),
+        "{:?}",
+        fused.map(|_| ())
+    );
+    AppendAttendPlan::new(&gpu, &cache, &batch, &ws, AppendLaunch::Auto).unwrap();
+    // Its statistics come from the row write (from the unquantized keys), not from a pool.
     let plan = KvWritePlan::new(&p.mgr, &[(p.seqs[0], 0..300)]).unwrap();
-    format_error(plan.upload(&gpu, &p.mgr, &mut cache).map(|_| ()));
+    let plan = plan.upload(&gpu, &p.mgr, &mut cache).unwrap();
+    assert!(matches!(
+        lserve::gpu::pool_key_stats(&gpu, &mut cache, 0, &plan),
+        Err(LserveError::InvalidArgument { what: "cache", .. })
+    ));
     let mut host = p.host.clone();
     let mut tables = p.tables.clone();
     format_error(cache.download(&gpu, &mut host, &mut tables));
@@ -840,4 +968,36 @@ fn coded_caches_refuse_what_they_do_not_serve() {
     format_error(DeviceKvCache::<bf16>::new_coded(&gpu, &d64.mgr, int8()).map(|_| ()));
     // The plan that reads it works.
     DecodePlan::new(&gpu, &cache, &batch, &ws).unwrap();
+}
+
+/// The reference reuses a held selection that lists every page of a sequence as long as the
+/// tables reach (an entry capped at that many pages: the selection ends with the newest page,
+/// so it needs no extra slot). CPU only; found by `decode_attention_matches_reference`, where
+/// the reference refused it ("the held selection ... has 5 pages, the tables hold 5").
+#[test]
+fn reference_reuses_a_selection_of_every_page() {
+    let case = Case {
+        head_dim: 128,
+        kv_heads: 3,
+        group: 3,
+        streaming: vec![false, false, false],
+        page_tokens: 64,
+        logical_per_page: 2,
+        top_k: 4,
+        sink: 12,
+        local: 47,
+        dynamic_min_len: 266,
+        reuse: 4,
+        prompts: vec![197, 294, 306],
+        steps: 3,
+        f16: true,
+        seed: 608_323_255_915_077_816,
+    };
+    let mut p = prompted::<f16>(&case);
+    for _ in 0..case.steps {
+        p.reference_step();
+        for &s in &p.seqs {
+            p.mgr.advance_decode_step(s).unwrap();
+        }
+    }
 }

@@ -16,14 +16,14 @@
 
 mod common;
 
-use common::{f16_or_bf16, gpu, head_pattern, layer_arrays};
+use common::{assert_coded_layer, f16_or_bf16, gpu, head_pattern, int8, layer_arrays};
 use half::{bf16, f16};
 use lserve::config::SparsityConfig;
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
-    append_kv, fill_random, pool_key_stats, random_fill_value, write_kv_rows, DecodeBatch,
-    DeviceElement, DeviceKvCache, GpuContext, KvWritePlan,
+    append_kv, fill_random, pool_key_stats, random_fill_value, read_coded_layer, write_kv_rows,
+    DecodeBatch, DeviceElement, DeviceKvCache, GpuContext, KvWritePlan,
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
@@ -484,6 +484,142 @@ fn persistent_run<E: Bits>(gpu: &GpuContext, case: &Case) {
             panic!("D {} step {step}: {e}", case.head_dim);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integer-coded caches: append_kv and write_kv_rows quantize the rows they write
+
+/// `case` at the head dimension the coded kernels serve.
+fn coded_case(case: &Case) -> Case {
+    Case {
+        head_dim: 128,
+        ..case.clone()
+    }
+}
+
+/// `append_case` on a coded cache: each step's tokens go through `append_kv` into a cache
+/// uploaded with the poisoned destinations quantized; the layer must then hold the reference's
+/// cache quantized row by row, and its statistics those of the unquantized keys.
+fn coded_append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+    let case = &coded_case(case);
+    let mut s = Setup::<E>::new(case, case.steps);
+    let row = case.kinds[0].len() * case.head_dim;
+    let mut batch = DecodeBatch::new(gpu, s.seqs.len()).unwrap();
+    for step in 0..case.steps {
+        let mut subset = s.seqs.clone();
+        subset.shuffle(&mut s.rng);
+        subset.truncate(s.rng.gen_range(1..=subset.len()));
+        for &seq in &subset {
+            s.mgr.reserve(seq, 1).unwrap();
+        }
+        let mut uploaded = s.host.clone();
+        for &seq in &subset {
+            let pos = s.mgr.len(seq).unwrap() - 1;
+            let starts_logical = pos.is_multiple_of(case.n_l);
+            poison_token(&mut uploaded, &s.mgr, case.layer, seq, pos, starts_logical);
+        }
+        let k = random_vec::<E>(&mut s.rng, subset.len() * row);
+        let v = random_vec::<E>(&mut s.rng, subset.len() * row);
+        let k_dev = gpu.stream().clone_htod(&k).unwrap();
+        let v_dev = gpu.stream().clone_htod(&v).unwrap();
+        let index = IndexTables::for_manager(&s.mgr).unwrap();
+        let mut dev = DeviceKvCache::upload_coded(gpu, &s.mgr, &uploaded, &index, int8()).unwrap();
+        batch.set(gpu, &s.mgr, &mut dev, &subset).unwrap();
+        append_kv(gpu, &mut dev, case.layer, &batch, &k_dev, &v_dev).unwrap();
+        for (b, &seq) in subset.iter().enumerate() {
+            let view = s.mgr.view(seq).unwrap();
+            let pos = view.len - 1;
+            let (kr, vr) = (&k[b * row..][..row], &v[b * row..][..row]);
+            s.host.write_token(case.layer, &view, pos, kr, vr).unwrap();
+            update_key_stats(&mut s.host, case.layer, &view, pos).unwrap();
+        }
+        let got = read_coded_layer(gpu, &dev, case.layer).unwrap();
+        assert_coded_layer(&got, &s.host, case.layer)
+            .map_err(|e| TestCaseError::fail(format!("step {step}, batch {subset:?}: {e}")))?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn coded_append_matches_reference() {
+    let gpu = gpu();
+    for_random_cases(|case| f16_or_bf16!(case.f16, coded_append_case(&gpu, case)));
+}
+
+/// `write_rows_case` on a coded cache: the grown ranges written by `write_kv_rows`, which
+/// quantizes the rows and computes the statistics from them (`pool_key_stats` is refused). The
+/// statistics of a logical page that begins before its range are not poisoned: the row write
+/// keeps its earlier tokens' bounds (the uploaded ones, the reference's).
+fn coded_write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+    let case = &coded_case(case);
+    let grow_max = 2 * case.n_p + 5;
+    let mut s = Setup::<E>::new(case, grow_max);
+    let row = case.kinds[0].len() * case.head_dim;
+    let mut order = s.seqs.clone();
+    order.shuffle(&mut s.rng);
+    let mut ranges = Vec::new();
+    for &seq in &order {
+        let n = match s.rng.gen_range(0..4) {
+            0 => 0,
+            _ => s.rng.gen_range(1..=grow_max),
+        };
+        let range = match n {
+            0 => {
+                let len = s.mgr.len(seq).unwrap();
+                len..len
+            }
+            _ => s.mgr.reserve(seq, n).unwrap(),
+        };
+        ranges.push((seq, range));
+    }
+    let plan = KvWritePlan::new(&s.mgr, &ranges).unwrap();
+    let mut uploaded = s.host.clone();
+    for (seq, range) in &ranges {
+        for pos in range.clone() {
+            let page_in_range = pos / case.n_l * case.n_l >= range.start;
+            poison_token(&mut uploaded, &s.mgr, case.layer, *seq, pos, page_in_range);
+        }
+    }
+    let k = random_vec::<E>(&mut s.rng, plan.rows() * row);
+    let v = random_vec::<E>(&mut s.rng, plan.rows() * row);
+    let (k_dev, v_dev) = (
+        gpu.stream().clone_htod(&k).unwrap(),
+        gpu.stream().clone_htod(&v).unwrap(),
+    );
+    let index = IndexTables::for_manager(&s.mgr).unwrap();
+    let mut dev = DeviceKvCache::upload_coded(gpu, &s.mgr, &uploaded, &index, int8()).unwrap();
+    let device_plan = plan.upload(gpu, &s.mgr, &mut dev).unwrap();
+    write_kv_rows(gpu, &mut dev, case.layer, &device_plan, &k_dev, &v_dev).unwrap();
+    let refused = pool_key_stats(gpu, &mut dev, case.layer, &device_plan);
+    prop_assert!(
+        matches!(refused, Err(LserveError::InvalidArgument { .. })),
+        "{:?}",
+        refused
+    );
+    let cu = plan.cu_seqlens();
+    for (b, (seq, range)) in ranges.iter().enumerate() {
+        let view = s.mgr.view(*seq).unwrap();
+        let rows = cu[b] as usize * row..cu[b + 1] as usize * row;
+        write_tokens(
+            &mut s.host,
+            case.layer,
+            &view,
+            range.start,
+            &k[rows.clone()],
+            &v[rows],
+        )
+        .unwrap();
+    }
+    let got = read_coded_layer(gpu, &dev, case.layer).unwrap();
+    assert_coded_layer(&got, &s.host, case.layer)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn coded_write_rows_match_reference() {
+    let gpu = gpu();
+    for_random_cases(|case| f16_or_bf16!(case.f16, coded_write_rows_case(&gpu, case)));
 }
 
 // ---------------------------------------------------------------------------------------------

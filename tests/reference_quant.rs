@@ -300,3 +300,93 @@ fn quantized_attention_errors_are_bounded() {
         );
     }
 }
+
+/// `x` (finite) as `mantissa · 2^exponent` with an integer mantissa.
+fn integer_parts(x: f64) -> (i128, i32) {
+    if x == 0.0 {
+        return (0, 0);
+    }
+    let bits = x.to_bits();
+    let exponent = ((bits >> 52) & 0x7ff) as i32;
+    let fraction = (bits & ((1 << 52) - 1)) as i128;
+    let (mantissa, e) = if exponent == 0 {
+        (fraction, -1074)
+    } else {
+        (fraction | (1 << 52), exponent - 1075)
+    };
+    (if x < 0.0 { -mantissa } else { mantissa }, e)
+}
+
+/// The integer nearest to the exact `(x - m) / s` (ties to even), clamped to `0..=255`, in
+/// integer arithmetic: `x`, `m`, `s` scaled by the same power of two to integers.
+fn exact_code(x: f64, m: f64, s: f64) -> u8 {
+    let parts = [integer_parts(x), integer_parts(m), integer_parts(s)];
+    let low = parts
+        .iter()
+        .filter(|p| p.0 != 0)
+        .map(|p| p.1)
+        .min()
+        .unwrap();
+    let [x, m, s] = parts.map(|(v, e)| if v == 0 { 0 } else { v << (e - low) });
+    // The nearest k: 2 (x - m) within [(2k - 1) s, (2k + 1) s].
+    let twice = 2 * (x - m);
+    let mut k = twice / (2 * s);
+    for candidate in [k - 1, k, k + 1] {
+        let (lo, hi) = ((2 * candidate - 1) * s, (2 * candidate + 1) * s);
+        let inside =
+            (lo < twice && twice < hi) || ((twice == lo || twice == hi) && candidate % 2 == 0);
+        if inside {
+            k = candidate;
+            break;
+        }
+    }
+    k.clamp(0, 255) as u8
+}
+
+/// The codes are the integers nearest to the exact quotients (the rule the kernels follow too),
+/// also for rows of bf16 and f16 values spanning many binades, with elements near zero in rows
+/// around it (where an f64 quotient can round onto a half-integer).
+#[test]
+fn codes_are_the_nearest_integers_to_the_exact_quotients() {
+    let mut rng = StdRng::seed_from_u64(42);
+    let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
+    let mut checked = 0;
+    for trial in 0..4000 {
+        let d = 16;
+        let spread = rng.gen_range(-30..10);
+        let row: Vec<f32> = (0..d)
+            .map(|_| {
+                let x = (normal(&mut rng) * 2f32.powi(rng.gen_range(spread..=spread + 20)))
+                    .clamp(-6e4, 6e4);
+                if trial % 2 == 0 {
+                    bf16::from_f32(x).to_f32()
+                } else {
+                    half::f16::from_f32(x).to_f32()
+                }
+            })
+            .collect();
+        let q = quantize_rows(&row, d, int8).unwrap();
+        let p = q.params(0, 0);
+        let (s, m) = (p.scale() as f64, p.min() as f64);
+        if s == 0.0 || s.is_nan() {
+            continue;
+        }
+        for (c, &x) in row.iter().enumerate() {
+            assert_eq!(
+                q.code(0, c),
+                exact_code(x as f64, m, s),
+                "row {row:?}, channel {c}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 50_000, "{checked}");
+    // A row whose f64 quotient rounds onto a half-integer: m = -1.25, s = 0.5 (126 - m = 127.25,
+    // over 255 rounds up to 0.5), and x = 2^-60 just above the tie between codes 2 and 3
+    // ((x - m) / s = 2.5 + 2^-59, which is 2.5 in f64, even 2): the nearest is 3.
+    let row = [-1.25f32, 126.0, 2f32.powi(-60), 0.0, 1.0, 2.0, 3.0, 4.0];
+    let q = quantize_rows(&row, 8, int8).unwrap();
+    assert_eq!((q.params(0, 0).min(), q.params(0, 0).scale()), (-1.25, 0.5));
+    assert_eq!(q.code(0, 2), 3);
+    assert_eq!(q.code(0, 2), exact_code(row[2] as f64, -1.25, 0.5));
+}

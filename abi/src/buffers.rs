@@ -1,5 +1,5 @@
 //! The device buffers several kernels share, one struct each: a layer's cache
-//! ([`CachePtrs`]), its selection state ([`SelectionPtrs`]) and a decode batch's description
+//! ([`CachePtrs`]), its integer-coded K/V ([`CodedKvPtrs`]), its selection state ([`SelectionPtrs`]) and a decode batch's description
 //! ([`BatchPtrs`]). A kernel's argument struct (`DecodeArgs`, `AppendArgs`, ...) holds them beside
 //! its own buffers and its scalars; their shapes are [`CacheLayout`](crate::layout::CacheLayout)'s
 //! and [`SelectionLayout`](crate::layout::SelectionLayout)'s.
@@ -53,4 +53,32 @@ pub struct BatchPtrs {
     pub seq_len: GlobalPtr<u32>,
     /// `[batch]` sequence slots (block-table rows, streaming-store slots).
     pub seq_slot: GlobalPtr<u32>,
+}
+
+/// A layer's K and V as integer codes (`lserve::quant`, INT8 per token-head): one byte per
+/// element, rows where a 16-bit cache keeps them (`PagedLayout::kv_row`,
+/// `StreamingLayout::kv_row`, one byte per element), and per row one 32-bit word `(s, m)`: the
+/// bf16 scale in bits 0..16, the bf16 minimum in bits 16..32 (element `c` is `fma(c, s, m)`).
+/// The word of the row at element offset `o` is word `o / head_dim`. The pointers are
+/// `GlobalPtrMut` because the write kernels (`kv_write`'s coded append and row write) take the
+/// same struct; the attention only reads through them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CodedKvPtrs {
+    /// Dense pool K codes, `[capacity][dense_heads][page_tokens][D]` bytes.
+    pub k_pool: GlobalPtrMut<u8>,
+    /// Dense pool V codes, as `k_pool`.
+    pub v_pool: GlobalPtrMut<u8>,
+    /// Dense pool K row words, `[capacity][dense_heads][page_tokens]`.
+    pub k_pool_words: GlobalPtrMut<u32>,
+    /// Dense pool V row words, as `k_pool_words`.
+    pub v_pool_words: GlobalPtrMut<u32>,
+    /// Streaming store K codes, `[slots][streaming_heads][sink + local][D]` bytes.
+    pub k_stream: GlobalPtrMut<u8>,
+    /// Streaming store V codes, as `k_stream`.
+    pub v_stream: GlobalPtrMut<u8>,
+    /// Streaming store K row words, `[slots][streaming_heads][sink + local]`.
+    pub k_stream_words: GlobalPtrMut<u32>,
+    /// Streaming store V row words, as `k_stream_words`.
+    pub v_stream_words: GlobalPtrMut<u32>,
 }

@@ -246,32 +246,6 @@ pub const fn coded_decode_smem_bytes(head_dim: u32) -> u32 {
     }
 }
 
-/// A layer's K and V as integer codes (`lserve::quant`, INT8 per token-head): one byte per
-/// element, rows where a 16-bit cache keeps them (`PagedLayout::kv_row`,
-/// `StreamingLayout::kv_row`, one byte per element), and per row one 32-bit word `(s, m)`: the
-/// bf16 scale in bits 0..16, the bf16 minimum in bits 16..32 (element `c` is `fma(c, s, m)`).
-/// The word of the row at element offset `o` is word `o / head_dim`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CodedKvPtrs {
-    /// Dense pool K codes, `[capacity][dense_heads][page_tokens][D]` bytes.
-    pub k_pool: GlobalPtr<u8>,
-    /// Dense pool V codes, as `k_pool`.
-    pub v_pool: GlobalPtr<u8>,
-    /// Dense pool K row words, `[capacity][dense_heads][page_tokens]`.
-    pub k_pool_words: GlobalPtr<u32>,
-    /// Dense pool V row words, as `k_pool_words`.
-    pub v_pool_words: GlobalPtr<u32>,
-    /// Streaming store K codes, `[slots][streaming_heads][sink + local][D]` bytes.
-    pub k_stream: GlobalPtr<u8>,
-    /// Streaming store V codes, as `k_stream`.
-    pub v_stream: GlobalPtr<u8>,
-    /// Streaming store K row words, `[slots][streaming_heads][sink + local]`.
-    pub k_stream_words: GlobalPtr<u32>,
-    /// Streaming store V row words, as `k_stream_words`.
-    pub v_stream_words: GlobalPtr<u32>,
-}
-
 /// The one argument of an integer-coded decode attention launch (`decode_attention_int8_*`):
 /// what a 16-bit launch takes ([`DecodeArgs`]; its cache's K/V pointers and tensor maps are not
 /// read) and the coded K/V. Same grid, threads and partial outputs; shared memory
@@ -282,5 +256,5 @@ pub struct CodedDecodeArgs {
     /// Scalars, queries, tables, selection state, batch and partial outputs.
     pub attn: DecodeArgs,
     /// The coded K and V.
-    pub codes: CodedKvPtrs,
+    pub codes: crate::buffers::CodedKvPtrs,
 }

@@ -1,11 +1,13 @@
 //! Launch parameters of the KV-cache write kernels: append (one decode token per sequence),
-//! ragged row writes (prefill), key-statistics pooling, and the random fill used by benchmarks.
+//! ragged row writes (prefill), key-statistics pooling, and the random fill used by benchmarks;
+//! the append and the row write of integer-coded caches, and the pooling from activation rows
+//! that such a cache's statistics take (it keeps no 16-bit keys to pool).
 //!
 //! Every kernel here moves rows of `head_dim` elements in chunks of 8 (16 bytes): a *chunk* is
 //! the unit of work of one thread, so a launch is a flat range of chunks cut into blocks of
 //! [`KV_WRITE_THREADS`] threads. `head_dim` must be a multiple of 8.
 
-use crate::buffers::{BatchPtrs, CachePtrs, SelectionPtrs};
+use crate::buffers::{BatchPtrs, CachePtrs, CodedKvPtrs, SelectionPtrs};
 use crate::layout::{CacheLayout, SelectionLayout, TokenStrides};
 use crate::ptr::{GlobalPtr, GlobalPtrMut};
 
@@ -99,6 +101,30 @@ pub struct WriteRowsArgs {
     pub cache: CachePtrs,
 }
 
+/// The one argument of an `append_kv_int8_*` launch: an [`AppendArgs`] (same grid, threads and
+/// statistics, index entries and batch; its cache's 16-bit K/V pointers are not used) and the
+/// coded K/V the token's rows are quantized into.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CodedAppendArgs {
+    /// What a 16-bit append takes.
+    pub append: AppendArgs,
+    /// Where the codes and row words go.
+    pub codes: CodedKvPtrs,
+}
+
+/// The one argument of a `write_kv_rows_int8_*` launch: a [`WriteRowsArgs`] (same grid and
+/// threads; its cache's 16-bit K/V pointers are not used) and the coded K/V the rows are
+/// quantized into. The statistics come from `pool_key_stats_rows_*` with the same ranges.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CodedWriteRowsArgs {
+    /// What a 16-bit row write takes.
+    pub rows: WriteRowsArgs,
+    /// Where the codes and row words go.
+    pub codes: CodedKvPtrs,
+}
+
 /// Scalars of one `pool_key_stats_*` launch: grid `(ceil(max_logical_pages /
 /// pool_pages_per_block(head_dim)), dense_heads, sequences)`.
 #[repr(C)]
@@ -121,6 +147,25 @@ pub struct PoolArgs {
     pub ranges: GlobalPtr<SeqRange>,
     /// The layer's cache.
     pub cache: CachePtrs,
+}
+
+/// The one argument of a `pool_key_stats_rows_*` launch: the statistics of every logical page a
+/// range touches, from the activation rows of the range's positions (the keys before
+/// quantization) instead of the pool. Grid `(ceil(max_logical_pages /
+/// pool_pages_per_block(head_dim)), kv_heads, sequences)`: `grid.y` is a KV head (streaming heads
+/// exit), because the activation rows are indexed by KV head. A logical page that begins before
+/// the range's `start` starts from its statistics in the cache (those of its earlier tokens) and
+/// takes the range's rows; its tokens at or past `end` are not read.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PoolRowsArgs {
+    /// The scalars, ranges and cache of a `pool_key_stats_*` launch (`cache.k_pool` not read).
+    pub pool: PoolArgs,
+    /// Activation rows of `[kv_heads][head_dim]` keys, `kv_stride` heads apart; position `pos` of
+    /// a range is row `first_row + pos - start`.
+    pub k: GlobalPtr<u16>,
+    /// Heads from one activation row to the next (`TokenStrides::kv`).
+    pub kv_stride: u32,
 }
 
 /// One sequence of a `gather_kv_rows_*` launch: its positions `0..end` become rows

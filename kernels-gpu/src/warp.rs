@@ -1,7 +1,9 @@
 //! Warp shuffles and warp-wide reductions (`shfl.sync`, full-warp member mask).
 //!
 //! All functions here must be called by all 32 lanes of the warp together (convergent, no lane
-//! exited): that is their safety invariant, so they are `unsafe`.
+//! exited): that is their safety invariant, so they are `unsafe`. The exceptions are the `group_*`
+//! exchanges with a member mask ([`group_members`]), which only the lanes of one aligned group
+//! execute together.
 
 use core::arch::asm;
 
@@ -31,6 +33,35 @@ pub unsafe fn shfl_idx_u32(x: u32, src_lane: u32) -> u32 {
     unsafe {
         asm!("shfl.sync.idx.b32 {0}, {1}, {2}, 0x1f, -1;",
              out(reg32) y, in(reg32) x, in(reg32) src_lane, options(nomem, nostack));
+    }
+    y
+}
+
+/// The member mask of this lane's group of `lanes` lanes (a power of two up to 32; groups are
+/// aligned: lanes `g * lanes ..`).
+#[inline(always)]
+pub fn group_members(lanes: u32) -> u32 {
+    if lanes >= 32 {
+        return u32::MAX;
+    }
+    let base = (crate::thread::thread_idx_x() % 32) & !(lanes - 1);
+    ((1u32 << lanes) - 1) << base
+}
+
+/// [`shfl_xor_u32`] among the lanes of `members` only ([`group_members`]): the lanes of the
+/// warp outside it may have exited or branched away.
+///
+/// # Safety
+/// Every lane of `members` executes this call with the same `members` and `lane_mask`, and
+/// `lane ^ lane_mask` is in `members` for each of them.
+#[inline(always)]
+pub unsafe fn group_shfl_xor_u32(x: u32, lane_mask: u32, members: u32) -> u32 {
+    let y: u32;
+    // SAFETY: caller guarantees every member lane participates and the partner is a member.
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {0}, {1}, {2}, 0x1f, {3};",
+             out(reg32) y, in(reg32) x, in(reg32) lane_mask, in(reg32) members,
+             options(nomem, nostack));
     }
     y
 }

@@ -7,12 +7,16 @@ use std::ops::Range;
 use lserve::config::SparsityConfig;
 use lserve::dtype::{DType, Element};
 use lserve::geometry::ModelGeometry;
-use lserve::gpu::GpuContext;
+use lserve::gpu::{CodedLayerContents, GpuContext};
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
+use lserve::quant::{CodeBits, IntFormat, QuantGroup};
 use lserve::reference::kv_write::write_tokens;
+use lserve::reference::quant::quantize_rows;
 use lserve::reference::select::{ReuseState, Selection};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -243,6 +247,78 @@ pub fn check_selection(
                 "page {p} (score {s}) differs, K-th score {kth}: {got:?} vs {:?}",
                 want.pages
             ));
+        }
+    }
+    Ok(())
+}
+
+/// The one device format: INT8, a scale and minimum per token and head.
+pub fn int8() -> IntFormat {
+    IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead)
+}
+
+/// The codes and row words of `rows` (`[n][d]`) as the reference quantizes them.
+pub fn quantized<E: Element>(rows: &[E], d: usize) -> (Vec<u8>, Vec<u32>) {
+    let x: Vec<f32> = rows.iter().map(|e| e.to_f32()).collect();
+    let q = quantize_rows(&x, d, int8()).unwrap();
+    let codes = (0..q.rows())
+        .flat_map(|r| (0..d).map(move |c| (r, c)))
+        .map(|(r, c)| q.code(r, c))
+        .collect();
+    let words = (0..q.rows()).map(|r| q.params(r, 0).word()).collect();
+    (codes, words)
+}
+
+/// Layer `layer` of a coded cache against `want` quantized row by row (codes and words, bit for
+/// bit) and its statistics against `want`'s (which the reference computed from the unquantized
+/// keys), naming the first difference.
+pub fn assert_coded_layer<E: Element>(
+    got: &CodedLayerContents<E>,
+    want: &HostKvCache<E>,
+    layer: usize,
+) -> Result<(), TestCaseError> {
+    let d = want.pattern().geometry().head_dim();
+    let (dense, streaming) = (want.dense(layer).unwrap(), want.streaming(layer).unwrap());
+    for (what, codes, words, rows) in [
+        ("K pool", &got.pool.0, &got.pool.2, dense.k()),
+        ("V pool", &got.pool.1, &got.pool.3, dense.v()),
+        ("K stream", &got.stream.0, &got.stream.2, streaming.k()),
+        ("V stream", &got.stream.1, &got.stream.3, streaming.v()),
+    ] {
+        let (want_codes, want_words) = quantized(rows, d);
+        if want_words.is_empty() {
+            // An empty buffer is one element on the device (nothing addresses it).
+            prop_assert!(codes.len() <= 1 && words.len() <= 1, "{what}: not empty");
+            continue;
+        }
+        prop_assert_eq!(codes.len(), want_codes.len());
+        prop_assert_eq!(words.len(), want_words.len());
+        let differs =
+            |r: usize| words[r] != want_words[r] || codes[r * d..][..d] != want_codes[r * d..][..d];
+        if let Some(r) = (0..want_words.len()).find(|&r| differs(r)) {
+            return Err(TestCaseError::fail(format!(
+                "layer {layer} {what}: row {r} has word {:#010x} codes {:?}, want {:#010x} {:?}",
+                words[r],
+                &codes[r * d..][..d],
+                want_words[r],
+                &want_codes[r * d..][..d],
+            )));
+        }
+    }
+    for (what, g, w) in [
+        ("kmin", &got.stats.0, dense.kmin()),
+        ("kmax", &got.stats.1, dense.kmax()),
+    ] {
+        let bits = |xs: &[E]| -> Vec<u32> { xs.iter().map(|x| x.to_f32().to_bits()).collect() };
+        let (g, w) = (bits(g), bits(w));
+        if let Some(i) = (0..w.len()).find(|&i| g[i] != w[i]) {
+            return Err(TestCaseError::fail(format!(
+                "layer {layer} {what}: element {i} (row {}, channel {}) is {:#010x}, want {:#010x} (as f32)",
+                i / d,
+                i % d,
+                g[i],
+                w[i]
+            )));
         }
     }
     Ok(())

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use lserve_abi::buffers::{BatchPtrs, CachePtrs, SelectionPtrs};
-use lserve_abi::decode::{CodedKvPtrs, CODED_HEAD_DIM, HEAD_STREAMING};
+use lserve_abi::buffers::{BatchPtrs, CachePtrs, CodedKvPtrs, SelectionPtrs};
+use lserve_abi::decode::{CODED_HEAD_DIM, HEAD_STREAMING};
 use lserve_abi::ptr::{GlobalPtr, GlobalPtrMut};
 use lserve_abi::{CacheLayout, PagedLayout, SelectionLayout, StreamingLayout};
 
@@ -151,17 +151,73 @@ impl CodedLayer {
         })
     }
 
-    /// The coded buffers for a kernel that reads them, registered with `launch` as read.
+    /// The coded buffers for a kernel that only reads them, registered with `launch` as read.
+    /// (The pointers are `GlobalPtrMut` because the struct is shared with the kernels that write
+    /// codes; a launch given these must not write.)
     pub(crate) fn ptrs<'a>(&'a self, launch: &mut Launch<'a>) -> CodedKvPtrs {
+        fn writable<T>(p: GlobalPtr<T>) -> GlobalPtrMut<T> {
+            GlobalPtrMut::from_addr(p.addr())
+        }
         CodedKvPtrs {
-            k_pool: launch.read(&self.k_pool),
-            v_pool: launch.read(&self.v_pool),
-            k_pool_words: launch.read(&self.k_pool_words),
-            v_pool_words: launch.read(&self.v_pool_words),
-            k_stream: launch.read(&self.k_stream),
-            v_stream: launch.read(&self.v_stream),
-            k_stream_words: launch.read(&self.k_stream_words),
-            v_stream_words: launch.read(&self.v_stream_words),
+            k_pool: writable(launch.read(&self.k_pool)),
+            v_pool: writable(launch.read(&self.v_pool)),
+            k_pool_words: writable(launch.read(&self.k_pool_words)),
+            v_pool_words: writable(launch.read(&self.v_pool_words)),
+            k_stream: writable(launch.read(&self.k_stream)),
+            v_stream: writable(launch.read(&self.v_stream)),
+            k_stream_words: writable(launch.read(&self.k_stream_words)),
+            v_stream_words: writable(launch.read(&self.v_stream_words)),
+        }
+    }
+
+    /// The pool's and the streaming store's codes and words, copied to the host (test-only
+    /// reads).
+    #[cfg(feature = "test-kernels")]
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn download(
+        &self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(
+        (Vec<u8>, Vec<u8>, Vec<u32>, Vec<u32>),
+        (Vec<u8>, Vec<u8>, Vec<u32>, Vec<u32>),
+    )> {
+        Ok((
+            (
+                stream.clone_dtoh(&self.k_pool)?,
+                stream.clone_dtoh(&self.v_pool)?,
+                stream.clone_dtoh(&self.k_pool_words)?,
+                stream.clone_dtoh(&self.v_pool_words)?,
+            ),
+            (
+                stream.clone_dtoh(&self.k_stream)?,
+                stream.clone_dtoh(&self.v_stream)?,
+                stream.clone_dtoh(&self.k_stream_words)?,
+                stream.clone_dtoh(&self.v_stream_words)?,
+            ),
+        ))
+    }
+
+    /// The coded buffers for a kernel that writes codes, registered with `launch` as written.
+    pub(crate) fn ptrs_mut<'a>(&'a mut self, launch: &mut Launch<'a>) -> CodedKvPtrs {
+        let CodedLayer {
+            k_pool,
+            v_pool,
+            k_pool_words,
+            v_pool_words,
+            k_stream,
+            v_stream,
+            k_stream_words,
+            v_stream_words,
+        } = self;
+        CodedKvPtrs {
+            k_pool: launch.write(k_pool),
+            v_pool: launch.write(v_pool),
+            k_pool_words: launch.write(k_pool_words),
+            v_pool_words: launch.write(v_pool_words),
+            k_stream: launch.write(k_stream),
+            v_stream: launch.write(v_stream),
+            k_stream_words: launch.write(k_stream_words),
+            v_stream_words: launch.write(v_stream_words),
         }
     }
 }
@@ -253,6 +309,35 @@ impl<E: DeviceElement> DeviceLayer<E> {
         block_tables: &'a CudaSlice<u32>,
     ) -> Result<(CachePtrs, SelectionPtrs)> {
         self.check_float("a kernel that writes the cache")?;
+        let (cache, selection, _) = self.all_ptrs_mut(launch, block_tables);
+        Ok((cache, selection))
+    }
+
+    /// [`ptrs_mut`](Self::ptrs_mut) and the codes, for a kernel that writes a coded layer (its
+    /// `CachePtrs`' 16-bit K/V pointers are one-element buffers the kernel does not address).
+    ///
+    /// Errors: `InvalidArgument` for a layer that is not coded.
+    pub(crate) fn coded_ptrs_mut<'a>(
+        &'a mut self,
+        launch: &mut Launch<'a>,
+        block_tables: &'a CudaSlice<u32>,
+    ) -> Result<(CachePtrs, SelectionPtrs, CodedKvPtrs)> {
+        match self.all_ptrs_mut(launch, block_tables) {
+            (cache, selection, Some(codes)) => Ok((cache, selection, codes)),
+            (_, _, None) => Err(LserveError::InvalidArgument {
+                what: "KV format",
+                reason: "a kernel that writes codes was given a 16-bit cache".into(),
+            }),
+        }
+    }
+
+    /// Every buffer of the layer registered with `launch` as written (the block tables and the
+    /// head map as read).
+    fn all_ptrs_mut<'a>(
+        &'a mut self,
+        launch: &mut Launch<'a>,
+        block_tables: &'a CudaSlice<u32>,
+    ) -> (CachePtrs, SelectionPtrs, Option<CodedKvPtrs>) {
         let DeviceLayer {
             k_pool,
             v_pool,
@@ -265,6 +350,7 @@ impl<E: DeviceElement> DeviceLayer<E> {
             index_lens,
             held_pages,
             held_lens,
+            codes,
             ..
         } = self;
         let cache = CachePtrs {
@@ -283,7 +369,8 @@ impl<E: DeviceElement> DeviceLayer<E> {
             index_pages: launch.write(index_pages),
             index_lens: launch.write(index_lens),
         };
-        Ok((cache, selection))
+        let codes = codes.as_mut().map(|c| c.ptrs_mut(launch));
+        (cache, selection, codes)
     }
 }
 
@@ -293,7 +380,8 @@ pub(crate) fn coded_unsupported(what: &'static str) -> LserveError {
         what: "KV format",
         reason: format!(
             "{what} reads or writes 16-bit K/V; this cache holds int8 codes (coded caches are \
-             read by DecodePlan's attention and the selector)"
+             written by the append, the row write and prefill into the cache, and read by the \
+             decode attention and the selector)"
         ),
     }
 }
@@ -878,7 +966,9 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     /// Fills every layer's K and V (pool and streaming store) with deterministic pseudo-random
     /// values ([`fill_random`](super::fill_random), seeded per buffer from `seed`). For
     /// benchmarks and tests that need a long context without uploading one; the key statistics
-    /// are not updated (run [`pool_key_stats`](super::pool_key_stats) after).
+    /// are not updated (run [`pool_key_stats`](super::pool_key_stats) after). A coded cache gets
+    /// random codes and words, and random statistics (no pool computes them from codes: they
+    /// bound nothing then, which the time of a selection does not depend on).
     pub fn fill_random(&mut self, gpu: &GpuContext, seed: u64) -> Result<()> {
         for (i, l) in self.layers.iter_mut().enumerate() {
             let base = seed.wrapping_add(4 * i as u64);
@@ -893,6 +983,9 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 super::fill_random_bits::<half::bf16, _>(gpu, &mut c.v_pool_words, !base - 1)?;
                 super::fill_random_bits::<half::bf16, _>(gpu, &mut c.k_stream_words, !base - 2)?;
                 super::fill_random_bits::<half::bf16, _>(gpu, &mut c.v_stream_words, !base - 3)?;
+                // Its statistics cannot be pooled from codes: random too.
+                super::fill_random(gpu, &mut l.kmin, base ^ 0x5eed)?;
+                super::fill_random(gpu, &mut l.kmax, base ^ 0x5eee)?;
                 continue;
             }
             super::fill_random(gpu, &mut l.k_pool, base)?;

@@ -11,8 +11,7 @@ use lserve_abi::layout::TokenStrides;
 use lserve_abi::ptr::GlobalPtrMut;
 
 use super::cache::{
-    check_coded_format, coded_unsupported, fresh_id, layer_out_of_range, DecodeBatch,
-    DeviceElement, DeviceKvCache,
+    check_coded_format, fresh_id, layer_out_of_range, DecodeBatch, DeviceElement, DeviceKvCache,
 };
 use super::kv_write::AppendPlan;
 use super::launch::{check_shape, kernel_of, Launch};
@@ -208,7 +207,12 @@ impl AttentionKernels {
             }
             KvFormat::Int(format) => {
                 if append {
-                    return Err(coded_unsupported("a plan that appends the step's token"));
+                    return Err(LserveError::InvalidArgument {
+                        what: "append launch",
+                        reason: "the integer-coded attention does not append: a coded cache \
+                                 takes the append kernel first (AppendLaunch::Auto or Separate)"
+                            .into(),
+                    });
                 }
                 check_coded_format(format, d)?;
                 check_shape(d, geometry.group())?;
@@ -521,8 +525,11 @@ impl<'b> AppendAttendPlan<'b> {
     /// says); looks the kernels up (the append kernel where a layer appends on its own).
     /// Launches nothing.
     ///
-    /// Errors: as [`DecodePlan::new`]; `InvalidArgument` for a coded cache
-    /// ([`DeviceKvCache::new_coded`]: the device does not write its codes yet).
+    /// On an integer-coded cache ([`DeviceKvCache::new_coded`]) the append is always the append
+    /// kernel (`append_kv_int8_*`, which quantizes the token's rows), then the coded attention.
+    ///
+    /// Errors: as [`DecodePlan::new`]; `InvalidArgument` for [`AppendLaunch::Fused`] on a coded
+    /// cache.
     pub fn new<E: DeviceElement>(
         gpu: &GpuContext,
         cache: &DeviceKvCache<E>,
@@ -530,7 +537,6 @@ impl<'b> AppendAttendPlan<'b> {
         ws: &DecodeWorkspace,
         how: AppendLaunch,
     ) -> Result<Self> {
-        cache.check_float("AppendAttendPlan")?;
         let layers = AttentionLayers::new(gpu, cache, batch, ws, Some(how))?;
         let append = layers
             .layers
@@ -806,9 +812,10 @@ impl<'b> AttentionLayers<'b> {
         let layers = (0..cache.layers())
             .map(|layer| {
                 let plan = plan_layer(gpu, cache, layer, batch, ws)?;
+                let coded = matches!(cache.format(), KvFormat::Int(_));
                 let fused = match append {
                     None => false,
-                    Some(AppendLaunch::Auto) => fuses_append(plan.max_rows, plan.splits),
+                    Some(AppendLaunch::Auto) => !coded && fuses_append(plan.max_rows, plan.splits),
                     Some(AppendLaunch::Fused) => true,
                     Some(AppendLaunch::Separate) => false,
                 };

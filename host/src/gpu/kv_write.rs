@@ -47,9 +47,9 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::kv_write::{
-    logical_pages_of, pool_pages_per_block, AppendArgs, AppendParams, FillArgs, FillParams,
-    GatherArgs, GatherParams, PoolArgs, PoolParams, SeqRange, WriteRowsArgs, WriteRowsParams,
-    CHUNK_ELEMS, KV_WRITE_THREADS,
+    logical_pages_of, pool_pages_per_block, AppendArgs, AppendParams, CodedAppendArgs,
+    CodedWriteRowsArgs, FillArgs, FillParams, GatherArgs, GatherParams, PoolArgs, PoolParams,
+    PoolRowsArgs, SeqRange, WriteRowsArgs, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
 };
 use lserve_abi::layout::TokenStrides;
 
@@ -59,6 +59,7 @@ use super::tokens::{kv_stride, Tokens};
 use super::GpuContext;
 use crate::error::invalid;
 use crate::paging::{KvCacheManager, SeqId};
+use crate::quant::KvFormat;
 use crate::{LserveError, Result};
 
 /// `u32` words of one [`SeqRange`] as the kernels read it (`#[repr(C)]`, five `u32`).
@@ -129,8 +130,10 @@ fn blocks_for(chunks: usize) -> Result<u32> {
 /// ```
 pub struct AppendPlan<'b> {
     batch: &'b DecodeBatch,
-    /// The append kernel for the cache's element type.
+    /// The append kernel for the cache's element type and format.
     function: CudaFunction,
+    /// Whether the cache is integer-coded (`append_kv_int8_*`).
+    coded: bool,
     /// Blocks of the launch: one thread per chunk of the batch's `B * Hkv * D` elements.
     blocks: u32,
 }
@@ -146,13 +149,19 @@ impl<'b> AppendPlan<'b> {
         cache: &DeviceKvCache<E>,
         batch: &'b DecodeBatch,
     ) -> Result<Self> {
-        cache.check_float("AppendPlan")?;
         cache.check_batch(batch)?;
         let g = *cache.pattern().geometry();
         let chunks = batch.len() * g.kv_heads() * g.head_dim() / CHUNK_ELEMS as usize;
+        let coded = matches!(cache.format(), KvFormat::Int(_));
+        let name = if coded {
+            kernel_of::<E>("append_kv_int8_bf16", "append_kv_int8_f16")
+        } else {
+            kernel_of::<E>("append_kv_bf16", "append_kv_f16")
+        };
         Ok(Self {
             batch,
-            function: gpu.function(kernel_of::<E>("append_kv_bf16", "append_kv_f16"))?,
+            function: gpu.function(name)?,
+            coded,
             blocks: blocks_for(chunks)?,
         })
     }
@@ -232,15 +241,30 @@ impl<'b> AppendPlan<'b> {
         };
         let mut launch = Launch::overlapped(gpu, &self.function);
         let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
-        let (cache_ptrs, selection) = l.ptrs_mut(&mut launch, tables)?;
-        let args = AppendArgs {
+        let batch_ptrs = batch.ptrs(&mut launch);
+        let (cache_ptrs, selection, codes) = if self.coded {
+            let (cache, selection, codes) = l.coded_ptrs_mut(&mut launch, tables)?;
+            (cache, selection, Some(codes))
+        } else {
+            let (cache, selection) = l.ptrs_mut(&mut launch, tables)?;
+            (cache, selection, None)
+        };
+        let append = AppendArgs {
             params,
             k,
             v,
             cache: cache_ptrs,
             selection,
-            batch: batch.ptrs(&mut launch),
+            batch: batch_ptrs,
         };
+        if let Some(codes) = codes {
+            let args = CodedAppendArgs { append, codes };
+            // SAFETY: `append_kv_int8_*`'s argument struct: the 16-bit append's (see below) and
+            // the layer's coded buffers, laid out as its 16-bit ones would be (`CodedLayer`); the
+            // kernel quantizes each row across its `D / 8` lanes, and the grid is whole rows.
+            return unsafe { launch.launch(cfg, &args) };
+        }
+        let args = append;
         // SAFETY: `append_kv_*`'s argument struct, of the buffers registered above. The grid covers `B * Hkv * D / 8` chunks, `k`/`v` hold at least `B * Hkv * D`
         // elements (checked), the cache buffers have the layouts in `params` (taken from them; the
         // held selections, written by the selector, are shorter than `entry_capacity`), the
@@ -485,7 +509,6 @@ impl KvWritePlan {
         manager: &KvCacheManager,
         cache: &mut DeviceKvCache<E>,
     ) -> Result<DeviceKvWritePlan> {
-        cache.check_float("KvWritePlan::upload")?;
         self.check_current(manager)?;
         if self.slots != cache.slots
             || self.max_pages != cache.max_pages
@@ -574,6 +597,13 @@ impl DeviceKvWritePlan {
 /// `HostKvCache::write_token`. Key statistics are left alone: run [`pool_key_stats`] with the
 /// same plan after. Enqueued on the context's stream.
 ///
+/// On an integer-coded cache ([`DeviceKvCache::new_coded`]) each row is quantized as it is
+/// written, exactly as `reference::quant::quantize_rows` does, and the statistics of every
+/// logical page the ranges touch are computed here too, from `k` (the keys before quantization,
+/// which the statistics bound; a logical page that begins before a range's start keeps its
+/// earlier tokens' bounds and takes the range's rows). [`pool_key_stats`] is then refused: such a
+/// cache keeps no 16-bit keys to pool from.
+///
 /// Errors (nothing launched): `StaleTables` for a plan uploaded for another cache or made
 /// against rows the cache no longer holds; `ShapeMismatch` for short `k`/`v`; `InvalidArgument`
 /// for a bad layer or a plan made for another cache shape.
@@ -606,12 +636,62 @@ pub fn write_kv_rows<'t, E: DeviceElement>(
             ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
         },
     };
-    let f = gpu.function(kernel_of::<E>("write_kv_rows_bf16", "write_kv_rows_f16"))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(chunks)?, host.ranges.len() as u32, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    if l.codes.is_some() {
+        let pool = coded_pool_launch(l, hkv, max_pages, host)?;
+        let f = gpu.function(kernel_of::<E>(
+            "write_kv_rows_int8_bf16",
+            "write_kv_rows_int8_f16",
+        ))?;
+        let pool_f = gpu.function(kernel_of::<E>(
+            "pool_key_stats_rows_bf16",
+            "pool_key_stats_rows_f16",
+        ))?;
+        {
+            let mut launch = Launch::new(gpu, &f);
+            let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
+            let ranges = launch.read(&plan.ranges).cast();
+            let (cache_ptrs, _, codes) = l.coded_ptrs_mut(&mut launch, tables)?;
+            let rows = WriteRowsArgs {
+                params,
+                ranges,
+                k,
+                v,
+                cache: cache_ptrs,
+            };
+            let args = CodedWriteRowsArgs { rows, codes };
+            // SAFETY: `write_kv_rows_int8_*`'s argument struct: the 16-bit row write's (see
+            // below) and the layer's coded buffers, laid out as its 16-bit ones would be
+            // (`CodedLayer`); each row is quantized across its `D / 8` lanes, and the blocks
+            // are whole rows (`KV_WRITE_THREADS` is a multiple of `D / 8`).
+            unsafe { launch.launch(cfg, &args) }?;
+        }
+        let Some((pool_params, pool_cfg)) = pool else {
+            return Ok(());
+        };
+        let mut launch = Launch::new(gpu, &pool_f);
+        let k = launch.read(k.view()).cast();
+        let ranges = launch.read(&plan.ranges).cast();
+        let (cache_ptrs, _, _) = l.coded_ptrs_mut(&mut launch, tables)?;
+        let args = PoolRowsArgs {
+            pool: PoolArgs {
+                params: pool_params,
+                ranges,
+                cache: cache_ptrs,
+            },
+            k,
+            kv_stride: kv,
+        };
+        // SAFETY: `pool_key_stats_rows_*`'s argument struct, of the buffers registered above;
+        // the ranges are valid for a cache of this shape (checked), `k` holds the plan's `T`
+        // rows at stride `kv` (checked), the grid is `(logical page blocks, KV heads, ranges)`.
+        return unsafe { launch.launch(pool_cfg, &args) };
+    }
+    let f = gpu.function(kernel_of::<E>("write_kv_rows_bf16", "write_kv_rows_f16"))?;
     let mut launch = Launch::new(gpu, &f);
     let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
     let ranges = launch.read(&plan.ranges).cast();
@@ -639,7 +719,8 @@ pub fn write_kv_rows<'t, E: DeviceElement>(
 /// [`write_kv_rows`] with the same plan). Enqueued on the context's stream.
 ///
 /// Errors (nothing launched): `StaleTables` as [`write_kv_rows`]; `InvalidArgument` for a bad
-/// layer or a plan made for another cache shape.
+/// layer, a plan made for another cache shape, or an integer-coded cache (its statistics are
+/// computed by [`write_kv_rows`], from the keys before quantization).
 pub fn pool_key_stats<E: DeviceElement>(
     gpu: &GpuContext,
     cache: &mut DeviceKvCache<E>,
@@ -647,6 +728,13 @@ pub fn pool_key_stats<E: DeviceElement>(
     plan: &DeviceKvWritePlan,
 ) -> Result<()> {
     plan.check_current(cache)?;
+    if matches!(cache.format(), KvFormat::Int(_)) {
+        return Err(invalid(
+            "cache",
+            "an integer-coded cache keeps no 16-bit keys to pool: write_kv_rows computes its \
+             statistics from the keys it quantizes",
+        ));
+    }
     let hkv = cache.pattern().geometry().kv_heads();
     let host = &plan.plan;
     let (slots, max_pages) = (cache.slots, cache.max_pages);
@@ -687,6 +775,37 @@ pub fn pool_key_stats<E: DeviceElement>(
     // dense heads, ranges)` as the kernel expects.
     unsafe { launch.launch(cfg, &args) }?;
     Ok(())
+}
+
+/// The parameters and grid of `pool_key_stats_rows_*` for `plan` on layer `l` (`None`: nothing
+/// to pool, no dense head or no logical page).
+fn coded_pool_launch<E: DeviceElement>(
+    l: &DeviceLayer<E>,
+    kv_heads: usize,
+    max_pages: u32,
+    plan: &KvWritePlan,
+) -> Result<Option<(PoolParams, LaunchConfig)>> {
+    let pages = plan.max_logical_pages();
+    if l.paged.heads == 0 || pages == 0 {
+        return Ok(None);
+    }
+    if kv_heads > MAX_GRID_YZ {
+        return Err(invalid("layer", "more KV heads than one launch covers"));
+    }
+    let params = PoolParams {
+        sequences: plan.ranges.len() as u32,
+        cache: l.layout(kv_heads, max_pages),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            pages.div_ceil(pool_pages_per_block(l.paged.head_dim)),
+            kv_heads as u32,
+            plan.ranges.len() as u32,
+        ),
+        block_dim: (KV_WRITE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok(Some((params, cfg)))
 }
 
 /// Gathers positions `0..end` of each range of `ranges` (`sequences` [`GatherRange`]s as

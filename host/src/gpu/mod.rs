@@ -46,5 +46,5 @@ pub use select::{
 pub use step::{DecodeStep, PlannedStep};
 #[cfg(feature = "test-kernels")]
 #[doc(hidden)]
-pub use tamper::{overwrite_device_table, DeviceTable};
+pub use tamper::{overwrite_device_table, read_coded_layer, CodedLayerContents, DeviceTable};
 pub use tokens::{Tokens, TokensMut};

@@ -29,6 +29,7 @@ use crate::block_iter::{num_blocks, BlockMask};
 use crate::error::invalid;
 use crate::geometry::ModelGeometry;
 use crate::head_pattern::HeadKind;
+use crate::quant::KvFormat;
 use crate::{LserveError, Result};
 
 /// `u32` words of one [`PrefillWorkItem`] (the device array is a flat `u32` array).
@@ -677,7 +678,10 @@ pub fn prefill_into_cache<'t, E: DeviceElement>(
     let plan = PrefillPlan::new(gpu, &args)?;
     let strides = plan.check_tensors(gpu, &q, &k, &v, &out)?;
     write_kv_rows(gpu, cache, layer, kv_plan, k.reborrow(), v.reborrow())?;
-    pool_key_stats(gpu, cache, layer, kv_plan)?;
+    if let KvFormat::Float(_) = cache.format() {
+        // (A coded cache's statistics were computed by the row write, from `k`.)
+        pool_key_stats(gpu, cache, layer, kv_plan)?;
+    }
     plan.launch(gpu, strides, &q, &k, &v, &mut out, None)
 }
 
@@ -807,6 +811,7 @@ pub fn prefill_chunks_into_cache<'t, E: DeviceElement>(
     }
     let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
     kv_plan.check_current(cache)?;
+    cache.check_float("a later prefill chunk (it gathers the cached rows)")?;
     let g = *cache.pattern().geometry();
     if let Some(r) = ranges.iter().find(|r| r.end != r.len || r.start == r.end) {
         return Err(invalid(

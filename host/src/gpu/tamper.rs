@@ -2,7 +2,8 @@
 //! a held selection behind the host's back, as an engine bug or memory corruption would
 //! (`tests/gpu_isolation.rs` checks what the kernels then read and write). Nothing here is
 //! checked against the manager, and the cache's host mirror is not told: the next sync leaves
-//! the overwritten words as they are unless their row changes.
+//! the overwritten words as they are unless their row changes. Also the read-back of a coded
+//! layer ([`read_coded_layer`]), which the public API does not offer.
 
 use super::{DeviceElement, DeviceKvCache, GpuContext};
 use crate::{LserveError, Result};
@@ -54,4 +55,42 @@ pub fn overwrite_device_table<E: DeviceElement>(
     };
     stream.memcpy_htod(words, &mut buffer.slice_mut(at..end))?;
     Ok(())
+}
+
+/// What one layer of an integer-coded cache holds on the device, read back for tests (a coded
+/// cache has no [`DeviceKvCache::download`]): the codes and row words as
+/// `lserve_abi::buffers::CodedKvPtrs` lays them out, and the key statistics.
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodedLayerContents<E> {
+    /// Dense pool K codes, V codes, K row words, V row words.
+    pub pool: (Vec<u8>, Vec<u8>, Vec<u32>, Vec<u32>),
+    /// The streaming store's, as `pool`.
+    pub stream: (Vec<u8>, Vec<u8>, Vec<u32>, Vec<u32>),
+    /// `kmin`, `kmax` of the dense pool.
+    pub stats: (Vec<E>, Vec<E>),
+}
+
+/// Reads layer `layer` of a coded cache back (synchronizes the context's stream).
+/// `InvalidArgument` for a 16-bit cache or a bad layer.
+#[doc(hidden)]
+pub fn read_coded_layer<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+) -> Result<CodedLayerContents<E>> {
+    let l = cache.layer(layer)?;
+    let Some(c) = &l.codes else {
+        return Err(LserveError::InvalidArgument {
+            what: "cache",
+            reason: "not an integer-coded cache".into(),
+        });
+    };
+    let s = gpu.stream();
+    let (pool, stream) = c.download(s)?;
+    Ok(CodedLayerContents {
+        pool,
+        stream,
+        stats: (s.clone_dtoh(&l.kmin)?, s.clone_dtoh(&l.kmax)?),
+    })
 }

@@ -19,11 +19,12 @@ use lserve_abi::buffers::SelectionPtrs;
 use lserve_abi::kv_write::{AppendArgs, AppendParams, CHUNK_ELEMS, KV_WRITE_THREADS};
 
 use super::stats::Bounds;
-use super::target::{chunk_at, load, store, write_chunk, RowTarget};
+use super::target::{chunk_at, load, store, KvStore, RowTarget};
 use crate::convert::Half16;
 use crate::thread::{block_idx_x, thread_idx_x};
 
-/// The append body for element type `E`.
+/// The append body for element type `E`, storing the rows through `rows` (a 16-bit cache's
+/// elements, or codes).
 ///
 /// # Safety
 /// Launched with the grid above and `KV_WRITE_THREADS` threads; `k`, `v` hold `batch` rows of
@@ -34,7 +35,7 @@ use crate::thread::{block_idx_x, thread_idx_x};
 /// `seq_len`, `seq_slot`, the head map and the block tables are written by host copies enqueued
 /// before the previous kernel (not by a kernel): they are read before `overlapped_entry`.
 #[inline(always)]
-pub unsafe fn append_kv<E: Half16>(a: &AppendArgs) {
+pub unsafe fn append_kv<E: Half16, S: KvStore>(a: &AppendArgs, rows: S) {
     let (p, bufs) = (&a.params, &a.cache);
     let (k, v) = (a.k.get(), a.v.get());
     let (seq_slot, seq_len) = (a.batch.seq_slot.get(), a.batch.seq_len.get());
@@ -65,8 +66,9 @@ pub unsafe fn append_kv<E: Half16>(a: &AppendArgs) {
     // heads apart: chunk `in_token` of row `b` is inside them.
     let at = (b * p.strides.kv * c.paged.head_dim + in_token * CHUNK_ELEMS) as usize;
     let (key, value) = unsafe { (load(k.add(at)), load(v.add(at))) };
-    // SAFETY: `target` is this sequence's, `chunk < D / 8`.
-    unsafe { write_chunk(c, bufs, target, slot, chunk, key, value) };
+    // SAFETY: `target` is this sequence's, `chunk < D / 8`; a row's `D / 8` lanes are here
+    // together (the grid is whole rows, and they share the target).
+    unsafe { rows.write(c, bufs, target, slot, chunk, key, value) };
 
     if let RowTarget::Dense { page, head, token } = target {
         if chunk == 0 && len > p.dynamic_min_len {

@@ -16,19 +16,30 @@
 //! - [`gather`]: a sequence's cached positions and its new chunk as contiguous rows
 //!   (`gather_kv_rows_*`), for chunked prefill's attention.
 //! - [`fill`]: deterministic pseudo-random values (`fill_random_*`).
+//! - [`coded`]: the same append and row write for an integer-coded cache (`append_kv_int8_*`,
+//!   `write_kv_rows_int8_*`: each row quantized by [`quantize`] as it is stored), and the
+//!   statistics of the pages a prefill writes pooled from its activation rows
+//!   (`pool_key_stats_rows_*`), since such a cache keeps no 16-bit keys.
 //!
 //! [`KV_WRITE_THREADS`]: lserve_abi::kv_write::KV_WRITE_THREADS
 
 pub mod append;
+pub mod coded;
 pub mod fill;
 pub mod gather;
 pub mod pool;
+pub mod quantize;
 pub mod rows;
 pub mod stats;
 pub mod target;
 
-use lserve_abi::kv_write::{AppendArgs, FillArgs, GatherArgs, PoolArgs, WriteRowsArgs};
+use lserve_abi::kv_write::{
+    AppendArgs, CodedAppendArgs, CodedWriteRowsArgs, FillArgs, GatherArgs, PoolArgs, PoolRowsArgs,
+    WriteRowsArgs,
+};
 
+use self::coded::Codes;
+use self::target::Elements;
 use crate::convert::{Bf16, F16};
 
 /// Declares the `extern "gpu-kernel"` entry points of one element type.
@@ -41,7 +52,7 @@ macro_rules! kv_write_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $append(a: AppendArgs) {
             // SAFETY: forwarded launch contract (the body waits for the kernel before).
-            unsafe { append::append_kv::<$elem>(&a) }
+            unsafe { append::append_kv::<$elem, _>(&a, Elements) }
         }
 
         /// Writes the tokens of a ragged batch into the cache (see [`rows`]).
@@ -51,7 +62,7 @@ macro_rules! kv_write_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $rows(a: WriteRowsArgs) {
             // SAFETY: forwarded launch contract.
-            unsafe { rows::write_kv_rows(&a) }
+            unsafe { rows::write_kv_rows(&a, Elements) }
         }
 
         /// Gathers cached positions and a new chunk into contiguous rows (see [`gather`]).
@@ -101,4 +112,56 @@ kv_write_kernels!(
     gather_kv_rows_f16,
     pool_key_stats_f16,
     fill_random_f16
+);
+
+/// Declares the entry points of an integer-coded cache for one element type of the activations.
+macro_rules! coded_kv_write_kernels {
+    ($elem:ty, $append:ident, $rows:ident, $pool:ident) => {
+        /// Appends one decode token per sequence to a coded cache (see [`append`] and
+        /// [`coded::Codes`]).
+        ///
+        /// # Safety
+        /// As [`append::append_kv`], and `a.codes` holds the coded layout of the same cache:
+        /// launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $append(a: CodedAppendArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe { append::append_kv::<$elem, _>(&a.append, Codes::<$elem>::new(a.codes)) }
+        }
+
+        /// Writes the tokens of a ragged batch into a coded cache (see [`rows`] and
+        /// [`coded::Codes`]).
+        ///
+        /// # Safety
+        /// As [`rows::write_kv_rows`], and `a.codes` holds the coded layout of the same cache:
+        /// launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $rows(a: CodedWriteRowsArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe { rows::write_kv_rows(&a.rows, Codes::<$elem>::new(a.codes)) }
+        }
+
+        /// Pools `kmin`/`kmax` from activation rows (see [`coded::pool_key_stats_rows`]).
+        ///
+        /// # Safety
+        /// As [`coded::pool_key_stats_rows`]: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $pool(a: PoolRowsArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe { coded::pool_key_stats_rows::<$elem>(&a) }
+        }
+    };
+}
+
+coded_kv_write_kernels!(
+    Bf16,
+    append_kv_int8_bf16,
+    write_kv_rows_int8_bf16,
+    pool_key_stats_rows_bf16
+);
+coded_kv_write_kernels!(
+    F16,
+    append_kv_int8_f16,
+    write_kv_rows_int8_f16,
+    pool_key_stats_rows_f16
 );

@@ -9,10 +9,11 @@
 
 use lserve_abi::kv_write::{WriteRowsArgs, CHUNK_ELEMS, KV_WRITE_THREADS};
 
-use super::target::{load, write_chunk, RowTarget};
+use super::target::{load, KvStore, RowTarget};
 use crate::thread::{block_idx_x, block_idx_y, thread_idx_x};
 
-/// The row-write body (element-type agnostic: it moves bits).
+/// The row-write body, storing the rows through `rows` (a 16-bit cache's elements, moved as bits,
+/// or codes).
 ///
 /// # Safety
 /// Launched with the grid above and `KV_WRITE_THREADS` threads; `ranges` holds `p.sequences`
@@ -20,7 +21,7 @@ use crate::thread::{block_idx_x, block_idx_y, thread_idx_x};
 /// below `len`; `k`, `v` hold the rows `first_row .. first_row + end - start` of every range as
 /// `[kv_heads][head_dim]`; the buffers hold the layouts in `p`, `head_dim % 8 == 0`.
 #[inline(always)]
-pub unsafe fn write_kv_rows(a: &WriteRowsArgs) {
+pub unsafe fn write_kv_rows<S: KvStore>(a: &WriteRowsArgs, rows: S) {
     let (p, bufs, ranges) = (&a.params, &a.cache, a.ranges.get());
     let (k, v) = (a.k.get(), a.v.get());
     let c = &p.cache;
@@ -43,9 +44,10 @@ pub unsafe fn write_kv_rows(a: &WriteRowsArgs) {
         return;
     }
     // SAFETY: activation row `first_row + t` exists; `target` is this sequence's; distinct
-    // (sequence, position, head) triples have distinct destination rows.
+    // (sequence, position, head) triples have distinct destination rows; a row's `D / 8` lanes
+    // are here together (blocks are whole rows, and they share the target).
     unsafe {
         let (key, value) = (load(k.add(src)), load(v.add(src)));
-        write_chunk(c, bufs, target, r.slot, chunk, key, value);
+        rows.write(c, bufs, target, r.slot, chunk, key, value);
     }
 }

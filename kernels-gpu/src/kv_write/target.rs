@@ -158,6 +158,48 @@ pub unsafe fn write_chunk(
     }
 }
 
+/// How a write kernel stores a token's chunks of K and V: as the 16-bit elements they are
+/// ([`Elements`]) or as integer codes (`super::coded::Codes`).
+pub trait KvStore {
+    /// Stores chunk `chunk` of a token's K and V rows (`k`, `v`) where `target` says, leaving the
+    /// statistics alone.
+    ///
+    /// # Safety
+    /// As [`write_chunk`]; and the `D / 8` lanes holding the row's chunks (an aligned group) call
+    /// it together with the same `target` (a coded store quantizes across them).
+    unsafe fn write(
+        &self,
+        c: &CacheLayout,
+        bufs: &CachePtrs,
+        target: RowTarget,
+        slot: u32,
+        chunk: u32,
+        k: Vec16,
+        v: Vec16,
+    );
+}
+
+/// A 16-bit cache: the chunks are stored as they are ([`write_chunk`]).
+#[derive(Clone, Copy)]
+pub struct Elements;
+
+impl KvStore for Elements {
+    #[inline(always)]
+    unsafe fn write(
+        &self,
+        c: &CacheLayout,
+        bufs: &CachePtrs,
+        target: RowTarget,
+        slot: u32,
+        chunk: u32,
+        k: Vec16,
+        v: Vec16,
+    ) {
+        // SAFETY: forwarded.
+        unsafe { write_chunk(c, bufs, target, slot, chunk, k, v) }
+    }
+}
+
 /// Reads one chunk of a token's K and V rows from where `target` says; zeros for
 /// [`RowTarget::Nowhere`].
 ///

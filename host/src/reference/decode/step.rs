@@ -251,7 +251,11 @@ fn check_held_selections(
                 ),
             });
         }
-        if held.len() + 1 > capacity {
+        // The entry is the held selection and the newest page, unless the selection ends with
+        // it (a selection of every page of a sequence as long as the tables reach, which fills
+        // an entry capped at that many pages).
+        let ends_with_newest = held.last().is_some_and(|&p| p as usize + 1 == pages);
+        if held.len() + usize::from(!ends_with_newest) > capacity {
             return Err(LserveError::InvalidArgument {
                 what: "reuse",
                 reason: format!(

@@ -1,10 +1,13 @@
 //! Integer codes of K/V rows: per group of channels a bf16 scale `s` and minimum `m`, per channel
 //! a code `c` in `0..=levels`, the value `c · s + m`.
 //!
-//! Quantizing a group `x` (exact arithmetic, in `f64`):
-//! 1. `m` = the largest bf16 not above `min x`; `s` = the smallest bf16 not below
-//!    `(max x - m) / levels`, so `[m, m + levels · s]` holds every `x`;
-//! 2. `c = round_half_even((x - m) / s)` (0 where `s = 0`, i.e. all `x` equal `m`).
+//! Quantizing a group `x` (as the device's `quantize` step computes it too):
+//! 1. `m` = the largest bf16 not above `min x` (the minimum in the total order of floats, so a
+//!    zero minimum is `-0.0` if the group holds one, whatever the order); `s` = the smallest
+//!    bf16 not below `(max x - m) / levels` with the difference and the quotient rounded to
+//!    nearest in f64, so `[m, m + levels · s]` holds every `x`;
+//! 2. `c` = the integer nearest to the exact quotient `(x - m) / s`, ties to even (0 where
+//!    `s = 0`, i.e. all `x` equal `m`).
 //!
 //! Then `|x - (c · s + m)| <= s / 2` for every element, and the kernels' f32 `fma(c, s, m)` adds
 //! at most half an ulp of the result. A group with a value that is not finite, or whose `m` or
@@ -35,10 +38,15 @@ impl GroupParams {
         if xs.clone().into_iter().any(|x| !x.is_finite()) {
             return nan;
         }
+        // In the total order of floats (`-0.0 < +0.0`): the result does not depend on the
+        // order the values are combined in (the kernels reduce a row across lanes).
         let (lo, hi) = xs
             .into_iter()
             .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), x| {
-                (lo.min(x), hi.max(x))
+                (
+                    if x.total_cmp(&lo).is_lt() { x } else { lo },
+                    if x.total_cmp(&hi).is_gt() { x } else { hi },
+                )
             });
         let min = round::down(lo as f64);
         let scale = round::up((hi as f64 - min.to_f64()) / levels as f64);
@@ -82,15 +90,30 @@ impl GroupParams {
         (c as f32).mul_add(self.scale(), self.min())
     }
 
-    /// The code of `x` (rounded to nearest, ties to even, within `0..=levels`).
+    /// The code of `x`: the integer nearest to the exact quotient `(x - m) / s` (ties to even),
+    /// within `0..=levels`.
+    ///
+    /// An estimate `k` from the f64 quotient is within one of it; the ends `m + (k ± 1/2) s` of
+    /// `k`'s rounding interval are exact in f64 (`s` has 8 significant bits, `k ± 1/2` 9, and
+    /// `m + (k ± 1/2) s` spans less than 53 bits for rows of 16-bit values: `s` is at least the
+    /// row's range over 255, and a nonzero range is at least `2^-11 |m|`), so comparing `x` with
+    /// them moves `k` to the nearest integer exactly. The kernels compute the same with an
+    /// approximate reciprocal for the estimate (`kernels-gpu/src/kv_write/quantize.rs`).
     pub(super) fn code(&self, x: f32, levels: u32) -> u8 {
         let (s, m) = (self.scale.to_f64(), self.min.to_f64());
         if s == 0.0 || s.is_nan() {
             return 0;
         }
-        ((x as f64 - m) / s)
-            .round_ties_even()
-            .clamp(0.0, levels as f64) as u8
+        let x = x as f64;
+        let mut k = ((x - m) / s).round_ties_even();
+        let (lo, hi) = ((k - 0.5).mul_add(s, m), (k + 0.5).mul_add(s, m));
+        let odd = k % 2.0 != 0.0;
+        if x > hi || (x == hi && odd) {
+            k += 1.0;
+        } else if x < lo || (x == lo && odd) {
+            k -= 1.0;
+        }
+        k.clamp(0.0, levels as f64) as u8
     }
 
     /// The stored bytes: `s` then `m`, bf16 little-endian.

@@ -1,0 +1,193 @@
+//! Writing an integer-coded cache: K and V rows quantized to INT8 per token and head as they are
+//! written ([`Codes`], the store of the coded append and row write), and the statistics of the
+//! logical pages a prefill writes, pooled from its activation rows ([`pool_key_stats_rows`]): a
+//! coded cache keeps no 16-bit keys, and the statistics bound the unquantized keys.
+
+use core::arch::asm;
+use core::marker::PhantomData;
+
+use lserve_abi::buffers::{CachePtrs, CodedKvPtrs};
+use lserve_abi::kv_write::{logical_pages_of, pool_pages_per_block, PoolRowsArgs, CHUNK_ELEMS};
+use lserve_abi::layout::CacheLayout;
+
+use super::quantize::{quantize_chunk, CodedChunk};
+use super::stats::Bounds;
+use super::target::{chunk_at, load, store, KvStore, RowTarget};
+use crate::convert::Half16;
+use crate::math::Vec16;
+use crate::pool_page::in_pool;
+use crate::thread::{block_idx_x, block_idx_y, block_idx_z, thread_idx_x};
+use lserve_abi::decode::{CODED_HEAD_DIM, HEAD_STREAMING};
+
+/// The store of a coded cache: each row quantized across its lanes
+/// ([`quantize_chunk`]), 8 code bytes per chunk, the row word written by the lane of chunk 0.
+/// Coded caches have rows of [`CODED_HEAD_DIM`] channels (the host makes no other), so the
+/// row's lanes and its word index are compile-time shifts.
+#[derive(Clone, Copy)]
+pub struct Codes<E> {
+    ptrs: CodedKvPtrs,
+    elem: PhantomData<E>,
+}
+
+impl<E> Codes<E> {
+    /// The store writing into `ptrs`.
+    #[inline(always)]
+    pub fn new(ptrs: CodedKvPtrs) -> Self {
+        Self {
+            ptrs,
+            elem: PhantomData,
+        }
+    }
+}
+
+/// Stores 8 code bytes at `p` with one 8-byte access.
+///
+/// # Safety
+/// `p` is 8-byte aligned and 8 writable bytes.
+#[inline(always)]
+unsafe fn store_codes(p: *mut u8, codes: [u32; 2]) {
+    // SAFETY: forwarded; a generic-address vector store of 8 aligned bytes.
+    unsafe {
+        asm!("st.v2.u32 [{0}], {{{1}, {2}}};", in(reg64) p, in(reg32) codes[0],
+             in(reg32) codes[1], options(nostack));
+    }
+}
+
+impl<E: Half16> KvStore for Codes<E> {
+    #[inline(always)]
+    unsafe fn write(
+        &self,
+        c: &CacheLayout,
+        _bufs: &CachePtrs,
+        target: RowTarget,
+        slot: u32,
+        chunk: u32,
+        k: Vec16,
+        v: Vec16,
+    ) {
+        let p = &self.ptrs;
+        let (codes, words, row) = match target {
+            RowTarget::Dense { page, head, token } => (
+                (p.k_pool.get(), p.v_pool.get()),
+                (p.k_pool_words.get(), p.v_pool_words.get()),
+                c.paged.kv_row(page, head, token),
+            ),
+            RowTarget::Streaming { head, row } => (
+                (p.k_stream.get(), p.v_stream.get()),
+                (p.k_stream_words.get(), p.v_stream_words.get()),
+                c.streaming.kv_row(slot, head, row),
+            ),
+            // The row's lanes share the target: they leave together.
+            RowTarget::Nowhere => return,
+        };
+        let lanes = CODED_HEAD_DIM / CHUNK_ELEMS;
+        // SAFETY: the row's lanes are here together (caller), `lanes` is `D / 8`.
+        let (k, v): (CodedChunk, CodedChunk) =
+            unsafe { (quantize_chunk::<E>(k, lanes), quantize_chunk::<E>(v, lanes)) };
+        let at = chunk_at(row, chunk);
+        // SAFETY: code rows are `D` bytes where a 16-bit row has its `D` elements (`D` is
+        // `CODED_HEAD_DIM`), inside their
+        // buffer by the layout; `D % 8 == 0`, so a chunk's 8 bytes are 8-byte aligned; the row's
+        // word is word `row / D` of its word buffer.
+        unsafe {
+            store_codes(codes.0.add(at), k.codes);
+            store_codes(codes.1.add(at), v.codes);
+            if chunk == 0 {
+                let w = row / CODED_HEAD_DIM as usize;
+                *words.0.add(w) = k.word;
+                *words.1.add(w) = v.word;
+            }
+        }
+    }
+}
+
+/// The body of `pool_key_stats_rows_*` for element type `E` (`lserve_abi::kv_write::PoolRowsArgs`
+/// says what it computes): block `(x, h, s)` takes `pool_pages_per_block(D)` logical pages of
+/// range `s` for KV head `h`, `D / 8` threads per logical page.
+///
+/// # Safety
+/// Launched with that grid and `KV_WRITE_THREADS` threads; `ranges` holds `sequences` entries
+/// with `start <= end <= len` whose block-table rows map every page below `len`; `k` holds each
+/// range's `end - start` rows from `first_row`, `kv_stride` heads apart; the buffers hold the
+/// layouts in the parameters, `head_dim % 8 == 0`; the statistics of a logical page that begins
+/// before a range's `start` hold those of its earlier tokens.
+#[inline(always)]
+pub unsafe fn pool_key_stats_rows<E: Half16>(a: &PoolRowsArgs) {
+    let (p, ranges) = (&a.pool.params, a.pool.ranges.get());
+    let (kmin, kmax) = (a.pool.cache.kmin.get(), a.pool.cache.kmax.get());
+    let c = &p.cache;
+    let layout = &c.paged;
+    let d = layout.head_dim;
+    let chunks_per_head = d / CHUNK_ELEMS;
+    let (page_in_block, chunk) = (
+        thread_idx_x() / chunks_per_head,
+        thread_idx_x() % chunks_per_head,
+    );
+    if page_in_block >= pool_pages_per_block(d) {
+        return;
+    }
+    let kv_head = block_idx_y();
+    // SAFETY: `kv_head < kv_heads` (grid), `block_idx_z() < sequences`.
+    let (entry, r) = unsafe {
+        (
+            *a.pool.cache.head_map.get().add(kv_head as usize),
+            *ranges.add(block_idx_z() as usize),
+        )
+    };
+    if entry & HEAD_STREAMING != 0 {
+        return;
+    }
+    let head = entry;
+    let n_l = layout.logical_tokens;
+    let (first, end) = logical_pages_of(r.start, r.end, n_l);
+    let logical = first + block_idx_x() * pool_pages_per_block(d) + page_in_block;
+    if logical >= end {
+        return;
+    }
+    let token0 = logical * n_l;
+    let n_p = layout.page_tokens;
+    // SAFETY: `token0 < end <= len`, so the block table maps its page.
+    let page = unsafe {
+        *a.pool
+            .cache
+            .block_tables
+            .get()
+            .add(r.slot as usize * c.max_pages as usize + (token0 / n_p) as usize)
+    };
+    if !in_pool(layout, page) {
+        // A block table entry past the pool: nothing is read or written (`pool_page`).
+        return;
+    }
+    let out = chunk_at(layout.stats_row(page, head, (token0 % n_p) / n_l), chunk);
+    let from = if token0 > r.start { token0 } else { r.start };
+    let to = if token0 + n_l < r.end {
+        token0 + n_l
+    } else {
+        r.end
+    };
+    let row_stride = (a.kv_stride * d) as usize;
+    let key_at = |pos: u32| {
+        (r.first_row + pos - r.start) as usize * row_stride
+            + chunk_at((kv_head * d) as usize, chunk)
+    };
+    let k = a.k.get();
+    // SAFETY: `from < to <= end`: activation rows of the range (caller); the statistics row of
+    // this logical page, inside `kmin`/`kmax`; one thread per (page, head, chunk).
+    unsafe {
+        let mut bounds = if token0 < r.start {
+            Bounds {
+                lo: load(kmin.add(out)),
+                hi: load(kmax.add(out)),
+            }
+        } else {
+            Bounds::of(load(k.add(key_at(from))))
+        };
+        let mut pos = if token0 < r.start { from } else { from + 1 };
+        while pos < to {
+            bounds.include::<E>(load(k.add(key_at(pos))));
+            pos += 1;
+        }
+        store(kmin.add(out), bounds.lo);
+        store(kmax.add(out), bounds.hi);
+    }
+}
