@@ -13,14 +13,18 @@
 //!   advance once per layer.)
 //! - `step/lserve`: both sparsities, timed the same way; `step/lserve_int8` the same over an
 //!   INT8 cache (the append quantizes, the coded attention reads codes; statistics bf16);
+//!   `step/lserve_q8` and `step/lserve_int8_q8` select from 8-bit statistics
+//!   (`StatsFormat::DEVICE_INT8`: the append codes them, the selector reads only them);
 //! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern), timed per layer
 //!   of a step graph like `step/*` (so the once-per-step advance is shared by the layers, as in a
-//!   step, and the selector's cost compares with the rest of a step layer);
+//!   step, and the selector's cost compares with the rest of a step layer); `selector/reuse1_q8`
+//!   from 8-bit statistics;
 //! - `kv/append`: the decode append alone (`append_kv`: one token's K/V per sequence of the
 //!   batch written into the cache, with the incremental `kmin`/`kmax` update), every head dense
 //!   (each KV head updates its statistics), the token at position `context - 1` (inside a
 //!   logical page, as 15 of 16 steps are: the update reads and writes the statistics);
 //!   `kv/append_int8` the same into an INT8 cache (the rows quantized as they are written);
+//!   `kv/append_q8` into a bf16 cache that keeps 8-bit statistics (the page's codes rewritten);
 //! - `kv/pool`: key-statistics pooling over the whole context (`pool_key_stats` of `0..context`,
 //!   every head dense), batch 1 only;
 //! - `attention/dense_mha`, `step/lserve_mha`: the dense baseline and the LServe step for one
@@ -66,7 +70,7 @@ use lserve::gpu::{
 };
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::paging::{KvCacheManager, SeqId};
-use lserve::quant::{CodeBits, IntFormat, QuantGroup};
+use lserve::quant::{CodeBits, IntFormat, QuantGroup, StatsFormat};
 
 const CONTEXTS: [usize; 5] = [4096, 16384, 65536, 131072, 262144];
 const BATCHES: [usize; 2] = [1, 16];
@@ -122,9 +126,36 @@ fn step_layers(batch: usize) -> usize {
     }
 }
 
+/// What a bench case's cache stores: K/V in bf16 or INT8 codes, statistics 16-bit or 8-bit.
+#[derive(Clone, Copy)]
+struct Store {
+    /// K/V as INT8 codes per token-head.
+    int8: bool,
+    /// 8-bit statistics (`StatsFormat::DEVICE_INT8`).
+    q8: bool,
+}
+
+const BF16: Store = Store {
+    int8: false,
+    q8: false,
+};
+const INT8: Store = Store {
+    int8: true,
+    q8: false,
+};
+const Q8: Store = Store {
+    int8: false,
+    q8: true,
+};
+const INT8_Q8: Store = Store {
+    int8: true,
+    q8: true,
+};
+
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
-/// the statistics pooled from it (`coded`: an INT8 cache of random codes, words and statistics,
-/// `DeviceKvCache::fill_random`). With `planned`, the last token is left for the step's plan to
+/// the statistics pooled from it (`store.int8`: an INT8 cache of random codes, words and
+/// statistics, `DeviceKvCache::fill_random`; `store.q8`: 8-bit statistics beside them, coded by
+/// the pooling, random with INT8). With `planned`, the last token is left for the step's plan to
 /// reserve (`DecodeStep::plan`, as an engine's step does).
 #[allow(clippy::too_many_arguments)]
 fn bench_case(
@@ -137,8 +168,9 @@ fn bench_case(
     streaming: bool,
     selection: bool,
     reuse: usize,
-    coded: bool,
+    store: Store,
 ) -> lserve::Result<Bench> {
+    let coded = store.int8;
     let g = ModelGeometry::new(layers, model.hq, model.hkv, D)?;
     let pattern = if streaming {
         HeadPattern::interleaved(g, 0.5)?
@@ -152,6 +184,11 @@ fn bench_case(
             len
         },
         reuse_interval: reuse,
+        stats_format: if store.q8 {
+            StatsFormat::DEVICE_INT8
+        } else {
+            StatsFormat::Half
+        },
         ..SparsityConfig::default()
     };
     let pages = config.pages_for_len(len);
@@ -237,7 +274,11 @@ impl Bench {
                 bytes += rows * row;
             }
             if with_selection && selecting {
-                bytes += self.len.div_ceil(self.config.logical_page_tokens) * 2 * ROW_BYTES
+                let page_bytes = match self.config.stats_format {
+                    StatsFormat::Half => 2 * ROW_BYTES,
+                    StatsFormat::Int8(group) => group.page_bytes(D).expect("D 128"),
+                };
+                bytes += self.len.div_ceil(self.config.logical_page_tokens) * page_bytes
                     / self.config.reuse_interval;
             }
         }
@@ -256,6 +297,9 @@ impl Bench {
             if self.pattern.kind(0, h) == HeadKind::Dense {
                 let stats = 2 * ROW_BYTES; // kmin + kmax of one head
                 per_seq += if starts_logical { stats } else { 2 * stats };
+                if let StatsFormat::Int8(group) = self.config.stats_format {
+                    per_seq += group.page_bytes(D).expect("D 128"); // the page's codes written
+                }
             }
         }
         (self.batch.len() * per_seq) as u64
@@ -411,36 +455,29 @@ fn decode(c: &mut Criterion) {
             let id = |name: &str| BenchmarkId::new(name, format!("b{batch}/{context}"));
             let case = |group: &str, name: &str| format!("{group}/{name}/b{batch}/{context}");
             // (model, group, name, streaming heads, page selection, reuse, run selection, run
-            // attention, INT8 KV)
+            // attention, what the cache stores)
             let l3 = LLAMA3_8B;
             let variants = [
+                (l3, "attention", "dense", false, false, 4, false, true, BF16),
+                (l3, "attention", "static", true, false, 4, false, true, BF16),
+                (l3, "step", "dynamic", false, true, 4, true, true, BF16),
+                (l3, "step", "lserve", true, true, 4, true, true, BF16),
+                (l3, "step", "lserve_q8", true, true, 4, true, true, Q8),
+                (l3, "step", "lserve_int8", true, true, 4, true, true, INT8),
                 (
                     l3,
-                    "attention",
-                    "dense",
-                    false,
-                    false,
+                    "step",
+                    "lserve_int8_q8",
+                    true,
+                    true,
                     4,
-                    false,
                     true,
-                    false,
+                    true,
+                    INT8_Q8,
                 ),
-                (
-                    l3,
-                    "attention",
-                    "static",
-                    true,
-                    false,
-                    4,
-                    false,
-                    true,
-                    false,
-                ),
-                (l3, "step", "dynamic", false, true, 4, true, true, false),
-                (l3, "step", "lserve", true, true, 4, true, true, false),
-                (l3, "step", "lserve_int8", true, true, 4, true, true, true),
-                (l3, "selector", "reuse1", true, true, 1, true, false, false),
-                (l3, "selector", "reuse4", true, true, 4, true, false, false),
+                (l3, "selector", "reuse1", true, true, 1, true, false, BF16),
+                (l3, "selector", "reuse1_q8", true, true, 1, true, false, Q8),
+                (l3, "selector", "reuse4", true, true, 4, true, false, BF16),
                 (
                     LLAMA2_7B,
                     "attention",
@@ -450,7 +487,7 @@ fn decode(c: &mut Criterion) {
                     4,
                     false,
                     true,
-                    false,
+                    BF16,
                 ),
                 (
                     LLAMA2_7B,
@@ -461,7 +498,7 @@ fn decode(c: &mut Criterion) {
                     4,
                     true,
                     true,
-                    false,
+                    BF16,
                 ),
             ];
             for (
@@ -603,7 +640,7 @@ fn decode(c: &mut Criterion) {
             // steps do with logical pages of 16).
             // `kv/append_int8`: the same into an INT8 cache (each row quantized as it is
             // written: the codes and the word are the same on every replay too).
-            for (name, coded) in [("append", false), ("append_int8", true)] {
+            for (name, coded) in [("append", BF16), ("append_int8", INT8), ("append_q8", Q8)] {
                 if !selected(&case("kv", name)) {
                     continue;
                 }
@@ -627,7 +664,7 @@ fn decode(c: &mut Criterion) {
             // rebuild): it recomputes `kmin`/`kmax` from the K rows, so replays are state-free.
             if batch == 1 && selected(&case("kv", "pool")) {
                 match bench_case(
-                    &gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4, false,
+                    &gpu, LLAMA3_8B, 1, batch, context, false, false, true, 4, BF16,
                 ) {
                     Ok(mut l) => {
                         let bytes = l.pool_bytes();

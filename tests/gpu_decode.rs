@@ -30,7 +30,7 @@ use lserve::gpu::{
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::quant::{CodeBits, IntFormat, KvFormat, QuantGroup};
+use lserve::quant::{CodeBits, IntFormat, KvFormat, QuantGroup, StatsFormat};
 use lserve::reference::decode::{decode_attention_tables_coded, decode_step, DecodeStepOutput};
 use lserve::reference::kv_write::write_tokens;
 use lserve::reference::select::ReuseState;
@@ -55,6 +55,8 @@ struct Case {
     prompts: Vec<usize>,
     steps: usize,
     f16: bool,
+    /// Selection from 8-bit statistics (`StatsFormat::DEVICE_INT8`).
+    q8: bool,
     seed: u64,
 }
 
@@ -79,6 +81,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     prop::collection::vec(1usize..=600, 1..=5),
                     1usize..=6,
                     any::<bool>(),
+                    any::<bool>(),
                     any::<u64>(),
                 ),
             )
@@ -90,7 +93,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 (page_tokens, lpp),
                 (top_k, sink, local),
                 (min_len, reuse),
-                (prompts, steps, f16, seed),
+                (prompts, steps, f16, q8, seed),
             )| Case {
                 head_dim,
                 kv_heads,
@@ -106,6 +109,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 prompts,
                 steps,
                 f16,
+                q8,
                 seed,
             },
         )
@@ -165,6 +169,11 @@ fn prompted<E: DeviceElement>(case: &Case) -> Prompted<E> {
         },
         always_include_first_page: rng.gen(),
         softmax_scale: None,
+        stats_format: if case.q8 {
+            StatsFormat::DEVICE_INT8
+        } else {
+            StatsFormat::Half
+        },
     };
     let max_len = case.prompts.iter().max().unwrap() + case.steps;
     let batch = case.prompts.len();
@@ -348,6 +357,7 @@ fn long_dense_case(steps: usize, seed: u64) -> Case {
         prompts: vec![20_000],
         steps,
         f16: false,
+        q8: false,
         seed,
     }
 }
@@ -606,6 +616,11 @@ proptest! {
         ],
     ) {
         let gpu = gpu();
+        // The fused append codes no 8-bit statistics (refused: `eight_bit_statistics_refuse_the_fused_append`).
+        let append = match (case.q8, append) {
+            (true, AppendLaunch::Fused) => AppendLaunch::Separate,
+            _ => append,
+        };
         f16_or_bf16!(case.f16, run_steps(&gpu, &case, graph, 0, append, MAX_SPLITS, None))?;
     }
 }
@@ -635,6 +650,7 @@ fn reused_selections_follow_new_pages_without_the_selector() {
         prompts: vec![46, 60, 30],
         steps: 12,
         f16: false,
+        q8: false,
         seed: 7,
     };
     for graph in [false, true] {
@@ -671,6 +687,7 @@ fn coded_decode_steps_match_reference() {
         prompts: vec![46, 60, 30],
         steps: 12,
         f16: false,
+        q8: false,
         seed: 17,
     };
     for graph in [false, true] {
@@ -720,6 +737,165 @@ fn coded_decode_steps_match_reference() {
     .unwrap();
 }
 
+/// Whole decode steps that select from 8-bit statistics (`StatsFormat::DEVICE_INT8`), over a
+/// 16-bit cache and over an INT8 cache: the cache is uploaded with the statistics coded by the
+/// reference, each step's append codes its logical page again, the selector reads only the
+/// codes, and the reference selects from the same codes dequantized; with reuse, pages opened
+/// between selections, `dynamic_min_len` crossed, eagerly and as captured graphs, bf16 and f16.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn eight_bit_statistics_decode_steps_match_reference() {
+    let gpu = gpu();
+    let case = Case {
+        head_dim: 128,
+        kv_heads: 2,
+        group: 2,
+        streaming: vec![false, true],
+        page_tokens: 16,
+        logical_per_page: 4,
+        top_k: 2,
+        sink: 4,
+        local: 16,
+        dynamic_min_len: 40,
+        reuse: 4,
+        prompts: vec![46, 60, 30],
+        steps: 12,
+        f16: false,
+        q8: true,
+        seed: 19,
+    };
+    for graph in [false, true] {
+        for coded in [None, Some(int8())] {
+            run_steps::<bf16>(&gpu, &case, graph, 0, AppendLaunch::Auto, MAX_SPLITS, coded)
+                .unwrap();
+        }
+    }
+    let f16_case = Case {
+        f16: true,
+        head_dim: 64,
+        group: 3,
+        seed: 20,
+        ..case.clone()
+    };
+    run_steps::<f16>(
+        &gpu,
+        &f16_case,
+        false,
+        1,
+        AppendLaunch::Separate,
+        MAX_SPLITS,
+        None,
+    )
+    .unwrap();
+    let long = Case {
+        kv_heads: 4,
+        group: 4,
+        streaming: vec![false, true, false, false],
+        page_tokens: 64,
+        top_k: 8,
+        sink: 64,
+        local: 256,
+        dynamic_min_len: 1024,
+        reuse: 2,
+        prompts: vec![3000, 1500, 900, 4100, 2200, 64, 1025, 2500],
+        steps: 6,
+        seed: 21,
+        ..case
+    };
+    run_steps::<bf16>(
+        &gpu,
+        &long,
+        false,
+        0,
+        AppendLaunch::Auto,
+        MAX_SPLITS,
+        Some(int8()),
+    )
+    .unwrap();
+}
+
+/// A cache that keeps 8-bit statistics takes the append kernel (which codes them): an attention
+/// launch that appends is refused with a typed error before anything is enqueued, `Auto` plans
+/// the separate append; a statistics group the kernels do not keep is refused when the cache is
+/// made, and a manager of another statistics format does not fit the cache.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn eight_bit_statistics_refuse_the_fused_append() {
+    use lserve::gpu::AppendAttendPlan;
+    use lserve::quant::StatsGroup;
+    let gpu = gpu();
+    let case = Case {
+        q8: true,
+        ..long_dense_case(1, 3)
+    };
+    let p = prompted::<bf16>(&Case {
+        prompts: vec![300],
+        ..case.clone()
+    });
+    let mut cache = DeviceKvCache::upload(&gpu, &p.mgr, &p.host, &p.tables).unwrap();
+    assert_eq!(cache.stats_format(), StatsFormat::DEVICE_INT8);
+    let mut batch = DecodeBatch::new(&gpu, 1).unwrap();
+    batch.set(&gpu, &p.mgr, &mut cache, &p.seqs).unwrap();
+    let g = *p.mgr.geometry();
+    let ws = DecodeWorkspace::new(&gpu, 1, g.kv_heads(), g.group(), g.head_dim()).unwrap();
+    let fused = AppendAttendPlan::new(&gpu, &cache, &batch, &ws, AppendLaunch::Fused);
+    assert!(
+        matches!(
+            fused,
+            Err(LserveError::InvalidArgument {
+                what: "append launch",
+                ..
+            })
+        ),
+        "{:?}",
+        fused.map(|_| ())
+    );
+    AppendAttendPlan::new(&gpu, &cache, &batch, &ws, AppendLaunch::Auto).unwrap();
+    let per_page = SparsityConfig {
+        stats_format: StatsFormat::Int8(StatsGroup::Page),
+        ..p.config
+    };
+    let mgr = KvCacheManager::new(g, p.pattern.clone(), per_page, 8, 1, 1024).unwrap();
+    let made = DeviceKvCache::<bf16>::new(&gpu, &mgr);
+    assert!(
+        matches!(
+            made,
+            Err(LserveError::InvalidArgument {
+                what: "stats format",
+                ..
+            })
+        ),
+        "{:?}",
+        made.map(|_| ())
+    );
+    let half = SparsityConfig {
+        stats_format: StatsFormat::Half,
+        ..p.config
+    };
+    let mut other = KvCacheManager::new(
+        g,
+        p.pattern.clone(),
+        half,
+        p.mgr.pool().capacity(),
+        p.mgr.max_sequences(),
+        p.mgr.max_seq_len(),
+    )
+    .unwrap();
+    let seq = other.add_sequence().unwrap();
+    other.reserve(seq, 10).unwrap();
+    let set = batch.set(&gpu, &other, &mut cache, &[seq]);
+    assert!(
+        matches!(
+            set,
+            Err(LserveError::InvalidArgument {
+                what: "manager",
+                ..
+            })
+        ),
+        "{set:?}"
+    );
+}
+
 /// Every (head dim, GQA group, element type) the geometry accepts, against the reference on each
 /// of the three attention kernels of its shape: the bulk-copy kernel (attention over the cache as
 /// it is), the appending `cp.async` kernel (whole steps with the append fused, short splits of
@@ -749,6 +925,7 @@ fn every_group_and_head_dim_matches_reference() {
                     prompts: vec![70, 150, 33],
                     steps: 3,
                     f16: use_f16,
+                    q8: false,
                     seed,
                 };
                 let long = Case {
@@ -991,6 +1168,7 @@ fn reference_reuses_a_selection_of_every_page() {
         prompts: vec![197, 294, 306],
         steps: 3,
         f16: true,
+        q8: false,
         seed: 608_323_255_915_077_816,
     };
     let mut p = prompted::<f16>(&case);

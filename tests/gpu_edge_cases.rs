@@ -289,6 +289,7 @@ fn config(top_k: usize, dynamic_min_len: usize, first: bool) -> SparsityConfig {
         gqa_aggregation: GqaAggregation::Max,
         always_include_first_page: first,
         softmax_scale: None,
+        stats_format: Default::default(),
     }
 }
 

@@ -16,7 +16,9 @@
 
 mod common;
 
-use common::{assert_coded_layer, f16_or_bf16, gpu, head_pattern, int8, layer_arrays};
+use common::{
+    assert_coded_layer, assert_stat_codes, f16_or_bf16, gpu, head_pattern, int8, layer_arrays,
+};
 use half::{bf16, f16};
 use lserve::config::SparsityConfig;
 use lserve::dtype::Element;
@@ -28,6 +30,7 @@ use lserve::gpu::{
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId, StreamingStore};
+use lserve::quant::StatsFormat;
 use lserve::reference::kv_write::{pool_key_stats as ref_pool, update_key_stats, write_tokens};
 use lserve::LserveError;
 use proptest::prelude::*;
@@ -125,6 +128,8 @@ struct Case {
     init_lens: Vec<usize>,
     steps: usize,
     f16: bool,
+    /// The cache keeps 8-bit statistics.
+    q8: bool,
     seed: u64,
 }
 
@@ -148,6 +153,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
             prop::collection::vec(0usize..=150, batch),
             1usize..=24,
             any::<bool>(),
+            any::<bool>(),
             any::<u64>(),
         )
             .prop_map(
@@ -161,6 +167,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     init_lens,
                     steps,
                     f16,
+                    q8,
                     seed,
                 )| {
                     // N_L: a power of two dividing N_P (1 .. N_P).
@@ -176,6 +183,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                         init_lens,
                         steps,
                         f16,
+                        q8,
                         seed,
                     }
                 },
@@ -213,6 +221,11 @@ impl<E: Bits> Setup<E> {
             token_budget: 2 * case.n_p,
             sink_tokens: case.sink,
             local_tokens: case.local,
+            stats_format: if case.q8 {
+                StatsFormat::DEVICE_INT8
+            } else {
+                StatsFormat::Half
+            },
             ..Default::default()
         };
         let dummy_tokens = 3 * case.n_p;
@@ -347,19 +360,31 @@ fn poison_token<E: Bits>(
     }
 }
 
-/// Uploads `host`, runs `launch` on the device cache, and returns the downloaded cache.
+/// Uploads `host`, runs `launch` on the device cache, and returns the downloaded cache and the
+/// device cache.
 fn on_device<E: DeviceElement>(
     gpu: &GpuContext,
     mgr: &KvCacheManager,
     host: &HostKvCache<E>,
     launch: impl FnOnce(&mut DeviceKvCache<E>),
-) -> HostKvCache<E> {
+) -> (HostKvCache<E>, DeviceKvCache<E>) {
     let mut index = IndexTables::for_manager(mgr).unwrap();
     let mut device = DeviceKvCache::upload(gpu, mgr, host, &index).unwrap();
     launch(&mut device);
     let mut got = host.clone();
     device.download(gpu, &mut got, &mut index).unwrap();
-    got
+    (got, device)
+}
+
+/// [`assert_same_cache`], and the 8-bit statistics of `layer` where the device keeps them.
+fn assert_same_layer<E: Bits>(
+    gpu: &GpuContext,
+    (got, device): &(HostKvCache<E>, DeviceKvCache<E>),
+    want: &HostKvCache<E>,
+    layer: usize,
+) -> Result<(), TestCaseError> {
+    assert_same_cache(got, want)?;
+    assert_stat_codes(gpu, device, want, layer)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -402,7 +427,7 @@ fn append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseErr
             s.host.write_token(case.layer, &view, pos, kr, vr).unwrap();
             update_key_stats(&mut s.host, case.layer, &view, pos).unwrap();
         }
-        assert_same_cache(&got, &s.host)
+        assert_same_layer(gpu, &got, &s.host, case.layer)
             .map_err(|e| TestCaseError::fail(format!("step {step}, batch {subset:?}: {e}")))?;
     }
     Ok(())
@@ -437,6 +462,7 @@ fn append_on_a_persistent_cache_across_pages_and_ring_wraps() {
             init_lens: vec![0, 7, 33],
             steps: 70,
             f16: f16_case,
+            q8: f16_case,
             seed: 0x5eed,
         };
         f16_or_bf16!(f16_case, persistent_run(&gpu, &case));
@@ -482,6 +508,11 @@ fn persistent_run<E: Bits>(gpu: &GpuContext, case: &Case) {
         device.download(gpu, &mut got, &mut index).unwrap();
         if let Err(e) = assert_same_cache(&got, &s.host) {
             panic!("D {} step {step}: {e}", case.head_dim);
+        }
+        for layer in 0..LAYERS {
+            if let Err(e) = assert_stat_codes(gpu, &device, &s.host, layer) {
+                panic!("D {} step {step}: {e}", case.head_dim);
+            }
         }
     }
 }
@@ -535,6 +566,7 @@ fn coded_append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
         }
         let got = read_coded_layer(gpu, &dev, case.layer).unwrap();
         assert_coded_layer(&got, &s.host, case.layer)
+            .and_then(|()| assert_stat_codes(gpu, &dev, &s.host, case.layer))
             .map_err(|e| TestCaseError::fail(format!("step {step}, batch {subset:?}: {e}")))?;
     }
     Ok(())
@@ -612,7 +644,8 @@ fn coded_write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), T
         .unwrap();
     }
     let got = read_coded_layer(gpu, &dev, case.layer).unwrap();
-    assert_coded_layer(&got, &s.host, case.layer)
+    assert_coded_layer(&got, &s.host, case.layer)?;
+    assert_stat_codes(gpu, &dev, &s.host, case.layer)
 }
 
 #[test]
@@ -681,7 +714,7 @@ fn write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCas
         )
         .unwrap();
     }
-    assert_same_cache(&got, &s.host)
+    assert_same_layer(gpu, &got, &s.host, case.layer)
 }
 
 #[test]
@@ -729,7 +762,7 @@ fn pool_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError
         let view = s.mgr.view(*seq).unwrap();
         ref_pool(&mut s.host, case.layer, &view, range.clone()).unwrap();
     }
-    assert_same_cache(&got, &s.host)
+    assert_same_layer(gpu, &got, &s.host, case.layer)
 }
 
 #[test]

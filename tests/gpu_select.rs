@@ -38,6 +38,7 @@ use lserve::gpu::{
 use lserve::head_pattern::HeadPattern;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId, SequenceView};
+use lserve::quant::StatsFormat;
 use lserve::reference::kv_write::write_tokens;
 use lserve::reference::select::select_from_cache;
 use proptest::prelude::*;
@@ -67,6 +68,8 @@ struct Case {
     prompts: Vec<usize>,
     steps: usize,
     f16: bool,
+    /// Selection from 8-bit statistics.
+    q8: bool,
     seed: u64,
 }
 
@@ -97,6 +100,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     prop::collection::vec(1usize..=1500, 1..=8),
                     1usize..=6,
                     any::<bool>(),
+                    any::<bool>(),
                     any::<u64>(),
                 ),
             )
@@ -107,7 +111,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 streaming,
                 (page_tokens, lpp, top_k),
                 (dynamic_min_len, reuse, always_first, mean),
-                (prompts, steps, f16, seed),
+                (prompts, steps, f16, q8, seed),
             )| Case {
                 head_dim,
                 kv_heads,
@@ -123,6 +127,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 prompts,
                 steps,
                 f16,
+                q8,
                 seed,
             },
         )
@@ -345,6 +350,11 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), Strin
         },
         always_include_first_page: case.always_first,
         softmax_scale: None,
+        stats_format: if case.q8 {
+            StatsFormat::DEVICE_INT8
+        } else {
+            StatsFormat::Half
+        },
     };
     let batch = case.prompts.len();
     let max_len = case.prompts.iter().max().unwrap() + case.steps;
@@ -475,6 +485,7 @@ fn reuse_four_changes_tables_only_on_due_steps() {
             prompts: vec![200, 37, 95],
             steps: 13,
             f16: false,
+            q8: seed == 2,
             seed,
         };
         run_case::<bf16>(&gpu, &case).unwrap();
@@ -482,7 +493,8 @@ fn reuse_four_changes_tables_only_on_due_steps() {
 }
 
 /// Every (head dim, GQA group, element type) the geometry accepts, with both aggregations over
-/// the group: the scores of every physical page and the selections against the reference. Three
+/// the group and both statistics formats: the scores of every physical page and the selections
+/// against the reference. Three
 /// KV heads (two dense) over two layers, several sequences past `dynamic_min_len`.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
@@ -490,7 +502,14 @@ fn every_group_and_head_dim_scores_like_the_reference() {
     let gpu = gpu();
     for head_dim in ModelGeometry::SUPPORTED_HEAD_DIMS {
         for group in 1..=ModelGeometry::MAX_GROUP {
-            for (use_f16, mean) in [(false, false), (false, true), (true, false), (true, true)] {
+            for (use_f16, mean, q8) in [
+                (false, false, false),
+                (false, true, false),
+                (true, false, false),
+                (true, true, false),
+                (false, false, true),
+                (true, true, true),
+            ] {
                 let case = Case {
                     head_dim,
                     kv_heads: 3,
@@ -506,11 +525,12 @@ fn every_group_and_head_dim_scores_like_the_reference() {
                     prompts: vec![300, 97, 1025],
                     steps: 2,
                     f16: use_f16,
+                    q8,
                     seed: (head_dim * 100 + group * 10 + 2 * use_f16 as usize + mean as usize)
                         as u64,
                 };
                 if let Err(e) = f16_or_bf16!(use_f16, run_case(&gpu, &case)) {
-                    panic!("D {head_dim} group {group} f16 {use_f16} mean {mean}: {e}");
+                    panic!("D {head_dim} group {group} f16 {use_f16} mean {mean} q8 {q8}: {e}");
                 }
             }
         }

@@ -210,6 +210,7 @@ fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
         },
         always_include_first_page: case.first,
         softmax_scale: None,
+        stats_format: Default::default(),
     };
     let max_len: usize = 64;
     let batch = case.prefill.len();

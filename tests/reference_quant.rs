@@ -224,6 +224,15 @@ proptest! {
                 // One step, plus the f32 `fma`'s rounding of the code's value.
                 let tol = s * (1.0 + 1e-6) + hi.abs().max(lo.abs()) * 2f32.powi(-22);
                 prop_assert!(hi8 - hi <= tol && lo - lo8 <= tol, "page {p} channel {c}: step {s}");
+                // The tightest codes that bound (the device computes these, whatever its
+                // estimate): no code above `kmin`'s has a value not above `kmin`, no code
+                // below `kmax`'s one not below `kmax`.
+                let params = q8.params(p, c / g);
+                if s > 0.0 {
+                    let (cl, ch) = (q8.kmin_code(p, c), q8.kmax_code(p, c));
+                    prop_assert!(cl == 255 || params.value(cl + 1) > lo, "page {p} channel {c}: kmin code {cl} not the largest");
+                    prop_assert!(ch == 0 || params.value(ch - 1) < hi, "page {p} channel {c}: kmax code {ch} not the smallest");
+                }
             }
         }
         for _ in 0..4 {

@@ -1,5 +1,6 @@
 //! The device buffers several kernels share, one struct each: a layer's cache
-//! ([`CachePtrs`]), its integer-coded K/V ([`CodedKvPtrs`]), its selection state ([`SelectionPtrs`]) and a decode batch's description
+//! ([`CachePtrs`]), its 8-bit key statistics ([`StatCodesPtrs`]), its integer-coded K/V
+//! ([`CodedKvPtrs`]), its selection state ([`SelectionPtrs`]) and a decode batch's description
 //! ([`BatchPtrs`]). A kernel's argument struct (`DecodeArgs`, `AppendArgs`, ...) holds them beside
 //! its own buffers and its scalars; their shapes are [`CacheLayout`](crate::layout::CacheLayout)'s
 //! and [`SelectionLayout`](crate::layout::SelectionLayout)'s.
@@ -28,7 +29,45 @@ pub struct CachePtrs {
     /// `[kv_heads]`: a KV head's index among the layer's dense heads, or among its streaming
     /// heads with `decode::HEAD_STREAMING` set.
     pub head_map: GlobalPtr<u32>,
+    /// The 8-bit copy of `kmin`/`kmax` the selector reads, where the cache keeps one (null
+    /// pointers where it does not): every kernel that writes `kmin`/`kmax` writes it too.
+    pub stat_codes: StatCodesPtrs,
 }
+
+/// A layer's key statistics in 8 bits (`lserve::quant::StatsFormat::Int8`), derived from the
+/// 16-bit `kmin`/`kmax` logical page by logical page: per group of [`STAT_GROUP_CHANNELS`]
+/// channels of a logical page a bf16 scale `s` and minimum `m` over both vectors (one word, as
+/// [`CodedKvPtrs`]' row words), per channel a `kmin` code rounded down and a `kmax` code rounded
+/// up (the value of code `c` is `fma(c, s, m)` in f32).
+///
+/// Laid out on the 16-bit statistics' element offsets `o` (`PagedLayout::stats_row` + channel):
+/// the codes of the 8 channels of chunk `o / 8` are bytes `2 o ..` (8 `kmin` codes, then 8 `kmax`
+/// codes: one 16-byte load per chunk), the word of channel `o` is word `o / 32`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatCodesPtrs {
+    /// `[capacity][dense_heads][N_P / N_L][D / 8][16]` bytes.
+    pub codes: GlobalPtrMut<u8>,
+    /// `[capacity][dense_heads][N_P / N_L][D / 32]` `(s, m)` words.
+    pub words: GlobalPtrMut<u32>,
+}
+
+impl StatCodesPtrs {
+    /// No 8-bit statistics.
+    pub const NONE: Self = Self {
+        codes: GlobalPtrMut::NULL,
+        words: GlobalPtrMut::NULL,
+    };
+
+    /// Whether the cache keeps 8-bit statistics.
+    #[inline(always)]
+    pub fn present(&self) -> bool {
+        self.codes.addr() != 0
+    }
+}
+
+/// Channels sharing one scale and minimum in [`StatCodesPtrs`].
+pub const STAT_GROUP_CHANNELS: u32 = 32;
 
 /// One layer's page selection state, per (slot, dense head) pair.
 #[repr(C)]

@@ -13,7 +13,7 @@
 //!
 //! Both decide "due" with [`selection_due`] on the same state, so they agree.
 
-use crate::buffers::{BatchPtrs, SelectionPtrs};
+use crate::buffers::{BatchPtrs, SelectionPtrs, StatCodesPtrs};
 use crate::layout::{CacheLayout, SelectionLayout, TokenStrides};
 use crate::ptr::{GlobalPtr, GlobalPtrMut};
 
@@ -72,6 +72,9 @@ pub struct ScoreArgs {
     pub kmin: GlobalPtr<u16>,
     /// The layer's `kmax`, as `kmin`.
     pub kmax: GlobalPtr<u16>,
+    /// The layer's 8-bit statistics (`score_pages_q8_*` reads them instead of `kmin`/`kmax`;
+    /// null for the 16-bit scorers).
+    pub stat_codes: StatCodesPtrs,
     /// `[slots][max_pages]` physical page ids.
     pub block_tables: GlobalPtr<u32>,
     /// `[kv_heads]` head map of the layer (`buffers::CachePtrs::head_map`).

@@ -140,6 +140,7 @@ impl Config {
             },
             always_include_first_page: self.first_page,
             softmax_scale: self.scale,
+            stats_format: Default::default(),
         }
     }
 }

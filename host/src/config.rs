@@ -1,6 +1,7 @@
 //! The sparsity configuration (LServe's defaults) and how GQA groups share a page selection.
 
 use crate::error::{LserveError, Result};
+use crate::quant::StatsFormat;
 
 /// How the query heads of one KV group combine their page scores into the group's one selection.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -55,12 +56,15 @@ pub struct SparsityConfig {
     pub always_include_first_page: bool,
     /// Softmax scale; `None` means `1 / sqrt(head_dim)`.
     pub softmax_scale: Option<f32>,
+    /// The key statistics page selection scores from: 16-bit, or their 8-bit codes
+    /// ([`StatsFormat`]).
+    pub stats_format: StatsFormat,
 }
 
 impl Default for SparsityConfig {
     /// LServe's defaults: sinks 64, local 256, budget 4096, `N_P` 64, `N_L` 16, `C` 4,
     /// `dynamic_min_len` 8192 (`2 * token_budget`), max aggregation, first page always included,
-    /// scale `1/sqrt(D)`.
+    /// scale `1/sqrt(D)`, 16-bit statistics.
     fn default() -> Self {
         Self {
             sink_tokens: 64,
@@ -73,6 +77,7 @@ impl Default for SparsityConfig {
             gqa_aggregation: GqaAggregation::Max,
             always_include_first_page: true,
             softmax_scale: None,
+            stats_format: StatsFormat::Half,
         }
     }
 }

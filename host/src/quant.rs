@@ -179,6 +179,46 @@ impl KvFormat {
     }
 }
 
+/// The key statistics page selection scores from
+/// ([`SparsityConfig::stats_format`](crate::config::SparsityConfig::stats_format)).
+///
+/// With [`Int8`](StatsFormat::Int8) a cache keeps beside its 16-bit `kmin`/`kmax` (which the
+/// append and pooling maintain exactly) their 8-bit codes
+/// ([`quantize_key_stats`](crate::reference::quant::quantize_key_stats)), recoded whenever a
+/// logical page's bounds change, and the selector reads only the codes: about half the bytes per
+/// selection. The bound property holds with either.
+///
+/// ```
+/// use lserve::config::SparsityConfig;
+/// use lserve::quant::{StatsFormat, StatsGroup};
+/// let c = SparsityConfig { stats_format: StatsFormat::Int8(StatsGroup::Channels(32)), ..Default::default() };
+/// assert!(c.validate().is_ok());
+/// assert_eq!(SparsityConfig::default().stats_format, StatsFormat::Half);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StatsFormat {
+    /// `kmin`/`kmax` in the cache's 16-bit element type: `4 D` bytes per logical page and head.
+    #[default]
+    Half,
+    /// 8-bit codes with a scale and minimum per group of channels ([`StatsGroup::page_bytes`]).
+    /// The GPU kernels keep [`StatsGroup::Channels`]`(32)` (`2 D + D / 8` bytes); the CPU
+    /// reference any group.
+    Int8(StatsGroup),
+}
+
+impl StatsFormat {
+    /// The 8-bit format the GPU kernels keep (`lserve_abi::buffers::StatCodesPtrs`).
+    pub const DEVICE_INT8: StatsFormat = StatsFormat::Int8(StatsGroup::Channels(32));
+
+    /// Errors: `InvalidArgument` for an 8-bit group that `head_dim` does not allow.
+    pub fn check(&self, head_dim: usize) -> Result<()> {
+        match self {
+            StatsFormat::Half => Ok(()),
+            StatsFormat::Int8(group) => group.group_channels(head_dim).map(|_| ()),
+        }
+    }
+}
+
 /// Which channels of a logical page's 8-bit key statistics share one scale and minimum (over
 /// both `kmin` and `kmax` of those channels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -7,13 +7,13 @@ use std::ops::Range;
 use lserve::config::SparsityConfig;
 use lserve::dtype::{DType, Element};
 use lserve::geometry::ModelGeometry;
-use lserve::gpu::{CodedLayerContents, GpuContext};
+use lserve::gpu::{read_stat_codes, CodedLayerContents, DeviceElement, DeviceKvCache, GpuContext};
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId};
-use lserve::quant::{CodeBits, IntFormat, QuantGroup};
-use lserve::reference::kv_write::write_tokens;
-use lserve::reference::quant::quantize_rows;
+use lserve::quant::{CodeBits, IntFormat, QuantGroup, StatsFormat};
+use lserve::reference::kv_write::{write_tokens, KeyStats};
+use lserve::reference::quant::{quantize_key_stats, quantize_rows};
 use lserve::reference::select::{ReuseState, Selection};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -320,6 +320,54 @@ pub fn assert_coded_layer<E: Element>(
                 w[i]
             )));
         }
+    }
+    Ok(())
+}
+
+/// The device's 8-bit statistics of `layer` (where `dev` keeps them) equal the reference's coding
+/// of `want`'s 16-bit statistics (`quantize_key_stats`), code for code and word for word.
+pub fn assert_stat_codes<E: DeviceElement>(
+    gpu: &GpuContext,
+    dev: &DeviceKvCache<E>,
+    want: &HostKvCache<E>,
+    layer: usize,
+) -> Result<(), TestCaseError> {
+    let StatsFormat::Int8(group) = dev.stats_format() else {
+        return Ok(());
+    };
+    let got = read_stat_codes(gpu, dev, layer).unwrap();
+    let dense = want.dense(layer).unwrap();
+    if dense.kmin().is_empty() {
+        // An empty buffer is one element on the device (nothing addresses it).
+        prop_assert!(
+            got.codes.len() <= 1 && got.words.len() <= 1,
+            "stat codes: not empty"
+        );
+        return Ok(());
+    }
+    let d = want.pattern().geometry().head_dim();
+    let f32s = |x: &[E]| x.iter().map(|v| v.to_f32()).collect::<Vec<_>>();
+    let stats = KeyStats::new(d, f32s(dense.kmin()), f32s(dense.kmax())).unwrap();
+    let q = quantize_key_stats(&stats, group).unwrap();
+    let (codes, words) = (q.device_codes(), q.words());
+    prop_assert_eq!(got.codes.len(), codes.len());
+    prop_assert_eq!(got.words.len(), words.len());
+    let per_row = words.len() / stats.pages();
+    let differs = |r: usize| {
+        got.codes[2 * d * r..][..2 * d] != codes[2 * d * r..][..2 * d]
+            || got.words[per_row * r..][..per_row] != words[per_row * r..][..per_row]
+    };
+    if let Some(r) = (0..stats.pages()).find(|&r| differs(r)) {
+        return Err(TestCaseError::fail(format!(
+            "layer {layer} 8-bit statistics: logical row {r} has words {:x?} codes {:?}, want \
+             {:x?} {:?} (kmin {:?}, kmax {:?})",
+            &got.words[per_row * r..][..per_row],
+            &got.codes[2 * d * r..][..2 * d],
+            &words[per_row * r..][..per_row],
+            &codes[2 * d * r..][..2 * d],
+            stats.kmin(r),
+            stats.kmax(r),
+        )));
     }
     Ok(())
 }

@@ -18,19 +18,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use lserve_abi::buffers::{BatchPtrs, CachePtrs, CodedKvPtrs, SelectionPtrs};
+use lserve_abi::buffers::{BatchPtrs, CachePtrs, CodedKvPtrs, SelectionPtrs, StatCodesPtrs};
 use lserve_abi::decode::{CODED_HEAD_DIM, HEAD_STREAMING};
 use lserve_abi::ptr::{GlobalPtr, GlobalPtrMut};
 use lserve_abi::{CacheLayout, PagedLayout, SelectionLayout, StreamingLayout};
 
 use super::launch::Launch;
+use super::stat_codes::{check_device_stats, StatCodesLayer};
 use super::table_sync::{RowCopy, TableMirror};
 use super::GpuContext;
 use crate::dtype::Element;
 use crate::head_pattern::{HeadKind, HeadPattern};
 use crate::index_table::IndexTables;
 use crate::paging::{HostKvCache, KvCacheManager, SeqId, TableGeneration, PAD_PAGE};
-use crate::quant::{CodeBits, IntFormat, KvFormat, QuantGroup};
+use crate::quant::{CodeBits, IntFormat, KvFormat, QuantGroup, StatsFormat};
 use crate::reference::quant::quantize_rows;
 use crate::{LserveError, Result};
 
@@ -69,6 +70,9 @@ pub struct DeviceLayer<E> {
     /// The integer-coded K/V of a coded cache ([`DeviceKvCache::new_coded`]); its 16-bit K/V
     /// buffers (`k_pool` .. `v_stream`) then hold one element each and are never addressed.
     pub(crate) codes: Option<CodedLayer>,
+    /// The 8-bit copy of `kmin`/`kmax`, where the configuration keeps one
+    /// ([`StatsFormat::Int8`](crate::quant::StatsFormat::Int8)).
+    pub(crate) stat_codes: Option<StatCodesLayer>,
 }
 
 /// One layer's integer-coded K/V (`lserve_abi::decode::CodedKvPtrs`): INT8 codes, one byte per
@@ -278,6 +282,10 @@ impl<E: DeviceElement> DeviceLayer<E> {
             v_stream: writable(launch.read(&self.v_stream)),
             block_tables: launch.read(block_tables),
             head_map: launch.read(&self.head_map),
+            stat_codes: match &self.stat_codes {
+                Some(c) => c.ptrs(launch),
+                None => StatCodesPtrs::NONE,
+            },
         };
         let selection = SelectionPtrs {
             held_pages: writable_u32(launch.read(&self.held_pages)),
@@ -351,6 +359,7 @@ impl<E: DeviceElement> DeviceLayer<E> {
             held_pages,
             held_lens,
             codes,
+            stat_codes,
             ..
         } = self;
         let cache = CachePtrs {
@@ -362,6 +371,10 @@ impl<E: DeviceElement> DeviceLayer<E> {
             v_stream: launch.write(v_stream).cast(),
             block_tables: launch.read(block_tables),
             head_map: launch.read(head_map),
+            stat_codes: match stat_codes {
+                Some(c) => c.ptrs_mut(launch),
+                None => StatCodesPtrs::NONE,
+            },
         };
         let selection = SelectionPtrs {
             held_pages: launch.write(held_pages),
@@ -627,6 +640,13 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         self.format
     }
 
+    /// The format of the key statistics the selector reads (the manager's
+    /// `SparsityConfig::stats_format`; with `Int8` the cache keeps their 8-bit codes beside the
+    /// 16-bit statistics).
+    pub fn stats_format(&self) -> StatsFormat {
+        self.config.stats_format
+    }
+
     /// `InvalidArgument` for a coded cache: `what` reads or writes the 16-bit K/V.
     pub(crate) fn check_float(&self, what: &'static str) -> Result<()> {
         match self.format {
@@ -653,6 +673,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 ),
             });
         }
+        check_device_stats(cfg.stats_format)?;
         let stream = gpu.stream();
         let slots = manager.max_sequences();
         let held_capacity = cfg.held_selection_pages() + 1;
@@ -724,6 +745,21 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                     )?)
                 }
             };
+            let stat_codes = match (cfg.stats_format, &contents) {
+                (StatsFormat::Half, _) => None,
+                (StatsFormat::Int8(_), Contents::Zeroed { .. }) => {
+                    Some(StatCodesLayer::zeroed(stream, &paged)?)
+                }
+                (StatsFormat::Int8(_), Contents::Host { host, .. }) => {
+                    let dense = host.dense(layer)?;
+                    Some(StatCodesLayer::of(
+                        stream,
+                        paged.head_dim as usize,
+                        dense.kmin(),
+                        dense.kmax(),
+                    )?)
+                }
+            };
             // A coded layer's tensor maps are never read (its kernel copies with `cp.async`):
             // zeros, not maps of the one-element 16-bit buffers.
             let tensor_maps = match coded {
@@ -757,6 +793,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 held_pages: zeros(stream, slots * dense_heads * held_capacity)?,
                 held_lens: zeros(stream, slots * dense_heads)?,
                 codes,
+                stat_codes,
             });
         }
         let pattern_head_dim = pattern.geometry().head_dim();
@@ -802,11 +839,12 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             || capacity.is_some_and(|c| c != manager.pool().capacity())
             || cfg.page_tokens != ours.page_tokens
             || cfg.logical_page_tokens != ours.logical_page_tokens
+            || cfg.stats_format != ours.stats_format
         {
             return Err(LserveError::InvalidArgument {
                 what: "manager",
                 reason: "block tables shaped differently from this cache's (slots, width, pool \
-                         capacity or page sizes)"
+                         capacity or page sizes), or another statistics format"
                     .into(),
             });
         }
@@ -966,9 +1004,10 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     /// Fills every layer's K and V (pool and streaming store) with deterministic pseudo-random
     /// values ([`fill_random`](super::fill_random), seeded per buffer from `seed`). For
     /// benchmarks and tests that need a long context without uploading one; the key statistics
-    /// are not updated (run [`pool_key_stats`](super::pool_key_stats) after). A coded cache gets
-    /// random codes and words, and random statistics (no pool computes them from codes: they
-    /// bound nothing then, which the time of a selection does not depend on).
+    /// (and their 8-bit codes) are not updated (run [`pool_key_stats`](super::pool_key_stats)
+    /// after). A coded cache gets
+    /// random codes and words, and random statistics and 8-bit statistics (no pool computes them
+    /// from codes: they bound nothing then, which the time of a selection does not depend on).
     pub fn fill_random(&mut self, gpu: &GpuContext, seed: u64) -> Result<()> {
         for (i, l) in self.layers.iter_mut().enumerate() {
             let base = seed.wrapping_add(4 * i as u64);
@@ -986,6 +1025,11 @@ impl<E: DeviceElement> DeviceKvCache<E> {
                 // Its statistics cannot be pooled from codes: random too.
                 super::fill_random(gpu, &mut l.kmin, base ^ 0x5eed)?;
                 super::fill_random(gpu, &mut l.kmax, base ^ 0x5eee)?;
+                if let Some(sc) = &mut l.stat_codes {
+                    let (codes, words) = sc.buffers_mut();
+                    super::fill_random_bits::<E, _>(gpu, codes, base ^ 0x5eef)?;
+                    super::fill_random_bits::<half::bf16, _>(gpu, words, base ^ 0x5ef0)?;
+                }
                 continue;
             }
             super::fill_random(gpu, &mut l.k_pool, base)?;

@@ -19,7 +19,7 @@ use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::dtype::DType;
 use crate::error::invalid;
-use crate::quant::KvFormat;
+use crate::quant::{KvFormat, StatsFormat};
 use crate::{LserveError, Result};
 
 /// Scratch for the split partial states, sized once for the largest batch.
@@ -199,6 +199,14 @@ impl AttentionKernels {
     ) -> Result<Self> {
         let geometry = *cache.pattern().geometry();
         let d = geometry.head_dim();
+        if append && cache.config.stats_format != StatsFormat::Half {
+            return Err(LserveError::InvalidArgument {
+                what: "append launch",
+                reason: "the appending attention does not code 8-bit statistics: a cache that \
+                         keeps them takes the append kernel first (AppendLaunch::Auto or Separate)"
+                    .into(),
+            });
+        }
         let (name, smem) = match cache.format() {
             KvFormat::Float(_) => {
                 let bulk = uses_bulk_copies(plan.max_rows, plan.splits, append);
@@ -526,10 +534,12 @@ impl<'b> AppendAttendPlan<'b> {
     /// Launches nothing.
     ///
     /// On an integer-coded cache ([`DeviceKvCache::new_coded`]) the append is always the append
-    /// kernel (`append_kv_int8_*`, which quantizes the token's rows), then the coded attention.
+    /// kernel (`append_kv_int8_*`, which quantizes the token's rows), then the coded attention;
+    /// so it is on a cache that keeps 8-bit statistics (`SparsityConfig::stats_format`: the
+    /// append kernel codes them).
     ///
     /// Errors: as [`DecodePlan::new`]; `InvalidArgument` for [`AppendLaunch::Fused`] on a coded
-    /// cache.
+    /// cache or one with 8-bit statistics.
     pub fn new<E: DeviceElement>(
         gpu: &GpuContext,
         cache: &DeviceKvCache<E>,
@@ -812,10 +822,14 @@ impl<'b> AttentionLayers<'b> {
         let layers = (0..cache.layers())
             .map(|layer| {
                 let plan = plan_layer(gpu, cache, layer, batch, ws)?;
-                let coded = matches!(cache.format(), KvFormat::Int(_));
+                // The fused append writes neither codes nor 8-bit statistics.
+                let separate = matches!(cache.format(), KvFormat::Int(_))
+                    || cache.config.stats_format != StatsFormat::Half;
                 let fused = match append {
                     None => false,
-                    Some(AppendLaunch::Auto) => !coded && fuses_append(plan.max_rows, plan.splits),
+                    Some(AppendLaunch::Auto) => {
+                        !separate && fuses_append(plan.max_rows, plan.splits)
+                    }
                     Some(AppendLaunch::Fused) => true,
                     Some(AppendLaunch::Separate) => false,
                 };

@@ -13,6 +13,7 @@ pub mod primitives_testing;
 mod profile;
 mod ptx;
 mod select;
+mod stat_codes;
 mod step;
 mod table_sync;
 #[cfg(feature = "test-kernels")]
@@ -46,5 +47,8 @@ pub use select::{
 pub use step::{DecodeStep, PlannedStep};
 #[cfg(feature = "test-kernels")]
 #[doc(hidden)]
-pub use tamper::{overwrite_device_table, read_coded_layer, CodedLayerContents, DeviceTable};
+pub use tamper::{
+    overwrite_device_table, read_coded_layer, read_stat_codes, CodedLayerContents, DeviceTable,
+    StatCodesContents,
+};
 pub use tokens::{Tokens, TokensMut};

@@ -50,6 +50,7 @@
 //! ```
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+use lserve_abi::buffers::StatCodesPtrs;
 use lserve_abi::layout::TokenStrides;
 use lserve_abi::select::{
     ScoreArgs, SelectArgs, SelectParams, StepArgs, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS,
@@ -60,11 +61,13 @@ use super::cache::{
     fresh_id, layer_out_of_range, DecodeBatch, DeviceElement, DeviceKvCache, DeviceLayer,
 };
 use super::launch::{check_shape, Launch};
+use super::stat_codes::StatCodesLayer;
 use super::tokens::Tokens;
 use super::GpuContext;
 use crate::config::GqaAggregation;
 use crate::dtype::DType;
 use crate::paging::HostKvCache;
+use crate::quant::StatsFormat;
 use crate::{LserveError, Result};
 
 /// Device scratch of page selection: the physical-page scores of every (sequence, dense KV
@@ -126,11 +129,24 @@ impl SelectWorkspace {
     }
 }
 
-/// The kernel name for element type, head dim and group size (`score_pages_bf16_d128_g4`: one
-/// kernel per group, see `kernels-gpu/src/shapes.rs`).
-fn score_kernel_name(dtype: DType, head_dim: usize, group: usize) -> Result<String> {
+/// The kernel name for element type, head dim, group size and statistics
+/// (`score_pages_bf16_d128_g4`, `score_pages_q8_bf16_d128_g4` over 8-bit statistics: one kernel
+/// per group, see `kernels-gpu/src/shapes.rs`).
+fn score_kernel_name(
+    dtype: DType,
+    head_dim: usize,
+    group: usize,
+    stats: StatsFormat,
+) -> Result<String> {
     check_shape(head_dim, group)?;
-    Ok(format!("score_pages_{}_d{head_dim}_g{group}", dtype.name()))
+    let q8 = match stats {
+        StatsFormat::Half => "",
+        StatsFormat::Int8(_) => "q8_",
+    };
+    Ok(format!(
+        "score_pages_{q8}{}_d{head_dim}_g{group}",
+        dtype.name()
+    ))
 }
 
 /// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
@@ -343,6 +359,10 @@ impl SelectLaunch<'_> {
             q: launch.read(q.view()).cast(),
             kmin: launch.read(&l.kmin).cast(),
             kmax: launch.read(&l.kmax).cast(),
+            stat_codes: match &l.stat_codes {
+                Some(c) => c.ptrs(&mut launch),
+                None => StatCodesPtrs::NONE,
+            },
             block_tables: launch.read(&cache.block_tables),
             head_map: launch.read(&l.head_map),
             batch: batch.ptrs(&mut launch),
@@ -352,7 +372,9 @@ impl SelectLaunch<'_> {
         };
         // SAFETY: `score_pages_*`'s argument struct, of the buffers registered above. Grid `(blocks, B * Hd)` with `SCORE_THREADS`
         // threads as the kernel requires; `q` holds `B * Hq * D` elements (checked); the
-        // statistics have the layout in `params.cache.paged` (built from this layer); the batch's slots
+        // statistics have the layout in `params.cache.paged` (built from this layer), and the
+        // `q8` scorer was looked up only for a cache whose layers keep 8-bit statistics (the
+        // configuration's `stats_format`, which built them); the batch's slots
         // and lengths are live (validated by `DecodeBatch::set`) and their block tables hold pool
         // page ids; the workspace holds `B * Hd * max_pages` scores (checked). Overlapped: the
         // kernel waits for the previous one (`overlapped_entry`) before touching anything a
@@ -457,7 +479,12 @@ impl<'b> SelectPlan<'b> {
     ) -> Result<Self> {
         cache.check_batch(batch)?;
         let geometry = *cache.pattern().geometry();
-        let name = score_kernel_name(E::DTYPE, geometry.head_dim(), geometry.group())?;
+        let name = score_kernel_name(
+            E::DTYPE,
+            geometry.head_dim(),
+            geometry.group(),
+            cache.config.stats_format,
+        )?;
         let top_k = gpu.function("select_pages")?;
         let layers = (0..cache.layers())
             .map(|layer| {
@@ -747,8 +774,9 @@ pub fn poison_index_tables<E: DeviceElement>(
     Ok(())
 }
 
-/// Copies the key statistics of every layer of `host` to the device (tests that grow
-/// sequences on the host between device selections).
+/// Copies the key statistics of every layer of `host` to the device, and codes them again
+/// where the cache keeps 8-bit statistics (tests that grow sequences on the host between device
+/// selections).
 #[doc(hidden)]
 pub fn upload_key_stats<E: DeviceElement>(
     gpu: &GpuContext,
@@ -775,6 +803,10 @@ pub fn upload_key_stats<E: DeviceElement>(
             stream.memcpy_htod(dense.kmin(), &mut l.kmin)?;
             stream.memcpy_htod(dense.kmax(), &mut l.kmax)?;
         }
+        if l.stat_codes.is_some() {
+            let d = l.paged.head_dim as usize;
+            l.stat_codes = Some(StatCodesLayer::of(&stream, d, dense.kmin(), dense.kmax())?);
+        }
     }
     Ok(())
 }
@@ -800,20 +832,26 @@ mod tests {
     #[test]
     fn kernel_names_cover_the_supported_shapes_only() {
         assert_eq!(
-            score_kernel_name(DType::BF16, 128, 4).unwrap(),
+            score_kernel_name(DType::BF16, 128, 4, StatsFormat::Half).unwrap(),
             "score_pages_bf16_d128_g4"
         );
         assert_eq!(
-            score_kernel_name(DType::F16, 64, 1).unwrap(),
-            "score_pages_f16_d64_g1"
+            score_kernel_name(DType::F16, 64, 1, StatsFormat::DEVICE_INT8).unwrap(),
+            "score_pages_q8_f16_d64_g1"
         );
         assert_eq!(
-            score_kernel_name(DType::BF16, 128, 7).unwrap(),
+            score_kernel_name(DType::BF16, 128, 7, StatsFormat::Half).unwrap(),
             "score_pages_bf16_d128_g7"
         );
-        assert!(score_kernel_name(DType::BF16, 256, 4).is_err());
-        assert!(score_kernel_name(DType::BF16, 128, 0).is_err());
-        assert!(score_kernel_name(DType::BF16, 128, ModelGeometry::MAX_GROUP + 1).is_err());
+        assert!(score_kernel_name(DType::BF16, 256, 4, StatsFormat::Half).is_err());
+        assert!(score_kernel_name(DType::BF16, 128, 0, StatsFormat::Half).is_err());
+        assert!(score_kernel_name(
+            DType::BF16,
+            128,
+            ModelGeometry::MAX_GROUP + 1,
+            StatsFormat::Half
+        )
+        .is_err());
     }
 
     /// Every shape `ModelGeometry::new` accepts has its page scorer in the PTX (the top-K half
@@ -824,8 +862,10 @@ mod tests {
             for group in 1..=ModelGeometry::MAX_GROUP {
                 assert!(ModelGeometry::new(1, 3 * group, 3, d).is_ok());
                 for dtype in [DType::BF16, DType::F16] {
-                    let name = score_kernel_name(dtype, d, group).unwrap();
-                    assert!(ptx_has_kernel(&name), "{name} is not in the PTX");
+                    for stats in [StatsFormat::Half, StatsFormat::DEVICE_INT8] {
+                        let name = score_kernel_name(dtype, d, group, stats).unwrap();
+                        assert!(ptx_has_kernel(&name), "{name} is not in the PTX");
+                    }
                 }
             }
         }

@@ -94,3 +94,40 @@ pub fn read_coded_layer<E: DeviceElement>(
         stats: (s.clone_dtoh(&l.kmin)?, s.clone_dtoh(&l.kmax)?),
     })
 }
+
+/// One layer's key statistics as the device holds them, read back for tests: the 16-bit
+/// `kmin`/`kmax` and their 8-bit codes and words (`lserve_abi::buffers::StatCodesPtrs`).
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StatCodesContents<E> {
+    /// `kmin`, `kmax` of the dense pool.
+    pub stats: (Vec<E>, Vec<E>),
+    /// The 8-bit codes (per logical page and chunk of 8 channels: 8 `kmin`, then 8 `kmax`).
+    pub codes: Vec<u8>,
+    /// The `(s, m)` words, one per 32 channels.
+    pub words: Vec<u32>,
+}
+
+/// Reads the statistics of layer `layer` back (synchronizes the context's stream).
+/// `InvalidArgument` for a cache without 8-bit statistics or a bad layer.
+#[doc(hidden)]
+pub fn read_stat_codes<E: DeviceElement>(
+    gpu: &GpuContext,
+    cache: &DeviceKvCache<E>,
+    layer: usize,
+) -> Result<StatCodesContents<E>> {
+    let l = cache.layer(layer)?;
+    let Some(c) = &l.stat_codes else {
+        return Err(LserveError::InvalidArgument {
+            what: "cache",
+            reason: "keeps no 8-bit statistics".into(),
+        });
+    };
+    let s = gpu.stream();
+    let (codes, words) = c.download(s)?;
+    Ok(StatCodesContents {
+        stats: (s.clone_dtoh(&l.kmin)?, s.clone_dtoh(&l.kmax)?),
+        codes,
+        words,
+    })
+}

@@ -271,6 +271,7 @@ impl<E: Element> HostKvCache<E> {
     ) -> Result<Self> {
         config.validate()?;
         let g = pattern.geometry();
+        config.stats_format.check(g.head_dim())?;
         // The buffer sizes are checked before anything is allocated.
         for layer in 0..g.layers() {
             let (dense, streaming) = (pattern.dense_heads(layer), pattern.streaming_heads(layer));

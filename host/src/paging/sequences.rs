@@ -212,6 +212,7 @@ impl KvCacheManager {
         max_seq_len: usize,
     ) -> Result<Self> {
         config.validate()?;
+        config.stats_format.check(geometry.head_dim())?;
         if *pattern.geometry() != geometry {
             return Err(LserveError::HeadPattern(format!(
                 "pattern is for {:?}, cache for {:?}",

@@ -4,7 +4,8 @@
 //! activations `k`, `v` `[batch][Hkv][D]`, i.e. 8 channels of one (sequence, KV head). The token
 //! is position `len - 1` of its sequence. A dense head writes it into its page and folds it into
 //! the statistics of its logical page: the key itself if the token starts the logical page, else
-//! the running per-channel min/max ([`Bounds::include`]). A streaming head writes its sink or
+//! the running per-channel min/max ([`Bounds::include`]), and, where the cache keeps them, the
+//! page's 8-bit statistics coded again ([`store_stat_codes`]). A streaming head writes its sink or
 //! ring row (the newest token is always held).
 //!
 //! **Index entries between selections.** A dense head's index-table entry is its held selection
@@ -18,6 +19,7 @@
 use lserve_abi::buffers::SelectionPtrs;
 use lserve_abi::kv_write::{AppendArgs, AppendParams, CHUNK_ELEMS, KV_WRITE_THREADS};
 
+use super::stat_codes::store_stat_codes;
 use super::stats::Bounds;
 use super::target::{chunk_at, load, store, KvStore, RowTarget};
 use crate::convert::Half16;
@@ -93,6 +95,8 @@ pub unsafe fn append_kv<E: Half16, S: KvStore>(a: &AppendArgs, rows: S) {
             };
             store(lo, bounds.lo);
             store(hi, bounds.hi);
+            // A dense head's `D / 8` lanes are all here (they share the target).
+            store_stat_codes::<E>(&bufs.stat_codes, offset, bounds);
         }
     }
 }

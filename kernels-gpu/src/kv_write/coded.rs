@@ -11,6 +11,7 @@ use lserve_abi::kv_write::{logical_pages_of, pool_pages_per_block, PoolRowsArgs,
 use lserve_abi::layout::CacheLayout;
 
 use super::quantize::{quantize_chunk, CodedChunk};
+use super::stat_codes::store_stat_codes;
 use super::stats::Bounds;
 use super::target::{chunk_at, load, store, KvStore, RowTarget};
 use crate::convert::Half16;
@@ -189,5 +190,7 @@ pub unsafe fn pool_key_stats_rows<E: Half16>(a: &PoolRowsArgs) {
         }
         store(kmin.add(out), bounds.lo);
         store(kmax.add(out), bounds.hi);
+        // The row group is whole here (the exits above are per logical page).
+        store_stat_codes::<E>(&a.pool.cache.stat_codes, out, bounds);
     }
 }

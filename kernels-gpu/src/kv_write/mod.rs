@@ -13,6 +13,8 @@
 //! - [`rows`]: the tokens of a ragged batch (`write_kv_rows_*`), as prefill produces them.
 //! - [`pool`]: `kmin`/`kmax` recomputed for every logical page a token range touches
 //!   (`pool_key_stats_*`).
+//! - [`stat_codes`]: the 8-bit copy of a logical page's `kmin`/`kmax` that the selector reads,
+//!   where the cache keeps one, written wherever `kmin`/`kmax` are (append and pooling).
 //! - [`gather`]: a sequence's cached positions and its new chunk as contiguous rows
 //!   (`gather_kv_rows_*`), for chunked prefill's attention.
 //! - [`fill`]: deterministic pseudo-random values (`fill_random_*`).
@@ -30,6 +32,7 @@ pub mod gather;
 pub mod pool;
 pub mod quantize;
 pub mod rows;
+pub mod stat_codes;
 pub mod stats;
 pub mod target;
 

@@ -4,12 +4,14 @@
 //! Grid `(ceil(max_logical_pages / pages_per_block), dense_heads, sequences)`, where a block pools
 //! `pool_pages_per_block(D)` logical pages of one (range, dense head) and each logical page takes
 //! `D / 8` threads (one chunk of 8 channels each). A logical page's bounds run over its tokens
-//! that exist (below the sequence's length), so a partial last page is handled.
+//! that exist (below the sequence's length), so a partial last page is handled. Where the cache
+//! keeps 8-bit statistics, they are coded from the new bounds ([`stat_codes`](super::stat_codes)).
 
 use lserve_abi::kv_write::{
     logical_pages_of, pool_pages_per_block, PoolArgs, SeqRange, CHUNK_ELEMS,
 };
 
+use super::stat_codes::store_stat_codes;
 use super::stats::Bounds;
 use super::target::{chunk_at, load, store};
 use crate::convert::Half16;
@@ -78,5 +80,7 @@ pub unsafe fn pool_key_stats<E: Half16>(a: &PoolArgs) {
     unsafe {
         store(kmin.add(out), bounds.lo);
         store(kmax.add(out), bounds.hi);
+        // The row group is whole here (the exits above are per logical page).
+        store_stat_codes::<E>(&a.cache.stat_codes, out, bounds);
     }
 }

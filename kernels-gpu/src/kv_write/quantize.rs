@@ -28,7 +28,7 @@ use crate::unroll8;
 use crate::warp::{group_members, group_shfl_xor_u32};
 
 /// bf16 NaN bits (`half::bf16::NAN`).
-const BF16_NAN: u32 = 0x7fc0;
+pub(super) const BF16_NAN: u32 = 0x7fc0;
 
 /// The largest INT8 code.
 const LEVELS: f64 = 255.0;
@@ -45,20 +45,20 @@ pub struct CodedChunk {
 
 /// `x`'s key in the total order of floats, as a signed integer (`f32::total_cmp`'s).
 #[inline(always)]
-fn ordered(x: f32) -> i32 {
+pub(super) fn ordered(x: f32) -> i32 {
     let b = x.to_bits() as i32;
     b ^ ((((b >> 31) as u32) >> 1) as i32)
 }
 
 /// The float of an [`ordered`] key.
 #[inline(always)]
-fn from_ordered(k: i32) -> f32 {
+pub(super) fn from_ordered(k: i32) -> f32 {
     f32::from_bits((k ^ ((((k >> 31) as u32) >> 1) as i32)) as u32)
 }
 
 /// The largest bf16 not above `x` (finite `x`), as bits.
 #[inline(always)]
-fn bf16_down(x: f32) -> u32 {
+pub(super) fn bf16_down(x: f32) -> u32 {
     let (b, t) = (x.to_bits(), x.to_bits() >> 16);
     // Truncation rounds toward zero: down for a positive value, up for a negative one.
     if b & 0xffff != 0 && b >> 31 != 0 {
@@ -70,7 +70,7 @@ fn bf16_down(x: f32) -> u32 {
 
 /// The smallest bf16 not below `x` (`x >= 0` or any finite), as bits; `+inf` above bf16's range.
 #[inline(always)]
-fn bf16_up(x: f32) -> u32 {
+pub(super) fn bf16_up(x: f32) -> u32 {
     let (b, t) = (x.to_bits(), x.to_bits() >> 16);
     if b & 0xffff != 0 && b >> 31 == 0 {
         t + 1
@@ -81,19 +81,19 @@ fn bf16_up(x: f32) -> u32 {
 
 /// The f32 of bf16 bits.
 #[inline(always)]
-fn bf16_value(bits: u32) -> f32 {
+pub(super) fn bf16_value(bits: u32) -> f32 {
     f32::from_bits(bits << 16)
 }
 
 /// Whether bf16 bits are finite.
 #[inline(always)]
-fn bf16_finite(bits: u32) -> bool {
+pub(super) fn bf16_finite(bits: u32) -> bool {
     bits & 0x7f80 != 0x7f80
 }
 
 /// The smallest f32 not below `x` (`cvt.rp.f32.f64`).
 #[inline(always)]
-fn f32_up(x: f64) -> f32 {
+pub(super) fn f32_up(x: f64) -> f32 {
     let y: f32;
     // SAFETY: register-only conversion.
     unsafe {

@@ -34,13 +34,41 @@ macro_rules! score_kernel {
             // SAFETY: first thing in the kernel; the host launches it overlapped.
             unsafe { $crate::sync::overlapped_entry() };
             // SAFETY: forwarded launch contract.
-            unsafe { $crate::select::score::score_pages::<$elem, $d, $g>(&a) }
+            unsafe {
+                $crate::select::score::score_pages::<$elem, $crate::select::score::HalfStats, $d, $g>(&a)
+            }
+        }
+    };
+}
+
+/// Declares the scorer over 8-bit statistics of one (element type, head dim, group size),
+/// exported as `score_pages_q8_{dtype}_d{D}_g{G}`.
+macro_rules! score_q8_kernel {
+    ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
+        /// Page scorer entry point over 8-bit statistics (see [`score`](crate::select::score)).
+        ///
+        /// # Safety
+        /// As `score::score_pages`'s, and `a.stat_codes` holds the layer's 8-bit statistics:
+        /// launched by `lserve`'s host launcher only.
+        #[unsafe(export_name = concat!("score_pages_q8_", $dtype, "_d", $d, "_g", $g))]
+        pub unsafe extern "gpu-kernel" fn score(a: lserve_abi::select::ScoreArgs) {
+            // SAFETY: first thing in the kernel; the host launches it overlapped.
+            unsafe { $crate::sync::overlapped_entry() };
+            // SAFETY: forwarded launch contract.
+            unsafe {
+                $crate::select::score::score_pages::<$elem, $crate::select::score::CodedStats, $d, $g>(&a)
+            }
         }
     };
 }
 
 // Every (element type, head dim, group size) of `crate::shapes`.
 crate::grouped_kernels!(score_kernel);
+
+/// The scorers over 8-bit statistics.
+pub mod q8 {
+    crate::grouped_kernels!(score_q8_kernel);
+}
 
 /// Top-K selection and index tables entry point (see [`top_k`]).
 ///

@@ -12,7 +12,15 @@
 //! `chunks * row_groups` apart (a grid-stride loop: any grid covers every page, so a captured
 //! launch stays correct as sequences grow); it issues the loads of up to [`Rows::IN_FLIGHT`]
 //! logical pages before using any.
+//!
+//! What a row group reads is a [`StatRows`]: the 16-bit rows ([`HalfStats`], `score_pages_*`) or
+//! their 8-bit codes ([`CodedStats`], `score_pages_q8_*`: one 16-byte load of 8 `kmin` and 8
+//! `kmax` codes per lane and the group's `(s, m)` word, half the bytes). With codes, the bound
+//! of the dequantized statistics `c · s + m` is `s · (q⁺ · c_hi + q⁻ · c_lo) + m · Σ q` per
+//! group of 32 channels: the same two FMAs per (head, channel) on the codes, and one more per
+//! head and lane.
 
+use lserve_abi::buffers::STAT_GROUP_CHANNELS;
 use lserve_abi::select::{score_offset, selection_due, ScoreArgs, AGGREGATE_MEAN, SCORE_THREADS};
 
 use crate::convert::Half16;
@@ -52,7 +60,8 @@ unsafe fn kv_head_of(head_map: *const u32, kv_heads: u32, dense_head: u32) -> u3
     0
 }
 
-/// This lane's 8 dimensions of every query head of the group, split by sign: `(q⁺, q⁻)`.
+/// This lane's 8 dimensions of every query head of the group, split by sign, and their sums:
+/// `(q⁺, q⁻, Σ q)`.
 ///
 /// # Safety
 /// `q` holds `B` rows of `kv_heads * G * D` elements, `q_stride` heads apart, 16-byte aligned;
@@ -64,9 +73,10 @@ unsafe fn query_halves<E: Half16, const D: usize, const G: usize>(
     kv_head: u32,
     q_stride: u32,
     col: u32,
-) -> ([[f32; 8]; G], [[f32; 8]; G]) {
+) -> ([[f32; 8]; G], [[f32; 8]; G], [f32; G]) {
     let mut pos = [[0.0f32; 8]; G];
     let mut neg = [[0.0f32; 8]; G];
+    let mut sum = [0.0f32; G];
     unroll8!(g in 0..G => {
         let head = kv_head * G as u32 + g as u32;
         let at = (b * q_stride + head) as usize * D + col as usize * 8;
@@ -77,10 +87,132 @@ unsafe fn query_halves<E: Half16, const D: usize, const G: usize>(
         while i < 8 {
             pos[g][i] = x[i].max(0.0);
             neg[g][i] = x[i].min(0.0);
+            sum[g] += x[i];
             i += 1;
         }
     });
-    (pos, neg)
+    (pos, neg, sum)
+}
+
+/// How the scorer reads one lane's 8 channels of a logical page's statistics.
+pub trait StatRows {
+    /// What one lane loads.
+    type Row: Copy;
+    /// What it computes with, once per row for all heads.
+    type Values: Copy;
+    /// A row not loaded (never scored).
+    const EMPTY: Self::Row;
+    /// Loads the lane's chunk at element offset `at` of the statistics (`stats_row` + `8 col`).
+    ///
+    /// # Safety
+    /// `at` is a chunk of an existing logical page of the layer's statistics.
+    unsafe fn load(a: &ScoreArgs, at: usize) -> Self::Row;
+    /// The row converted for scoring.
+    fn values<E: Half16>(row: Self::Row) -> Self::Values;
+    /// This lane's part of one head's bound `Σ max(q·kmax, q·kmin)`, from the head's `q⁺`,
+    /// `q⁻` and `Σ q` over the lane's channels.
+    fn lane_bound(v: &Self::Values, pos: &[f32; 8], neg: &[f32; 8], sum: f32) -> f32;
+}
+
+/// The 16-bit `kmin`/`kmax` rows (`score_pages_*`).
+pub struct HalfStats;
+
+impl StatRows for HalfStats {
+    type Row = (Vec16, Vec16);
+    type Values = ([f32; 8], [f32; 8]);
+    const EMPTY: Self::Row = (Vec16([0; 4]), Vec16([0; 4]));
+
+    #[inline(always)]
+    unsafe fn load(a: &ScoreArgs, at: usize) -> Self::Row {
+        // SAFETY: inside `kmin`/`kmax` (caller); rows are 16-byte aligned.
+        unsafe {
+            (
+                *(a.kmin.get().add(at) as *const Vec16),
+                *(a.kmax.get().add(at) as *const Vec16),
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn values<E: Half16>(row: Self::Row) -> Self::Values {
+        (row.0.to_f32::<E>(), row.1.to_f32::<E>())
+    }
+
+    #[inline(always)]
+    fn lane_bound(v: &Self::Values, pos: &[f32; 8], neg: &[f32; 8], _sum: f32) -> f32 {
+        let (lo, hi) = v;
+        let mut s = 0.0f32;
+        let mut i = 0;
+        while i < 8 {
+            // max(q·hi, q·lo) = q⁺·hi + q⁻·lo, as hi ≥ lo (one of the two terms is zero).
+            s = fma(pos[i], hi[i], s);
+            s = fma(neg[i], lo[i], s);
+            i += 1;
+        }
+        s
+    }
+}
+
+/// The 8-bit statistics (`lserve_abi::buffers::StatCodesPtrs`, `score_pages_q8_*`).
+pub struct CodedStats;
+
+/// Code `j` (byte `j % 4` of `w`) as an f32: the bits `2^23 + c`, less `2^23` (exact).
+#[inline(always)]
+fn code_f32(w: u32, j: usize) -> f32 {
+    f32::from_bits(0x4b00_0000 | ((w >> (8 * (j % 4))) & 0xff)) - 8_388_608.0
+}
+
+impl StatRows for CodedStats {
+    type Row = (Vec16, u32);
+    /// `kmin` codes, `kmax` codes, `s`, `m`.
+    type Values = ([f32; 8], [f32; 8], f32, f32);
+    const EMPTY: Self::Row = (Vec16([0; 4]), 0);
+
+    #[inline(always)]
+    unsafe fn load(a: &ScoreArgs, at: usize) -> Self::Row {
+        // SAFETY: the chunk's 16 code bytes start at byte `2 at` (16-byte aligned) and its
+        // group's word is word `at / 32` (`StatCodesPtrs`), inside the plane (caller).
+        unsafe {
+            (
+                *(a.stat_codes.codes.get().add(2 * at) as *const Vec16),
+                *a.stat_codes
+                    .words
+                    .get()
+                    .add(at / STAT_GROUP_CHANNELS as usize),
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn values<E: Half16>(row: Self::Row) -> Self::Values {
+        let (codes, word) = row;
+        let mut lo = [0.0f32; 8];
+        let mut hi = [0.0f32; 8];
+        unroll8!(j in 0..8 => {
+            lo[j] = code_f32(codes.0[j / 4], j);
+            hi[j] = code_f32(codes.0[2 + j / 4], j);
+        });
+        let (s, m) = (
+            f32::from_bits(word << 16),
+            f32::from_bits(word & 0xffff_0000),
+        );
+        (lo, hi, s, m)
+    }
+
+    #[inline(always)]
+    fn lane_bound(v: &Self::Values, pos: &[f32; 8], neg: &[f32; 8], sum: f32) -> f32 {
+        let (lo, hi, s, m) = v;
+        let mut c = 0.0f32;
+        let mut i = 0;
+        while i < 8 {
+            // As `HalfStats`' on the codes (the kmax code is at least the kmin code).
+            c = fma(pos[i], hi[i], c);
+            c = fma(neg[i], lo[i], c);
+            i += 1;
+        }
+        // Σ q⁺ (c_hi s + m) + q⁻ (c_lo s + m) = s · c + m · Σ q.
+        fma(c, *s, *m * sum)
+    }
 }
 
 /// The group-aggregated score of one statistics row slice (this lane's 8 dimensions), reduced
@@ -89,24 +221,16 @@ unsafe fn query_halves<E: Half16, const D: usize, const G: usize>(
 /// # Safety
 /// All 32 lanes call it.
 #[inline(always)]
-unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
-    pos: &[[f32; 8]; G],
-    neg: &[[f32; 8]; G],
-    lo: Vec16,
-    hi: Vec16,
+unsafe fn aggregated_score<E: Half16, S: StatRows, const D: usize, const G: usize>(
+    q: &([[f32; 8]; G], [[f32; 8]; G], [f32; G]),
+    row: S::Row,
     mean: bool,
 ) -> f32 {
-    let (lo, hi) = (lo.to_f32::<E>(), hi.to_f32::<E>());
+    let (pos, neg, sum) = q;
+    let v = S::values::<E>(row);
     let mut total = if mean { 0.0 } else { f32::NEG_INFINITY };
     unroll8!(g in 0..G => {
-        let mut s = 0.0f32;
-        let mut i = 0;
-        while i < 8 {
-            // max(q·hi, q·lo) = q⁺·hi + q⁻·lo, as hi ≥ lo (one of the two terms is zero).
-            s = fma(pos[g][i], hi[i], s);
-            s = fma(neg[g][i], lo[i], s);
-            i += 1;
-        }
+        let s = S::lane_bound(&v, &pos[g], &neg[g], sum[g]);
         // SAFETY: forwarded: every lane reaches this reduction.
         let s = unsafe { group_sum_f32(s, Rows::<D, G>::LANES) };
         total = if mean { total + s } else { total.max(s) };
@@ -125,7 +249,7 @@ unsafe fn aggregated_score<E: Half16, const D: usize, const G: usize>(
 /// buffers hold the layouts `p` describes, slots and lengths are live, and the block tables
 /// hold valid page ids for every page of each sequence.
 #[inline(always)]
-pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(a: &ScoreArgs) {
+pub unsafe fn score_pages<E: Half16, S: StatRows, const D: usize, const G: usize>(a: &ScoreArgs) {
     let p = &a.params;
     let pair = block_idx_y();
     let dense_heads = p.cache.paged.heads;
@@ -154,7 +278,7 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(a: &ScoreAr
     let lanes = Rows::<D, G>::LANES;
     let col = lane() % lanes;
     // SAFETY: `b < batch`, `kv_head < kv_heads`.
-    let (pos, neg) = unsafe { query_halves::<E, D, G>(a.q.get(), b, kv_head, p.strides.q, col) };
+    let q = unsafe { query_halves::<E, D, G>(a.q.get(), b, kv_head, p.strides.q, col) };
     let mean = p.aggregation == AGGREGATE_MEAN;
 
     let per_page = p.cache.paged.logical_per_page();
@@ -198,25 +322,19 @@ pub unsafe fn score_pages<E: Half16, const D: usize, const G: usize>(a: &ScoreAr
             // Issue the loads of up to IN_FLIGHT logical pages, then score them.
             // Eight slots so that `unroll8!`'s statically dead arms index in bounds; only the
             // first IN_FLIGHT are used (registers, no local memory: checked with ptxas).
-            let mut lo = [Vec16([0; 4]); 8];
-            let mut hi = [Vec16([0; 4]); 8];
+            let mut rows = [S::EMPTY; 8];
             unroll8!(u in 0..Rows::<D, G>::IN_FLIGHT => {
                 let l = first + u as u32;
                 if stored && l < per_page && page * per_page + l < logical_rows {
-                    let at = stats + l as usize * D;
-                    // SAFETY: an existing logical page of a page of the sequence: inside the
-                    // statistics; rows are 16-byte aligned.
-                    unsafe {
-                        lo[u] = *(a.kmin.get().add(at) as *const Vec16);
-                        hi[u] = *(a.kmax.get().add(at) as *const Vec16);
-                    }
+                    // SAFETY: an existing logical page of a page of the sequence.
+                    rows[u] = unsafe { S::load(a, stats + l as usize * D) };
                 }
             });
             unroll8!(u in 0..Rows::<D, G>::IN_FLIGHT => {
                 let l = first + u as u32;
                 if l < per_page {
                     // SAFETY: `l < per_page` is warp-uniform, so every lane of the warp is here.
-                    let s = unsafe { aggregated_score::<E, D, G>(&pos, &neg, lo[u], hi[u], mean) };
+                    let s = unsafe { aggregated_score::<E, S, D, G>(&q, rows[u], mean) };
                     if stored && page * per_page + l < logical_rows {
                         best = best.max(s);
                     }

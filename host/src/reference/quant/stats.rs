@@ -3,10 +3,11 @@
 //! channels), `kmax` rounded up and `kmin` rounded down.
 //!
 //! Per group, with `lo = min kmin`, `hi = max kmax` over its channels: `m` is the largest bf16
-//! not above `lo`, `s` the smallest bf16 not below `(hi - m) / 255`; then
-//! `kmax_c = ceil((kmax - m) / s)` and `kmin_c = floor((kmin - m) / s)`, each moved by one code
-//! where the kernels' f32 `fma(c, s, m)` would land on the wrong side (and `s` raised by one bf16
-//! step if code 255 cannot reach `hi`). So, channel by channel, the dequantized
+//! not above `lo`, `s` the smallest bf16 not below `(hi - m) / 255`; then a `kmin` code is the
+//! largest `c` in `0..=255` whose value `fma(c, s, m)` (f32, as the kernels compute it) is not
+//! above `kmin`, a `kmax` code the smallest whose value is not below `kmax` (codes 0 where
+//! `s = 0`; `s` raised by one bf16 step while code 255 cannot reach some `kmax`; a group whose
+//! `s` would leave bf16's range is NaN). So, channel by channel, the dequantized
 //! `kmax' >= kmax` and `kmin' <= kmin` in the arithmetic the selector uses, within one step
 //! `s` of the exact values; each term `max(q_i kmax'_i, q_i kmin'_i)` is at least the exact
 //! statistics' term, and the page score is still an upper bound of every key's `q · k`.
@@ -82,50 +83,42 @@ pub fn quantize_key_stats(stats: &KeyStats, group: StatsGroup) -> Result<QuantKe
 /// One group's parameters and codes: `kmin` rounded down, `kmax` up, in the f32 `fma` the
 /// kernels dequantize with.
 fn quantize_group(kmin: &[f32], kmax: &[f32]) -> (GroupParams, Vec<u8>, Vec<u8>) {
+    let nan = || {
+        (
+            GroupParams::from_parts(bf16::NAN, bf16::NAN),
+            vec![0; kmin.len()],
+            vec![0; kmax.len()],
+        )
+    };
     let mut p = GroupParams::of(kmin.iter().chain(kmax).copied(), LEVELS);
     if p.scale().is_nan() {
-        return (p, vec![0; kmin.len()], vec![0; kmax.len()]);
+        return nan();
     }
     loop {
-        let (s, m) = (p.scale() as f64, p.min() as f64);
-        let code = |x: f32, ceil: bool| -> u8 {
-            if s == 0.0 {
-                return 0;
-            }
-            let c = (x as f64 - m) / s;
-            let c = if ceil { c.ceil() } else { c.floor() };
-            c.clamp(0.0, LEVELS as f64) as u8
-        };
+        if p.scale() == 0.0 {
+            return (p, vec![0; kmin.len()], vec![0; kmax.len()]);
+        }
+        // `value` is monotone in the code (an f32 `fma` of a positive scale), so each rule is a
+        // partition point of the 256 codes.
+        let codes: Vec<u8> = (0..=LEVELS as u8).collect();
+        // The largest code not above `x` (code 0 is `m <= kmin`).
         let lo: Vec<u8> = kmin
             .iter()
-            .map(|&x| {
-                let mut c = code(x, false);
-                // Code 0 is `m <= kmin` exactly, so this stops.
-                while c > 0 && p.value(c) > x {
-                    c -= 1;
-                }
-                c
-            })
+            .map(|&x| (codes.partition_point(|&c| p.value(c) <= x).max(1) - 1) as u8)
             .collect();
-        let mut reached = true;
-        let hi: Vec<u8> = kmax
+        // The smallest code not below `x`; none (256) if code 255 is below it.
+        let hi: Vec<usize> = kmax
             .iter()
-            .map(|&x| {
-                let mut c = code(x, true);
-                while c < LEVELS as u8 && p.value(c) < x {
-                    c += 1;
-                }
-                reached &= p.value(c) >= x;
-                c
-            })
+            .map(|&x| codes.partition_point(|&c| p.value(c) < x))
             .collect();
-        if reached {
-            return (p, lo, hi);
+        if hi.iter().all(|&c| c <= LEVELS as usize) {
+            return (p, lo, hi.into_iter().map(|c| c as u8).collect());
         }
-        p = GroupParams::from_parts(
-            round::next_up(bf16::from_f32(p.scale())),
-            bf16::from_f32(p.min()),
-        );
+        let up = round::next_up(bf16::from_f32(p.scale()));
+        if !up.is_finite() {
+            return nan();
+        }
+        p = GroupParams::from_parts(up, bf16::from_f32(p.min()));
     }
 }
 
@@ -171,6 +164,26 @@ impl QuantKeyStats {
         let groups = self.head_dim / self.group;
         assert!(group < groups, "group out of range");
         self.params[page * groups + group]
+    }
+
+    /// The codes as a device cache lays them out (`lserve_abi::buffers::StatCodesPtrs`): per
+    /// logical page and chunk of 8 channels the 8 `kmin` codes, then the 8 `kmax` codes.
+    ///
+    /// # Panics
+    /// If `D` is not a multiple of 8 (no device layout).
+    pub fn device_codes(&self) -> Vec<u8> {
+        assert!(self.head_dim % 8 == 0, "the device layout needs D % 8 == 0");
+        self.kmin
+            .chunks(8)
+            .zip(self.kmax.chunks(8))
+            .flat_map(|(lo, hi)| lo.iter().chain(hi).copied())
+            .collect()
+    }
+
+    /// Every group's `(s, m)` word in order (page, then group), as a device cache stores them
+    /// ([`GroupParams::word`]).
+    pub fn words(&self) -> Vec<u32> {
+        self.params.iter().map(GroupParams::word).collect()
     }
 
     /// The statistics the selector sees: every code dequantized (`fma(c, s, m)` in f32), to score

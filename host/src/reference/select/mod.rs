@@ -21,8 +21,10 @@ use crate::config::GqaAggregation;
 use crate::dtype::Element;
 use crate::error::{LserveError, Result};
 use crate::paging::{HostKvCache, SequenceView};
+use crate::quant::StatsFormat;
 use crate::reference::check_len;
 use crate::reference::kv_write::{stored_key_stats, KeyStats};
+use crate::reference::quant::quantize_key_stats;
 
 /// The parameters of one page selection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,7 +106,10 @@ pub fn select_pages(
 }
 
 /// Page selection for dense KV head `kv_head` of `layer` from the cache's stored statistics:
-/// `q_group` is the group's queries `[G][D]` (as `f32`). See [`select_pages`].
+/// `q_group` is the group's queries `[G][D]` (as `f32`). See [`select_pages`]. With 8-bit
+/// statistics (`SparsityConfig::stats_format`) the scores are those of the stored statistics
+/// quantized ([`quantize_key_stats`](crate::reference::quant::quantize_key_stats)) and
+/// dequantized, as the device's selector reads them.
 pub fn select_from_cache<E: Element>(
     cache: &HostKvCache<E>,
     layer: usize,
@@ -114,6 +119,10 @@ pub fn select_from_cache<E: Element>(
 ) -> Result<Selection> {
     let stats = stored_key_stats(cache, layer, view, kv_head)?;
     let c = cache.config();
+    let stats = match c.stats_format {
+        StatsFormat::Half => stats,
+        StatsFormat::Int8(group) => quantize_key_stats(&stats, group)?.dequantized(),
+    };
     let params = SelectionParams {
         logical_per_page: c.logical_per_page(),
         top_k: c.pages_per_selection(),
