@@ -450,7 +450,7 @@ pub struct DeviceKvCache<E> {
 
 /// A device copy of `data`, at least one element long (the driver refuses empty allocations;
 /// a layer may have no dense or no streaming heads).
-fn upload<T: DeviceRepr + Default + Clone>(
+pub(crate) fn upload<T: DeviceRepr + Default + Clone>(
     stream: &Arc<CudaStream>,
     data: &[T],
 ) -> Result<CudaSlice<T>> {

@@ -10,6 +10,7 @@ use lserve_abi::buffers::{StatCodesPtrs, STAT_GROUP_CHANNELS};
 use lserve_abi::ptr::{GlobalPtr, GlobalPtrMut};
 use lserve_abi::PagedLayout;
 
+use super::cache::upload;
 use super::launch::Launch;
 use crate::dtype::Element;
 use crate::quant::{StatsFormat, StatsGroup};
@@ -40,18 +41,6 @@ pub(crate) fn check_device_stats(format: StatsFormat) -> Result<()> {
     }
 }
 
-/// At least one element (the driver refuses empty allocations).
-fn device<T: cudarc::driver::DeviceRepr + Default + Clone>(
-    stream: &Arc<CudaStream>,
-    data: &[T],
-) -> Result<CudaSlice<T>> {
-    if data.is_empty() {
-        Ok(stream.clone_htod(&[T::default()])?)
-    } else {
-        Ok(stream.clone_htod(data)?)
-    }
-}
-
 impl StatCodesLayer {
     /// The codes of zeroed statistics (all codes and words 0: `s = m = 0`, as the reference
     /// quantizes zeros).
@@ -75,8 +64,8 @@ impl StatCodesLayer {
         let stats = KeyStats::new(head_dim, f32s(kmin), f32s(kmax))?;
         let q = quantize_key_stats(&stats, StatsGroup::Channels(STAT_GROUP_CHANNELS as usize))?;
         Ok(Self {
-            codes: device(stream, &q.device_codes())?,
-            words: device(stream, &q.words())?,
+            codes: upload(stream, &q.device_codes())?,
+            words: upload(stream, &q.words())?,
         })
     }
 

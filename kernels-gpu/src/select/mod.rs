@@ -21,44 +21,40 @@ pub mod top_k;
 
 use lserve_abi::select::{SelectArgs, StepArgs};
 
-/// Declares the scorer entry point of one (element type, head dim, group size), exported as
-/// `score_pages_{dtype}_d{D}_g{G}`.
-macro_rules! score_kernel {
-    ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
+/// Declares the scorer entry point of one (statistics, element type, head dim, group size),
+/// exported as `score_pages_{prefix}{dtype}_d{D}_g{G}`; the two forms below name the statistics.
+macro_rules! scorer {
+    ($stats:ident, $prefix:literal, $elem:path, $dtype:literal, $d:literal, $g:literal) => {
         /// Page scorer entry point (see [`score`](crate::select::score)).
         ///
         /// # Safety
-        /// As `score::score_pages`'s: launched by `lserve`'s host launcher only.
-        #[unsafe(export_name = concat!("score_pages_", $dtype, "_d", $d, "_g", $g))]
+        /// As `score::score_pages`'s, with the statistics `$stats` reads (the 16-bit rows, or
+        /// `a.stat_codes`): launched by `lserve`'s host launcher only.
+        #[unsafe(export_name = concat!("score_pages_", $prefix, $dtype, "_d", $d, "_g", $g))]
         pub unsafe extern "gpu-kernel" fn score(a: lserve_abi::select::ScoreArgs) {
             // SAFETY: first thing in the kernel; the host launches it overlapped.
             unsafe { $crate::sync::overlapped_entry() };
             // SAFETY: forwarded launch contract.
             unsafe {
-                $crate::select::score::score_pages::<$elem, $crate::select::score::HalfStats, $d, $g>(&a)
+                $crate::select::score::score_pages::<$elem, $crate::select::score::$stats, $d, $g>(
+                    &a,
+                )
             }
         }
     };
 }
 
-/// Declares the scorer over 8-bit statistics of one (element type, head dim, group size),
-/// exported as `score_pages_q8_{dtype}_d{D}_g{G}`.
+/// The scorer over 16-bit statistics (`score_pages_{dtype}_d{D}_g{G}`).
+macro_rules! score_kernel {
+    ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
+        scorer!(HalfStats, "", $elem, $dtype, $d, $g);
+    };
+}
+
+/// The scorer over 8-bit statistics (`score_pages_q8_{dtype}_d{D}_g{G}`).
 macro_rules! score_q8_kernel {
     ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
-        /// Page scorer entry point over 8-bit statistics (see [`score`](crate::select::score)).
-        ///
-        /// # Safety
-        /// As `score::score_pages`'s, and `a.stat_codes` holds the layer's 8-bit statistics:
-        /// launched by `lserve`'s host launcher only.
-        #[unsafe(export_name = concat!("score_pages_q8_", $dtype, "_d", $d, "_g", $g))]
-        pub unsafe extern "gpu-kernel" fn score(a: lserve_abi::select::ScoreArgs) {
-            // SAFETY: first thing in the kernel; the host launches it overlapped.
-            unsafe { $crate::sync::overlapped_entry() };
-            // SAFETY: forwarded launch contract.
-            unsafe {
-                $crate::select::score::score_pages::<$elem, $crate::select::score::CodedStats, $d, $g>(&a)
-            }
-        }
+        scorer!(CodedStats, "q8_", $elem, $dtype, $d, $g);
     };
 }
 
