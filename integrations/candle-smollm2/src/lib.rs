@@ -7,6 +7,8 @@
 //!   cache and reference);
 //! - [`engine`]: prefill and decode of the model through the adapter, the configurations the
 //!   fidelity report compares, the negative log-likelihood;
+//! - [`eval`]: the fidelity report's teacher-forced evaluation of a setting over a text window
+//!   (the `fidelity` binary and the smoke test on the model run it);
 //! - [`tokenizer`]: the GPT2-style BPE tokenizer from the GGUF metadata.
 //!
 //! The model comes from `scripts/fetch_smollm2.sh` ([`default_gguf_path`]).
@@ -14,10 +16,15 @@
 
 pub mod adapter;
 pub mod engine;
+pub mod eval;
 pub mod model;
 pub mod tokenizer;
 
 use std::path::PathBuf;
+
+/// The text the fidelity report evaluates by default: the GPL version 3, which Debian's
+/// `base-files` package (essential: on every Debian system) installs here.
+pub const DEFAULT_TEXT: &str = "/usr/share/common-licenses/GPL-3";
 
 /// The GGUF's file name.
 pub const GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

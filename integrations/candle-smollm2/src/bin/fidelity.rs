@@ -29,13 +29,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use lserve::head_pattern::{Calibration, HeadPattern};
-use lserve::reference::decode::HeadVisit;
-use lserve_candle_smollm2::engine::{
-    cache_for, calibrate, decode_token, geometry, nll, prefill, Heads, Selection, Setting, Timing,
-};
+use lserve::head_pattern::Calibration;
+use lserve_candle_smollm2::engine::{calibrate, geometry, prefill, Heads, Selection, Setting};
+use lserve_candle_smollm2::eval::{by_pattern, evaluate, mean, Outcome, Window};
 use lserve_candle_smollm2::model::Llama;
-use lserve_candle_smollm2::{default_gguf_path, tokenizer};
+use lserve_candle_smollm2::{default_gguf_path, tokenizer, DEFAULT_TEXT};
 
 struct Args {
     gguf: PathBuf,
@@ -107,7 +105,7 @@ fn parse_setting(full: &str) -> Result<Setting> {
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         gguf: default_gguf_path().context("no HOME: give --gguf")?,
-        text: PathBuf::from("/usr/share/common-licenses/GPL-3"),
+        text: PathBuf::from(DEFAULT_TEXT),
         context: 4096,
         eval: 256,
         settings: Vec::new(),
@@ -149,28 +147,6 @@ fn parse_args() -> Result<Args> {
     Ok(args)
 }
 
-/// What one setting measured.
-struct Outcome {
-    setting: Setting,
-    nll: Vec<f64>,
-    /// Per layer: mass and tokens of the dense heads, mass of the streaming heads, rel. error.
-    layer_mass_dense: Vec<Vec<f64>>,
-    layer_mass_stream: Vec<Vec<f64>>,
-    layer_rel_err: Vec<Vec<f64>>,
-    tokens_attended: Vec<f64>,
-    selected_steps: usize,
-    timing: Timing,
-    seconds: f64,
-}
-
-fn mean(x: &[f64]) -> f64 {
-    if x.is_empty() {
-        f64::NAN
-    } else {
-        x.iter().sum::<f64>() / x.len() as f64
-    }
-}
-
 fn main() -> Result<()> {
     let args = parse_args()?;
     let t0 = Instant::now();
@@ -192,15 +168,9 @@ fn main() -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     eprintln!("text: {} ({} tokens)", args.text.display(), ids.len());
-    if ids.len() < args.eval + 2 {
-        bail!("the text has {} tokens, fewer than --eval + 2", ids.len());
-    }
-    let context = args.context.min(ids.len() - args.eval - 1);
     // The prompt: the `context` tokens before the evaluated ones, which are the text's last.
-    let first = ids.len() - args.eval - 1 - context;
-    let prompt = &ids[first..first + context];
-    let fed = &ids[first + context..first + context + args.eval];
-    let targets = &ids[first + context + 1..first + context + args.eval + 1];
+    let window = Window::last(&ids, args.context, args.eval)?;
+    let (first, context) = (window.first, window.prompt.len());
     eprintln!(
         "prompt: tokens {first}..{} ({context}), evaluated: the next {} tokens",
         first + context,
@@ -223,19 +193,12 @@ fn main() -> Result<()> {
 
     // One prefill per head pattern (settings with the same streaming heads share it), in the
     // order of their first setting.
-    let mut by_pattern: Vec<(HeadPattern, Vec<Setting>)> = Vec::new();
-    for s in &args.settings {
-        let pattern = s.pattern(g, calibration.as_ref())?;
-        match by_pattern.iter_mut().find(|(p, _)| *p == pattern) {
-            Some((_, list)) => list.push(*s),
-            None => by_pattern.push((pattern, vec![*s])),
-        }
-    }
+    let groups = by_pattern(&args.settings, g, calibration.as_ref())?;
     let mut outcomes = Vec::new();
-    for (pattern, settings) in &by_pattern {
+    for (pattern, settings) in &groups {
         let s0 = settings[0];
         let start = Instant::now();
-        let pre = prefill(&model, pattern, &s0.config(), prompt)?;
+        let pre = prefill(&model, pattern, &s0.config(), window.prompt)?;
         let secs = start.elapsed().as_secs_f64();
         let line = format!(
             "prefill {context} tokens, streaming {} ({}): {secs:.1}s (candle {:.1}s, lserve {:.1}s)",
@@ -251,58 +214,11 @@ fn main() -> Result<()> {
         eprintln!("{line}");
         prefill_lines.push(line);
         for setting in settings {
-            let start = Instant::now();
-            let mut attn = cache_for(setting, pattern, &pre, args.eval, true)?;
-            let mut o = Outcome {
-                setting: *setting,
-                nll: Vec::new(),
-                layer_mass_dense: vec![Vec::new(); c.layers],
-                layer_mass_stream: vec![Vec::new(); c.layers],
-                layer_rel_err: vec![Vec::new(); c.layers],
-                tokens_attended: Vec::new(),
-                selected_steps: 0,
-                timing: Timing::default(),
-                seconds: 0.0,
-            };
-            for (i, (&token, &target)) in fed.iter().zip(targets).enumerate() {
-                let step = decode_token(&model, &mut attn, token, context + i, &mut o.timing)?;
-                o.nll.push(nll(&step.logits, target)?);
-                if step.visits.iter().flatten().any(|v| {
-                    matches!(
-                        v,
-                        HeadVisit::Selected {
-                            selected_now: true,
-                            ..
-                        }
-                    )
-                }) {
-                    o.selected_steps += 1;
-                }
-                if i % args.probe_every == 0 {
-                    let mut attended = 0usize;
-                    for (layer, p) in step.probes.iter().enumerate() {
-                        for (h, (&m, &n)) in p.mass.iter().zip(&p.tokens).enumerate() {
-                            attended += n;
-                            match pattern.kind(layer, h) {
-                                lserve::head_pattern::HeadKind::Dense => {
-                                    o.layer_mass_dense[layer].push(m)
-                                }
-                                lserve::head_pattern::HeadKind::Streaming => {
-                                    o.layer_mass_stream[layer].push(m)
-                                }
-                            }
-                        }
-                        o.layer_rel_err[layer].push(p.rel_err);
-                    }
-                    o.tokens_attended
-                        .push(attended as f64 / (c.layers * c.kv_heads) as f64);
-                }
-            }
-            o.seconds = start.elapsed().as_secs_f64();
+            let o = evaluate(&model, setting, pattern, &pre, &window, args.probe_every)?;
             eprintln!(
                 "{:<24} mean NLL {:.4} over {} tokens; {:.1}s (candle {:.1}s, lserve {:.1}s)",
                 setting.name(),
-                mean(&o.nll),
+                o.mean_nll(),
                 o.nll.len(),
                 o.seconds,
                 o.timing.candle.as_secs_f64(),
@@ -350,7 +266,7 @@ fn main() -> Result<()> {
             std::fs::write(dir.join("calibration.tsv"), tsv)?;
         }
         let mut tsv = String::from("pattern\tlayer\tstreaming_kv_heads\n");
-        for (pattern, settings) in &by_pattern {
+        for (pattern, settings) in &groups {
             for l in 0..pattern.layers() {
                 let heads: Vec<String> = pattern
                     .streaming_kv_heads(l)
@@ -376,7 +292,7 @@ fn render(
     let dense = outcomes
         .iter()
         .find(|o| o.setting.selection == Selection::Dense && o.setting.streaming == 0.0)
-        .map(|o| mean(&o.nll));
+        .map(|o| o.mean_nll());
     let _ = writeln!(
         s,
         "text `{}` ({text_tokens} tokens), prompt {context} tokens, {} evaluated tokens, probes every {} steps\n",
@@ -396,7 +312,7 @@ fn render(
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     );
     for o in outcomes {
-        let m = mean(&o.nll);
+        let m = o.mean_nll();
         let all = |x: &[Vec<f64>]| mean(&x.iter().flatten().copied().collect::<Vec<_>>());
         let fmt = |x: f64| {
             if x.is_nan() {
@@ -492,7 +408,7 @@ fn random_summary(outcomes: &[Outcome]) -> String {
         let mut random: Vec<f64> = same
             .iter()
             .filter(|o| matches!(o.setting.heads, Heads::Random { .. }))
-            .map(|o| mean(&o.nll))
+            .map(|o| o.mean_nll())
             .collect();
         random.sort_by(f64::total_cmp);
         let n = random.len();
@@ -513,7 +429,7 @@ fn random_summary(outcomes: &[Outcome]) -> String {
             .iter()
             .filter(|o| !matches!(o.setting.heads, Heads::Random { .. }))
         {
-            let m = mean(&o.nll);
+            let m = o.mean_nll();
             let _ = writeln!(
                 s,
                 "- {}: {m:.4} ({:+.4} vs the random median; {})",
