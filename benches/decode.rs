@@ -15,10 +15,12 @@
 //!   INT8 cache (the append quantizes, the coded attention reads codes; statistics bf16);
 //!   `step/lserve_q8` and `step/lserve_int8_q8` select from 8-bit statistics
 //!   (`StatsFormat::DEVICE_INT8`: the append codes them, the selector reads only them);
+//!   `step/lserve_logical` selects 16-token logical pages (`SelectionUnit::LogicalPage`: 256 of
+//!   them for the 4096-token budget) inside the 64-token pages;
 //! - `selector/reuse1`, `selector/reuse4`: page selection alone (LServe pattern), timed per layer
 //!   of a step graph like `step/*` (so the once-per-step advance is shared by the layers, as in a
 //!   step, and the selector's cost compares with the rest of a step layer); `selector/reuse1_q8`
-//!   from 8-bit statistics;
+//!   from 8-bit statistics, `selector/reuse1_logical` of logical pages;
 //! - `kv/append`: the decode append alone (`append_kv`: one token's K/V per sequence of the
 //!   batch written into the cache, with the incremental `kmin`/`kmax` update), every head dense
 //!   (each KV head updates its statistics), the token at position `context - 1` (inside a
@@ -59,7 +61,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::bf16;
-use lserve::config::SparsityConfig;
+use lserve::config::{SelectionUnit, SparsityConfig};
 use lserve::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use lserve::cudarc::driver::{CudaGraph, CudaSlice};
 use lserve::geometry::ModelGeometry;
@@ -133,23 +135,34 @@ struct Store {
     int8: bool,
     /// 8-bit statistics (`StatsFormat::DEVICE_INT8`).
     q8: bool,
+    /// Logical pages selected (`SelectionUnit::LogicalPage`), not physical ones.
+    logical: bool,
 }
 
 const BF16: Store = Store {
     int8: false,
     q8: false,
+    logical: false,
 };
 const INT8: Store = Store {
     int8: true,
     q8: false,
+    logical: false,
 };
 const Q8: Store = Store {
     int8: false,
     q8: true,
+    logical: false,
 };
 const INT8_Q8: Store = Store {
     int8: true,
     q8: true,
+    logical: false,
+};
+const LOGICAL: Store = Store {
+    int8: false,
+    q8: false,
+    logical: true,
 };
 
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
@@ -188,6 +201,11 @@ fn bench_case(
             StatsFormat::DEVICE_INT8
         } else {
             StatsFormat::Half
+        },
+        selection_unit: if store.logical {
+            SelectionUnit::LogicalPage
+        } else {
+            SelectionUnit::PhysicalPage
         },
         ..SparsityConfig::default()
     };
@@ -253,7 +271,7 @@ impl Bench {
     /// Bytes one decode step must move: K+V rows visited, plus (selection on) the key
     /// statistics of the dense heads once per reuse interval, plus q and out.
     fn step_bytes(&self, with_selection: bool, with_attention: bool) -> u64 {
-        let n_p = self.config.page_tokens;
+        let n_u = self.config.unit_tokens();
         let row = 2 * self.kv_row_bytes;
         let batch = self.batch.len();
         let mut bytes = 0usize;
@@ -265,10 +283,10 @@ impl Bench {
                     HeadKind::Streaming => self.len.min(self.config.streaming_rows()),
                     HeadKind::Dense if !selecting => self.len,
                     HeadKind::Dense => {
-                        let pages = self.config.pages_for_len(self.len);
+                        let units = self.config.units_for_len(self.len);
                         let first = usize::from(self.config.always_include_first_page);
-                        let full = (self.config.pages_per_selection() + first).min(pages - 1);
-                        full * n_p + (self.len - (pages - 1) * n_p)
+                        let full = (self.config.pages_per_selection() + first).min(units - 1);
+                        full * n_u + (self.len - (units - 1) * n_u)
                     }
                 };
                 bytes += rows * row;
@@ -463,6 +481,17 @@ fn decode(c: &mut Criterion) {
                 (l3, "step", "dynamic", false, true, 4, true, true, BF16),
                 (l3, "step", "lserve", true, true, 4, true, true, BF16),
                 (l3, "step", "lserve_q8", true, true, 4, true, true, Q8),
+                (
+                    l3,
+                    "step",
+                    "lserve_logical",
+                    true,
+                    true,
+                    4,
+                    true,
+                    true,
+                    LOGICAL,
+                ),
                 (l3, "step", "lserve_int8", true, true, 4, true, true, INT8),
                 (
                     l3,
@@ -477,6 +506,17 @@ fn decode(c: &mut Criterion) {
                 ),
                 (l3, "selector", "reuse1", true, true, 1, true, false, BF16),
                 (l3, "selector", "reuse1_q8", true, true, 1, true, false, Q8),
+                (
+                    l3,
+                    "selector",
+                    "reuse1_logical",
+                    true,
+                    true,
+                    1,
+                    true,
+                    false,
+                    LOGICAL,
+                ),
                 (l3, "selector", "reuse4", true, true, 4, true, false, BF16),
                 (
                     LLAMA2_7B,

@@ -54,12 +54,12 @@ fn decode_tokens(kind: HeadKind, len: usize, config: &SparsityConfig, dynamic: b
         HeadKind::Streaming => len.min(config.streaming_rows()) as f64,
         HeadKind::Dense if !dynamic || !config.uses_page_selection(len) => len as f64,
         HeadKind::Dense => {
-            let n_p = config.page_tokens;
-            let pages = config.pages_for_len(len);
-            let newest_fill = len - (pages - 1) * n_p;
+            let unit = config.unit_tokens();
+            let units = config.units_for_len(len);
+            let newest_fill = len - (units - 1) * unit;
             let first = usize::from(config.always_include_first_page);
-            let full = (config.pages_per_selection() + first).min(pages - 1);
-            (full * n_p + newest_fill) as f64
+            let full = (config.pages_per_selection() + first).min(units - 1);
+            (full * unit + newest_fill) as f64
         }
     }
 }

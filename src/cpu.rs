@@ -121,7 +121,7 @@ pub fn run(o: &Options, pattern: &HeadPattern) -> Result<()> {
                 } => format!(
                     "dense: {} of {} pages ({})",
                     pages.len(),
-                    config.pages_for_len(context + steps),
+                    config.units_for_len(context + steps),
                     if *selected_now {
                         "selected now"
                     } else {

@@ -20,7 +20,7 @@ use common::{
     tolerance,
 };
 use half::{bf16, f16};
-use lserve::config::{GqaAggregation, SparsityConfig};
+use lserve::config::{GqaAggregation, SelectionUnit, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
@@ -57,6 +57,9 @@ struct Case {
     f16: bool,
     /// Selection from 8-bit statistics (`StatsFormat::DEVICE_INT8`).
     q8: bool,
+    /// Logical-page selection (`SelectionUnit::LogicalPage`; the logical pages are whole
+    /// decode tiles here), else physical pages.
+    logical: bool,
     seed: u64,
 }
 
@@ -76,7 +79,11 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     prop_oneof![Just(1usize), Just(2), Just(4)],
                 ),
                 (1usize..=4, 0usize..=24, 1usize..=48),
-                (0usize..=400, prop_oneof![Just(1usize), Just(4)]),
+                (
+                    0usize..=400,
+                    prop_oneof![Just(1usize), Just(4)],
+                    any::<bool>(),
+                ),
                 (
                     prop::collection::vec(1usize..=600, 1..=5),
                     1usize..=6,
@@ -92,7 +99,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 streaming,
                 (page_tokens, lpp),
                 (top_k, sink, local),
-                (min_len, reuse),
+                (min_len, reuse, logical),
                 (prompts, steps, f16, q8, seed),
             )| Case {
                 head_dim,
@@ -110,6 +117,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 steps,
                 f16,
                 q8,
+                logical,
                 seed,
             },
         )
@@ -173,6 +181,11 @@ fn prompted<E: DeviceElement>(case: &Case) -> Prompted<E> {
             StatsFormat::DEVICE_INT8
         } else {
             StatsFormat::Half
+        },
+        selection_unit: if case.logical {
+            SelectionUnit::LogicalPage
+        } else {
+            SelectionUnit::PhysicalPage
         },
     };
     let max_len = case.prompts.iter().max().unwrap() + case.steps;
@@ -358,6 +371,7 @@ fn long_dense_case(steps: usize, seed: u64) -> Case {
         steps,
         f16: false,
         q8: false,
+        logical: false,
         seed,
     }
 }
@@ -554,14 +568,16 @@ fn run_steps<E: DeviceElement>(
                         selected_now,
                         "step {step}, seq {b}, head {h}: entries differ on a reuse step: GPU {got_pages:?}, reference {want_pages:?}"
                     );
+                    // The sequence's unit numbers of the entry's ids (`page * upp + sub`).
+                    let upp = p.config.units_per_page() as u32;
                     let logical: Vec<u32> = got_pages
                         .iter()
                         .map(|&x| {
                             view.block_table
                                 .pages()
                                 .iter()
-                                .position(|&y| y == x)
-                                .unwrap_or(usize::MAX) as u32
+                                .position(|&y| y == x / upp)
+                                .map_or(u32::MAX, |l| l as u32 * upp + x % upp)
                         })
                         .collect();
                     let near_tie = check_selection(
@@ -651,6 +667,7 @@ fn reused_selections_follow_new_pages_without_the_selector() {
         steps: 12,
         f16: false,
         q8: false,
+        logical: false,
         seed: 7,
     };
     for graph in [false, true] {
@@ -688,6 +705,7 @@ fn coded_decode_steps_match_reference() {
         steps: 12,
         f16: false,
         q8: false,
+        logical: false,
         seed: 17,
     };
     for graph in [false, true] {
@@ -737,6 +755,90 @@ fn coded_decode_steps_match_reference() {
     .unwrap();
 }
 
+/// Whole decode steps that select 16-token logical pages inside 64-token physical pages
+/// (`SelectionUnit::LogicalPage`): the scorer writes each logical page's score, the top-K lists
+/// logical-page ids, the append keeps the entry's newest logical page between selections, and
+/// the attention reads 16-row units; against the reference with reuse, logical and physical
+/// pages opened between selections, `dynamic_min_len` crossed, eagerly and as captured graphs,
+/// both append launches, bf16 and f16, 16-bit and INT8 caches, 8-bit statistics, and a batch of
+/// 8 long sequences.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn logical_page_selection_decode_steps_match_reference() {
+    let gpu = gpu();
+    let case = Case {
+        head_dim: 64,
+        kv_heads: 2,
+        group: 3,
+        streaming: vec![false, true],
+        page_tokens: 64,
+        logical_per_page: 4,
+        top_k: 1,
+        sink: 4,
+        local: 16,
+        dynamic_min_len: 100,
+        reuse: 4,
+        prompts: vec![110, 140, 90],
+        steps: 20,
+        f16: false,
+        q8: false,
+        logical: true,
+        seed: 31,
+    };
+    for graph in [false, true] {
+        for append in [AppendLaunch::Fused, AppendLaunch::Separate] {
+            run_steps::<bf16>(&gpu, &case, graph, 0, append, MAX_SPLITS, None).unwrap();
+        }
+    }
+    let f16_case = Case {
+        f16: true,
+        q8: true,
+        head_dim: 128,
+        ..case.clone()
+    };
+    run_steps::<f16>(
+        &gpu,
+        &f16_case,
+        false,
+        1,
+        AppendLaunch::Separate,
+        MAX_SPLITS,
+        None,
+    )
+    .unwrap();
+    // (INT8 caches are D 128.)
+    let coded = Case {
+        head_dim: 128,
+        ..case.clone()
+    };
+    run_steps::<bf16>(
+        &gpu,
+        &coded,
+        true,
+        0,
+        AppendLaunch::Auto,
+        MAX_SPLITS,
+        Some(int8()),
+    )
+    .unwrap();
+    let long = Case {
+        kv_heads: 4,
+        group: 4,
+        head_dim: 128,
+        streaming: vec![false, true, false, false],
+        top_k: 8,
+        sink: 64,
+        local: 256,
+        dynamic_min_len: 1024,
+        reuse: 2,
+        prompts: vec![3000, 1500, 900, 4100, 2200, 64, 1025, 2500],
+        steps: 6,
+        seed: 32,
+        ..case
+    };
+    run_steps::<bf16>(&gpu, &long, false, 0, AppendLaunch::Auto, MAX_SPLITS, None).unwrap();
+}
+
 /// Whole decode steps that select from 8-bit statistics (`StatsFormat::DEVICE_INT8`), over a
 /// 16-bit cache and over an INT8 cache: the cache is uploaded with the statistics coded by the
 /// reference, each step's append codes its logical page again, the selector reads only the
@@ -762,6 +864,7 @@ fn eight_bit_statistics_decode_steps_match_reference() {
         steps: 12,
         f16: false,
         q8: true,
+        logical: false,
         seed: 19,
     };
     for graph in [false, true] {
@@ -826,6 +929,7 @@ fn eight_bit_statistics_refuse_the_fused_append() {
     let gpu = gpu();
     let case = Case {
         q8: true,
+        logical: false,
         ..long_dense_case(1, 3)
     };
     let p = prompted::<bf16>(&Case {
@@ -926,6 +1030,7 @@ fn every_group_and_head_dim_matches_reference() {
                     steps: 3,
                     f16: use_f16,
                     q8: false,
+                    logical: false,
                     seed,
                 };
                 let long = Case {
@@ -1169,6 +1274,7 @@ fn reference_reuses_a_selection_of_every_page() {
         steps: 3,
         f16: true,
         q8: false,
+        logical: false,
         seed: 608_323_255_915_077_816,
     };
     let mut p = prompted::<f16>(&case);

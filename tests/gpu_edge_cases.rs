@@ -290,6 +290,7 @@ fn config(top_k: usize, dynamic_min_len: usize, first: bool) -> SparsityConfig {
         always_include_first_page: first,
         softmax_scale: None,
         stats_format: Default::default(),
+        selection_unit: Default::default(),
     }
 }
 

@@ -27,7 +27,7 @@ use common::{check_selection, f16_or_bf16, gpu, head_pattern, random_vec, SELECT
 use std::collections::BTreeMap;
 
 use half::bf16;
-use lserve::config::{GqaAggregation, SparsityConfig};
+use lserve::config::{GqaAggregation, SelectionUnit, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
@@ -70,7 +70,21 @@ struct Case {
     f16: bool,
     /// Selection from 8-bit statistics.
     q8: bool,
+    /// Logical-page selection, where the logical pages are whole decode tiles (else physical
+    /// pages are selected).
+    logical: bool,
     seed: u64,
+}
+
+impl Case {
+    /// The selection unit: logical pages when asked and they are whole 16-row decode tiles.
+    fn selection_unit(&self) -> SelectionUnit {
+        if self.logical && (self.page_tokens / self.logical_per_page) % 16 == 0 {
+            SelectionUnit::LogicalPage
+        } else {
+            SelectionUnit::PhysicalPage
+        }
+    }
 }
 
 fn case_strategy() -> impl Strategy<Value = Case> {
@@ -95,6 +109,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     prop_oneof![Just(1usize), Just(4)],
                     any::<bool>(),
                     any::<bool>(),
+                    any::<bool>(),
                 ),
                 (
                     prop::collection::vec(1usize..=1500, 1..=8),
@@ -110,7 +125,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 (head_dim, kv_heads, group),
                 streaming,
                 (page_tokens, lpp, top_k),
-                (dynamic_min_len, reuse, always_first, mean),
+                (dynamic_min_len, reuse, always_first, mean, logical),
                 (prompts, steps, f16, q8, seed),
             )| Case {
                 head_dim,
@@ -128,6 +143,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 steps,
                 f16,
                 q8,
+                logical,
                 seed,
             },
         )
@@ -226,7 +242,8 @@ fn run_step<E: DeviceElement>(
         select_top_k(gpu, cache, layer, batch, ws).map_err(|e| e.to_string())?;
         let state = download_selection(gpu, cache, layer).map_err(|e| e.to_string())?;
         let hd = pattern.dense_heads(layer);
-        let max_pages = mgr.max_pages_per_seq();
+        let upp = config.units_per_page() as u32;
+        let max_units = mgr.max_pages_per_seq() * upp as usize;
         for (b, &seq) in seqs.iter().enumerate() {
             let view = mgr.view(seq).map_err(|e| e.to_string())?;
             let slot = view.slot as usize;
@@ -241,7 +258,7 @@ fn run_step<E: DeviceElement>(
                         view.len
                     )
                 };
-                let row = &scores[(b * hd + dh) * max_pages..][..max_pages];
+                let row = &scores[(b * hd + dh) * max_units..][..max_units];
                 let entry = slot * hd + dh;
                 let index_len = state.index_lens[entry];
                 let index = &state.index_pages[entry * state.entry_capacity..]
@@ -264,14 +281,16 @@ fn run_step<E: DeviceElement>(
                     if index_len as usize > state.entry_capacity {
                         return Err(at(&format!("index length {index_len:#x}")));
                     }
+                    // The sequence's unit numbers of the entry's ids (`page * upp + sub`).
                     let logical: Vec<u32> = index
                         .iter()
-                        .map(|&p| {
+                        .map(|&id| {
+                            let p = id / upp;
                             view.block_table
                                 .pages()
                                 .iter()
                                 .position(|&x| x == p)
-                                .map(|l| l as u32)
+                                .map(|l| l as u32 * upp + id % upp)
                                 .ok_or_else(|| at(&format!("page {p:#x} not in the block table")))
                         })
                         .collect::<Result<_, _>>()?;
@@ -355,6 +374,7 @@ fn run_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), Strin
         } else {
             StatsFormat::Half
         },
+        selection_unit: case.selection_unit(),
     };
     let batch = case.prompts.len();
     let max_len = case.prompts.iter().max().unwrap() + case.steps;
@@ -464,18 +484,19 @@ fn selection_matches_reference() {
 }
 
 /// Reuse 4 over many steps, all heads past `dynamic_min_len`: the selector writes the held
-/// selections and index tables only on steps 0, 4, 8 and 12.
+/// selections and index tables only on steps 0, 4, 8 and 12 (the third run selects 16-token
+/// logical pages of 64-token pages).
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn reuse_four_changes_tables_only_on_due_steps() {
     let gpu = gpu();
-    for (seed, group) in [(1u64, 4usize), (2, 1)] {
+    for (seed, group, logical) in [(1u64, 4usize, false), (2, 1, false), (3, 3, true)] {
         let case = Case {
             head_dim: 128,
             kv_heads: 2,
             group,
             streaming: vec![vec![false, true]],
-            page_tokens: 16,
+            page_tokens: if logical { 64 } else { 16 },
             logical_per_page: 4,
             top_k: 3,
             dynamic_min_len: 0,
@@ -486,6 +507,7 @@ fn reuse_four_changes_tables_only_on_due_steps() {
             steps: 13,
             f16: false,
             q8: seed == 2,
+            logical,
             seed,
         };
         run_case::<bf16>(&gpu, &case).unwrap();
@@ -526,6 +548,7 @@ fn every_group_and_head_dim_scores_like_the_reference() {
                     steps: 2,
                     f16: use_f16,
                     q8,
+                    logical: false,
                     seed: (head_dim * 100 + group * 10 + 2 * use_f16 as usize + mean as usize)
                         as u64,
                 };

@@ -10,7 +10,7 @@ use common::{f16_or_bf16, head_pattern};
 use std::collections::BTreeMap;
 
 use half::bf16;
-use lserve::config::{GqaAggregation, SparsityConfig};
+use lserve::config::{GqaAggregation, SelectionUnit, SparsityConfig};
 use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
@@ -41,6 +41,8 @@ struct Case {
     reuse: usize,
     first: bool,
     mean: bool,
+    /// Logical-page selection (`SelectionUnit::LogicalPage`), else physical pages.
+    logical: bool,
     prefill: Vec<usize>,
     steps: usize,
     f16: bool,
@@ -57,6 +59,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 prop_oneof![Just(1usize), Just(4usize), 2usize..=5],
                 any::<bool>(),
                 any::<bool>(),
+                any::<bool>(),
             ),
             (
                 prop::collection::vec(0usize..=30, 1..=3),
@@ -70,7 +73,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     kinds,
                     (n_l, g, k),
                     (sink, local, dml),
-                    (reuse, first, mean),
+                    (reuse, first, mean, logical),
                     (prefill, steps, f16, seed),
                 )| Case {
                     kv_heads,
@@ -85,6 +88,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                     reuse,
                     first,
                     mean,
+                    logical,
                     prefill,
                     steps,
                     f16,
@@ -110,15 +114,32 @@ fn random_row<E: Element>(rng: &mut StdRng, n: usize) -> Vec<E> {
         .collect()
 }
 
+impl Case {
+    /// Tokens of a selection unit: a logical page under logical-page selection, else a
+    /// physical page.
+    fn unit(&self) -> usize {
+        if self.logical {
+            self.n_l
+        } else {
+            self.n_l * self.g
+        }
+    }
+
+    /// Units a selection picks by score: the budget (`k` physical pages) in units.
+    fn top_k(&self) -> usize {
+        self.k * self.n_l * self.g / self.unit()
+    }
+}
+
 /// Naive selection over the full key history of one KV head (`keys[t]` rows): brute-force
-/// per-logical-page min/max, bounds per query head, aggregation, max per physical page, then a
-/// full sort of the candidates by (score desc, index asc).
+/// per-logical-page min/max, bounds per query head, aggregation, max per unit (a physical page,
+/// or the logical page itself), then a full sort of the candidates by (score desc, index asc).
 fn naive_select(case: &Case, q_group: &[Vec<f64>], keys: &[Vec<f64>]) -> Vec<u32> {
     let len = keys.len();
-    let n_p = case.n_l * case.g;
     let logical = len.div_ceil(case.n_l);
-    let physical = len.div_ceil(n_p);
-    let mut phys = vec![f64::NEG_INFINITY; physical];
+    let units = len.div_ceil(case.unit());
+    let per_unit = case.unit() / case.n_l;
+    let mut phys = vec![f64::NEG_INFINITY; units];
     for lp in 0..logical {
         let toks: Vec<&Vec<f64>> = keys.iter().skip(lp * case.n_l).take(case.n_l).collect();
         let per_head: Vec<f64> = q_group
@@ -138,16 +159,20 @@ fn naive_select(case: &Case, q_group: &[Vec<f64>], keys: &[Vec<f64>]) -> Vec<u32
         } else {
             per_head.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
         };
-        let p = lp / case.g;
+        let p = lp / per_unit;
         phys[p] = phys[p].max(agg);
     }
-    let newest = physical - 1;
+    let newest = units - 1;
     let mut cands: Vec<(f64, usize)> = (0..newest)
         .filter(|&p| !(case.first && p == 0))
         .map(|p| (phys[p], p))
         .collect();
     cands.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
-    let mut sel: Vec<u32> = cands.iter().take(case.k).map(|c| c.1 as u32).collect();
+    let mut sel: Vec<u32> = cands
+        .iter()
+        .take(case.top_k())
+        .map(|c| c.1 as u32)
+        .collect();
     sel.push(newest as u32);
     if case.first {
         sel.push(0);
@@ -211,6 +236,11 @@ fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
         always_include_first_page: case.first,
         softmax_scale: None,
         stats_format: Default::default(),
+        selection_unit: if case.logical {
+            SelectionUnit::LogicalPage
+        } else {
+            SelectionUnit::PhysicalPage
+        },
     };
     let max_len: usize = 64;
     let batch = case.prefill.len();
@@ -218,10 +248,10 @@ fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
     let mut mgr =
         KvCacheManager::new(geometry, pattern.clone(), config, capacity, batch, max_len).unwrap();
     let mut cache = HostKvCache::<E>::for_manager(&mgr).unwrap();
-    let entry_capacity = IndexTables::entry_capacity_for(&config, max_len);
-    let mut tables = IndexTables::new(&pattern, batch, entry_capacity, capacity).unwrap();
+    let mut tables = IndexTables::for_manager(&mgr).unwrap();
     let mut reuse = ReuseState::new(case.reuse).unwrap();
     let mut rng = StdRng::seed_from_u64(case.seed);
+    let unit = case.unit();
     let scale = config.softmax_scale_for(D) as f64;
 
     // Naive history [seq][layer][kv_head] -> rows; held selections per (seq, layer, kv_head).
@@ -311,7 +341,7 @@ fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
                         let due = step % case.reuse == 0
                             || !held.contains_key(&key)
                             || tweak == Tweak::NoReuse;
-                        let newest = ((len - 1) / n_p) as u32;
+                        let newest = ((len - 1) / unit) as u32;
                         let pages = if due {
                             let sel = naive_select(case, &q_group, keys);
                             held.insert(key, sel.clone());
@@ -332,17 +362,22 @@ fn run<E: Element>(case: &Case, tweak: Tweak) -> Result<(), String> {
                         if *visit != want {
                             return Err(format!("step {step} seq {b} layer {layer} head {h}: {visit:?}, want {want:?}"));
                         }
-                        // The index table holds the physical ids, ascending logical order.
+                        // The index table holds the units' ids (a physical page's id, or
+                        // `physical * N_P / N_L + sub`), ascending sequence order.
                         let bt = mgr.block_table(seq).unwrap();
+                        let per_page = (n_p / unit) as u32;
                         let phys: Vec<u32> = pages
                             .iter()
-                            .map(|&p| bt.physical(p as usize).unwrap())
+                            .map(|&u| {
+                                let page = bt.physical((u / per_page) as usize).unwrap();
+                                page * per_page + u % per_page
+                            })
                             .collect();
                         let slot = mgr.slot(seq).unwrap() as usize;
                         let head = pattern.compact_index(layer, h);
                         assert_eq!(tables.get(layer, slot, head).unwrap(), &phys[..]);
                         (0..len)
-                            .map(|j| pages.contains(&((j / n_p) as u32)))
+                            .map(|j| pages.contains(&((j / unit) as u32)))
                             .collect()
                     };
                     for (j, qh) in q_group.iter().enumerate() {
@@ -419,6 +454,7 @@ fn fixed_case(reuse: usize) -> Case {
         reuse,
         first: true,
         mean: false,
+        logical: false,
         prefill: vec![3, 17],
         steps: 24,
         f16: false,
@@ -430,7 +466,16 @@ fn fixed_case(reuse: usize) -> Case {
 #[test]
 fn reuse_one_and_four_with_a_wrapping_ring() {
     for reuse in [1, 4] {
-        run_case(&fixed_case(reuse), Tweak::None).unwrap();
+        for logical in [false, true] {
+            run_case(
+                &Case {
+                    logical,
+                    ..fixed_case(reuse)
+                },
+                Tweak::None,
+            )
+            .unwrap();
+        }
     }
 }
 
@@ -880,4 +925,87 @@ fn kv_writes_past_the_cache_capacity_change_nothing() {
     assert!(cache == unpooled, "a failed pooling wrote something");
     pool_key_stats(&mut cache, 0, &view, 0..32).unwrap();
     assert!(cache != unpooled);
+}
+
+/// Logical-page selection is flat selection over the physical layout: a cache of 8-token
+/// physical pages selecting its 2-token logical pages attends exactly the tokens a cache of
+/// 2-token pages (physical = logical) selecting pages attends, so every step's output and visits
+/// are equal, bit for bit; selecting the physical pages of the first cache differs.
+#[test]
+fn logical_page_selection_is_flat_selection_over_the_physical_layout() {
+    let geometry = ModelGeometry::new(2, 4, 2, D).unwrap();
+    let pattern = HeadPattern::all_dense(geometry);
+    let base = SparsityConfig {
+        sink_tokens: 2,
+        local_tokens: 4,
+        token_budget: 8,
+        page_tokens: 8,
+        logical_page_tokens: 2,
+        reuse_interval: 3,
+        dynamic_min_len: 10,
+        ..SparsityConfig::default()
+    };
+    let configs = [
+        SparsityConfig {
+            selection_unit: SelectionUnit::LogicalPage,
+            ..base
+        },
+        SparsityConfig {
+            page_tokens: 2,
+            token_budget: 8,
+            ..base
+        },
+        base,
+    ];
+    type Run = (Vec<Vec<f64>>, Vec<Vec<Vec<HeadVisit>>>);
+    let run = |config: SparsityConfig| -> Run {
+        let (batch, max_len) = (2, 64usize);
+        let capacity = batch * max_len.div_ceil(config.page_tokens) + 1;
+        let mut mgr =
+            KvCacheManager::new(geometry, pattern.clone(), config, capacity, batch, max_len)
+                .unwrap();
+        let mut cache = HostKvCache::<bf16>::for_manager(&mgr).unwrap();
+        let mut tables = IndexTables::for_manager(&mgr).unwrap();
+        let mut reuse = ReuseState::new(config.reuse_interval).unwrap();
+        let mut rng = StdRng::seed_from_u64(11);
+        let seqs = [mgr.add_sequence().unwrap(), mgr.add_sequence().unwrap()];
+        let (mut outs, mut visits) = (Vec::new(), Vec::new());
+        for _ in 0..40 {
+            for &seq in &seqs {
+                mgr.reserve(seq, 1).unwrap();
+            }
+            for layer in 0..2 {
+                let q: Vec<bf16> = random_row(&mut rng, batch * 4 * D);
+                let k: Vec<bf16> = random_row(&mut rng, batch * 2 * D);
+                let v: Vec<bf16> = random_row(&mut rng, batch * 2 * D);
+                let o = decode_step(
+                    &mgr,
+                    &mut cache,
+                    &mut tables,
+                    &mut reuse,
+                    layer,
+                    &seqs,
+                    &q,
+                    &k,
+                    &v,
+                )
+                .unwrap();
+                outs.push(o.out);
+                visits.push(o.visits);
+            }
+            for &seq in &seqs {
+                mgr.advance_decode_step(seq).unwrap();
+            }
+        }
+        (outs, visits)
+    };
+    let [logical, flat, physical] = configs.map(run);
+    assert_eq!(logical, flat);
+    assert_ne!(logical.0, physical.0);
+    assert!(logical
+        .1
+        .iter()
+        .flatten()
+        .flatten()
+        .any(|v| matches!(v, HeadVisit::Selected { .. })));
 }

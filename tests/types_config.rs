@@ -206,6 +206,7 @@ fn random_configs_validate_iff_the_rules_hold() {
             always_include_first_page: rng.gen(),
             softmax_scale: [None, Some(0.1), Some(0.0), Some(f32::NAN)][rng.gen_range(0..4)],
             stats_format: Default::default(),
+            selection_unit: Default::default(),
         };
         let expect_ok = c.page_tokens > 0
             && c.logical_page_tokens > 0

@@ -1,6 +1,6 @@
 //! Index tables: device shape, validated setters, bulk overwrite, clearing.
 
-use lserve::config::SparsityConfig;
+use lserve::config::{SelectionUnit, SparsityConfig};
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
@@ -152,4 +152,52 @@ fn overflowing_table_sizes_are_errors() {
     ));
     let t = IndexTables::new(&pattern, 3, 5, 7).unwrap();
     assert_eq!(t.layer(1).unwrap().pages().len(), 3 * 4 * 5);
+}
+
+/// Tables for a manager that selects logical pages list logical-page ids: `physical * 4 + sub`
+/// below `capacity * 4`, each owned through its physical page; entries hold the units of
+/// `K + 3`; tables listing other units than the manager's config do not fit it.
+#[test]
+fn logical_page_tables_list_unit_ids() {
+    let g = ModelGeometry::new(1, 2, 2, 64).unwrap();
+    let config = SparsityConfig {
+        selection_unit: SelectionUnit::LogicalPage,
+        token_budget: 128,
+        dynamic_min_len: 64,
+        ..SparsityConfig::default()
+    };
+    let pattern = HeadPattern::all_dense(g);
+    let mut mgr = KvCacheManager::new(g, pattern.clone(), config, 8, 2, 512).unwrap();
+    let (a, b) = (mgr.add_sequence().unwrap(), mgr.add_sequence().unwrap());
+    mgr.reserve(a, 200).unwrap();
+    mgr.reserve(b, 64).unwrap();
+    let mut t = IndexTables::for_manager(&mgr).unwrap();
+    assert_eq!(t.units_per_page(), 4);
+    // K = 8 units of 16 tokens: 11 per entry (the dense ones hold 64 / 16 = 4).
+    assert_eq!(t.layer(0).unwrap().entry_capacity(), 11);
+    let page_a = mgr.block_table(a).unwrap().pages()[3];
+    let page_b = mgr.block_table(b).unwrap().pages()[0];
+    t.set(0, 0, 0, &[page_a * 4, page_a * 4 + 3]).unwrap();
+    assert!(t.check_against(&mgr).is_ok());
+    assert!(matches!(
+        t.set(0, 0, 0, &[8 * 4]),
+        Err(LserveError::PageOutOfRange {
+            page: 32,
+            capacity: 32
+        })
+    ));
+    t.set(0, 0, 1, &[page_b * 4 + 1]).unwrap(); // slot 0 holds `a`
+    assert!(matches!(
+        t.check_against(&mgr),
+        Err(LserveError::PageNotOwned { slot: 0, .. })
+    ));
+    // Physical-page tables do not fit a manager that selects logical pages.
+    let physical = IndexTables::new(&pattern, 2, 11, 8).unwrap();
+    assert!(matches!(
+        physical.check_against(&mgr),
+        Err(LserveError::InvalidArgument {
+            what: "index tables",
+            ..
+        })
+    ));
 }

@@ -73,12 +73,51 @@ impl CacheLayout {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SelectionLayout {
-    /// Pages of one index-table entry (`[slots][dense_heads][entry_capacity]`): a held selection
-    /// and the newest page.
+    /// Units of one index-table entry (`[slots][dense_heads][entry_capacity]`): a held selection
+    /// and the newest unit.
     pub entry_capacity: u32,
     /// Words of one held selection row (`[slots][dense_heads][held_capacity]`); the last word is
-    /// the selection's newest page (`select::held_newest_at`).
+    /// the selection's newest unit (`select::held_newest_at`).
     pub held_capacity: u32,
+    /// Selection units per physical page: 1 when whole pages are selected, `N_P / N_L` when
+    /// logical pages are. A selecting entry lists unit ids ([`unit_id`]); the held selection
+    /// and the score workspace are in the sequence's units.
+    pub units_per_page: u32,
+}
+
+impl SelectionLayout {
+    /// Tokens of one selection unit for a pool of `page_tokens`-token pages.
+    #[inline(always)]
+    pub const fn unit_tokens(&self, page_tokens: u32) -> u32 {
+        page_tokens / self.units_per_page
+    }
+}
+
+/// The index-entry id of a sequence's unit `unit` whose physical page (the block table's entry
+/// [`unit_page`]`(unit, units_per_page)`) is `page`: `page * units_per_page + unit %
+/// units_per_page`, the page id itself for whole pages. `units_per_page` is a power of two (the
+/// device cache checks it). Saturating: a page id past the pool (`PAD_PAGE`) gives an id whose
+/// page is still past the pool, as long as `capacity * units_per_page` fits `u32` (checked by
+/// the host).
+///
+/// ```
+/// use lserve_abi::layout::{unit_id, unit_page};
+/// assert_eq!(unit_id(7, 29, 4), 29); // page 7 holds units 28..32
+/// assert_eq!(unit_page(29, 4), 7);
+/// assert_eq!(unit_id(7, 3, 1), 7);
+/// assert_eq!(unit_id(u32::MAX, 1, 4), u32::MAX);
+/// ```
+#[inline(always)]
+pub const fn unit_id(page: u32, unit: u32, units_per_page: u32) -> u32 {
+    page.saturating_mul(units_per_page)
+        .saturating_add(unit & (units_per_page - 1))
+}
+
+/// The page of unit `unit` (a sequence's unit number or a unit id): `unit / units_per_page`,
+/// `units_per_page` a power of two.
+#[inline(always)]
+pub const fn unit_page(unit: u32, units_per_page: u32) -> u32 {
+    unit >> units_per_page.trailing_zeros()
 }
 
 /// One layer's dense page pool: `K`, `V` are `[capacity][heads][page_tokens][head_dim]`, the key

@@ -11,7 +11,7 @@ use lserve::block_iter::{
     dense_decode_pages, num_blocks, prefill_blocks, streaming_decode_tokens, token_visible,
     BlockCoverage, BlockMask, PrefillShape,
 };
-use lserve::config::{GqaAggregation, SparsityConfig};
+use lserve::config::{GqaAggregation, SelectionUnit, SparsityConfig};
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
@@ -121,6 +121,7 @@ struct Config {
     mean: bool,
     first_page: bool,
     scale: Option<f32>,
+    logical_units: bool,
 }
 
 impl Config {
@@ -141,6 +142,11 @@ impl Config {
             always_include_first_page: self.first_page,
             softmax_scale: self.scale,
             stats_format: Default::default(),
+            selection_unit: if self.logical_units {
+                SelectionUnit::LogicalPage
+            } else {
+                SelectionUnit::PhysicalPage
+            },
         }
     }
 }
@@ -694,7 +700,13 @@ fn config_rules(c: &SparsityConfig, len: usize, step: u64, head_dim: usize, max_
     match (c.validate(), rule) {
         (Ok(()), None) => {
             // The helpers' exact values on a valid config.
-            assert_eq!(c.pages_per_selection() * c.page_tokens, c.token_budget);
+            assert_eq!(c.pages_per_selection() * c.unit_tokens(), c.token_budget);
+            assert_eq!(c.units_per_page() * c.unit_tokens(), c.page_tokens);
+            assert_eq!(
+                c.logical_per_unit() * c.logical_page_tokens,
+                c.unit_tokens()
+            );
+            assert_eq!(c.units_for_len(len), len.div_ceil(c.unit_tokens()));
             assert_eq!(c.held_selection_pages(), c.pages_per_selection() + 2);
             assert_eq!(c.selection_entry_pages(), c.pages_per_selection() + 3);
             assert_eq!(c.logical_per_page() * c.logical_page_tokens, c.page_tokens);
@@ -706,7 +718,7 @@ fn config_rules(c: &SparsityConfig, len: usize, step: u64, head_dim: usize, max_
             );
             let entry = IndexTables::entry_capacity_for(c, max_seq_len);
             assert!(entry >= 1);
-            assert!(entry <= c.pages_for_len(max_seq_len).max(1));
+            assert!(entry <= (c.pages_for_len(max_seq_len) * c.units_per_page()).max(1));
             assert!(StreamingStore::new(1, c.sink_tokens, c.local_tokens).is_ok());
             if let Some(s) = c.softmax_scale {
                 assert_eq!(c.softmax_scale_for(head_dim), s);
@@ -723,6 +735,10 @@ fn config_rules(c: &SparsityConfig, len: usize, step: u64, head_dim: usize, max_
         c.held_selection_pages(),
         c.selection_entry_pages(),
         c.logical_per_page(),
+        c.unit_tokens(),
+        c.units_per_page(),
+        c.logical_per_unit(),
+        c.units_for_len(len),
         c.streaming_rows(),
         c.pages_for_len(len),
         c.softmax_scale_for(head_dim),

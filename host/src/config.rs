@@ -13,6 +13,24 @@ pub enum GqaAggregation {
     Mean,
 }
 
+/// What a page selection picks: whole physical pages (LServe), or logical pages inside them.
+///
+/// The candidates, the top-K and the index entries are in units of the chosen kind:
+/// `K = token_budget / unit_tokens` units besides the always-attended first and newest unit
+/// ([`SparsityConfig::unit_tokens`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SelectionUnit {
+    /// Physical pages of `page_tokens` (`N_P`) tokens, each scored by the max over its logical
+    /// pages (LServe's hierarchical paging; the default).
+    #[default]
+    PhysicalPage,
+    /// Logical pages of `logical_page_tokens` (`N_L`) tokens, each scored by its own statistics:
+    /// the selection of flat `N_L`-token pages (Quest's) over the same `N_P`-token physical
+    /// layout and bytes. An index entry then lists logical-page ids, `physical * (N_P / N_L) +
+    /// sub` ([`SparsityConfig::unit_id`]).
+    LogicalPage,
+}
+
 /// Every knob of LServe's sparse attention. The fields are public; call [`validate`] (every
 /// constructor taking a config does) before use.
 ///
@@ -59,12 +77,14 @@ pub struct SparsityConfig {
     /// The key statistics page selection scores from: 16-bit, or their 8-bit codes
     /// ([`StatsFormat`]).
     pub stats_format: StatsFormat,
+    /// Whether selection picks physical or logical pages ([`SelectionUnit`]).
+    pub selection_unit: SelectionUnit,
 }
 
 impl Default for SparsityConfig {
     /// LServe's defaults: sinks 64, local 256, budget 4096, `N_P` 64, `N_L` 16, `C` 4,
     /// `dynamic_min_len` 8192 (`2 * token_budget`), max aggregation, first page always included,
-    /// scale `1/sqrt(D)`, 16-bit statistics.
+    /// scale `1/sqrt(D)`, 16-bit statistics, physical pages selected.
     fn default() -> Self {
         Self {
             sink_tokens: 64,
@@ -78,6 +98,7 @@ impl Default for SparsityConfig {
             always_include_first_page: true,
             softmax_scale: None,
             stats_format: StatsFormat::Half,
+            selection_unit: SelectionUnit::PhysicalPage,
         }
     }
 }
@@ -144,19 +165,71 @@ impl SparsityConfig {
         Ok(())
     }
 
-    /// Physical pages a selection picks (`K = token_budget / page_tokens`), besides the
-    /// always-included newest (and first) page.
+    /// Tokens of one selection unit: `page_tokens` for [`SelectionUnit::PhysicalPage`],
+    /// `logical_page_tokens` for [`SelectionUnit::LogicalPage`].
+    pub const fn unit_tokens(&self) -> usize {
+        match self.selection_unit {
+            SelectionUnit::PhysicalPage => self.page_tokens,
+            SelectionUnit::LogicalPage => self.logical_page_tokens,
+        }
+    }
+
+    /// Selection units per physical page: 1 for physical pages, `N_P / N_L` for logical ones.
     ///
-    /// Returns 0 for a config with `page_tokens == 0` (which `validate` rejects).
+    /// Returns 0 for a config whose unit is 0 tokens (which `validate` rejects).
+    pub const fn units_per_page(&self) -> usize {
+        match self.page_tokens.checked_div(self.unit_tokens()) {
+            Some(u) => u,
+            None => 0,
+        }
+    }
+
+    /// Logical pages per selection unit: `N_P / N_L` for physical pages, 1 for logical ones.
+    pub const fn logical_per_unit(&self) -> usize {
+        match self.selection_unit {
+            SelectionUnit::PhysicalPage => self.logical_per_page(),
+            SelectionUnit::LogicalPage => 1,
+        }
+    }
+
+    /// Selection units a sequence of `len` tokens has (`ceil(len / unit_tokens)`).
+    ///
+    /// Returns 0 for a config whose unit is 0 tokens (which `validate` rejects).
+    pub const fn units_for_len(&self, len: usize) -> usize {
+        match self.unit_tokens() {
+            0 => 0,
+            u => len.div_ceil(u),
+        }
+    }
+
+    /// The index-entry id of unit `sub` of physical page `physical`:
+    /// `physical * units_per_page + sub` (the page id itself for physical units).
+    ///
+    /// ```
+    /// use lserve::config::{SelectionUnit, SparsityConfig};
+    /// let c = SparsityConfig { selection_unit: SelectionUnit::LogicalPage, ..Default::default() };
+    /// assert_eq!((c.unit_tokens(), c.units_per_page()), (16, 4));
+    /// assert_eq!(c.unit_id(7, 2), 30);
+    /// assert_eq!(c.pages_per_selection(), 256); // 4096 tokens of 16-token units
+    /// ```
+    pub const fn unit_id(&self, physical: u32, sub: u32) -> u32 {
+        physical * self.units_per_page() as u32 + sub
+    }
+
+    /// Units a selection picks (`K = token_budget / unit_tokens`: physical pages, or logical
+    /// pages under [`SelectionUnit::LogicalPage`]), besides the always-included newest (and
+    /// first) unit.
+    ///
+    /// Returns 0 for a config whose unit is 0 tokens (which `validate` rejects).
     pub const fn pages_per_selection(&self) -> usize {
-        match self.token_budget.checked_div(self.page_tokens) {
+        match self.token_budget.checked_div(self.unit_tokens()) {
             Some(k) => k,
             None => 0,
         }
     }
 
-    /// Pages a held selection holds at most: the `K` selected, the first page (when always
-    /// included) and the newest page at selection time (`K + 2`).
+    /// Units a held selection holds at most: the `K` selected, the first unit (when always
+    /// included) and the newest unit at selection time (`K + 2`).
     ///
     /// Saturates at `usize::MAX` for a `K` so large (a config `validate` rejects) that `K + 2`
     /// overflows.
@@ -171,8 +244,8 @@ impl SparsityConfig {
         self.pages_per_selection().saturating_add(2)
     }
 
-    /// Pages an index-table entry lists at most in selection mode: the held selection and, on a
-    /// reused step, a newer newest page (`K + 3`).
+    /// Units an index-table entry lists at most in selection mode: the held selection and, on a
+    /// reused step, a newer newest unit (`K + 3`).
     ///
     /// Saturates at `usize::MAX`, as [`held_selection_pages`](Self::held_selection_pages).
     pub const fn selection_entry_pages(&self) -> usize {

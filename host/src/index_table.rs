@@ -1,4 +1,8 @@
-//! Index tables: the physical pages each dense KV head of each sequence visits at decode.
+//! Index tables: the pages each dense KV head of each sequence visits at decode.
+//!
+//! An entry lists the config's selection units ([`SelectionUnit`](crate::config::SelectionUnit)):
+//! physical page ids, or with logical-page selection logical-page ids `physical *
+//! units_per_page + sub` ([`SparsityConfig::unit_id`]), in ascending sequence order.
 //!
 //! The decode kernel reads only these tables (the sparsity pattern is data). They are
 //! device-shaped: per layer, `pages [slots][Hd][entry_capacity]` (`u32`, [`PAD_PAGE`] past each
@@ -71,12 +75,15 @@ impl LayerIndexTable {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IndexTables {
     pool_capacity: usize,
+    /// Selection units per physical page: ids are checked against `pool_capacity` times it.
+    units_per_page: usize,
     layers: Vec<LayerIndexTable>,
 }
 
 impl IndexTables {
     /// Empty tables for every layer of `pattern`: `slots` sequence slots, `entry_capacity` page
-    /// ids per entry, page ids checked against `pool_capacity`. All sizes must be in
+    /// ids per entry, page ids checked against `pool_capacity` (physical-page units; tables for
+    /// a manager's config come from [`for_manager`](Self::for_manager)). All sizes must be in
     /// `1..=u32::MAX`, and a layer's `slots x dense heads x entry_capacity` must not overflow
     /// (`InvalidConfig`).
     pub fn new(
@@ -123,29 +130,55 @@ impl IndexTables {
             .collect();
         Ok(Self {
             pool_capacity,
+            units_per_page: 1,
             layers,
         })
     }
 
     /// Tables shaped for `manager` (its pattern, slots and pool), with `entry_capacity`
-    /// from [`entry_capacity_for`](Self::entry_capacity_for).
+    /// from [`entry_capacity_for`](Self::entry_capacity_for), listing its config's selection
+    /// units (ids below the pool capacity times [`units_per_page`](Self::units_per_page)).
     pub fn for_manager(manager: &KvCacheManager) -> Result<Self> {
-        let cap = Self::entry_capacity_for(manager.config(), manager.max_seq_len());
-        Self::new(
-            manager.pattern(),
-            manager.max_sequences(),
-            cap,
-            manager.pool().capacity(),
-        )
+        let config = manager.config();
+        let cap = Self::entry_capacity_for(config, manager.max_seq_len());
+        let units_per_page = config.units_per_page();
+        let pool_capacity = manager.pool().capacity();
+        if pool_capacity
+            .checked_mul(units_per_page)
+            .and_then(|n| u32::try_from(n).ok())
+            .is_none()
+        {
+            return Err(LserveError::InvalidConfig {
+                field: "selection_unit",
+                reason: format!(
+                    "{pool_capacity} pages x {units_per_page} units per page do not fit u32 ids"
+                ),
+            });
+        }
+        Ok(Self {
+            units_per_page,
+            ..Self::new(
+                manager.pattern(),
+                manager.max_sequences(),
+                cap,
+                pool_capacity,
+            )?
+        })
     }
 
-    /// Page ids an entry needs for sequences up to `max_seq_len`: every page while the length
-    /// is at most `dynamic_min_len` (dense decode), else the `K` selected pages plus the first,
-    /// the newest at selection time and, on a reused step, the current newest (`K + 3`); never
-    /// more than `ceil(max_seq_len / page_tokens)`.
+    /// Selection units per physical page the entries list (1: physical page ids).
+    pub fn units_per_page(&self) -> usize {
+        self.units_per_page
+    }
+
+    /// Units (pages, or logical pages: [`SparsityConfig::unit_tokens`]) an entry needs for
+    /// sequences up to `max_seq_len`: every unit while the length is at most `dynamic_min_len`
+    /// (dense decode), else the `K` selected units plus the first, the newest at selection time
+    /// and, on a reused step, the current newest (`K + 3`); never more than the units of
+    /// `ceil(max_seq_len / page_tokens)` pages.
     pub fn entry_capacity_for(config: &SparsityConfig, max_seq_len: usize) -> usize {
-        let all = config.pages_for_len(max_seq_len);
-        let dense = config.pages_for_len(config.dynamic_min_len.min(max_seq_len));
+        let all = config.pages_for_len(max_seq_len) * config.units_per_page();
+        let dense = config.units_for_len(config.dynamic_min_len.min(max_seq_len));
         let selected = config.selection_entry_pages();
         dense.max(selected).min(all).max(1)
     }
@@ -259,12 +292,17 @@ impl IndexTables {
         Ok(())
     }
 
+    /// The id bound: ids are below it.
+    fn id_bound(&self) -> usize {
+        self.pool_capacity * self.units_per_page
+    }
+
     /// Checks ids in range and not repeated.
     fn check_entry(&self, pages: &[PageId]) -> Result<()> {
-        if let Some(&page) = pages.iter().find(|&&p| p as usize >= self.pool_capacity) {
+        if let Some(&page) = pages.iter().find(|&&p| p as usize >= self.id_bound()) {
             return Err(LserveError::PageOutOfRange {
                 page,
-                capacity: self.pool_capacity as u32,
+                capacity: self.id_bound() as u32,
             });
         }
         let mut sorted = pages.to_vec();
@@ -282,7 +320,8 @@ impl IndexTables {
     /// (`DeviceKvCache::upload` calls it before anything is allocated): shaped for it (its
     /// layers, slots and each layer's dense heads, one entry capacity in every layer), every
     /// listed page below the manager's pool capacity (`PageOutOfRange`), and every listed page
-    /// one of the pages of the sequence in that slot, per its block table (`PageNotOwned`; a
+    /// (the physical page of every listed logical-page id) one of the pages of the sequence in
+    /// that slot, per its block table (`PageNotOwned`; a
     /// slot no sequence holds lists none). The first bad entry is reported, by layer, slot,
     /// head, position.
     ///
@@ -322,6 +361,16 @@ impl IndexTables {
                 ),
             });
         }
+        if self.units_per_page != manager.config().units_per_page() {
+            return Err(LserveError::InvalidArgument {
+                what: "index tables",
+                reason: format!(
+                    "they list {} units per page, the manager's config {}",
+                    self.units_per_page,
+                    manager.config().units_per_page()
+                ),
+            });
+        }
         // The slot each page of the pool belongs to (`u32::MAX`: none).
         let mut owner_of = vec![u32::MAX; capacity];
         for slot in 0..slots as u32 {
@@ -355,7 +404,8 @@ impl IndexTables {
                     let e = t.entry(slot, head);
                     let start = e * t.entry_capacity;
                     for &page in &t.pages[start..start + t.lens[e] as usize] {
-                        let Some(&owner) = owner_of.get(page as usize) else {
+                        let physical = page as usize / self.units_per_page;
+                        let Some(&owner) = owner_of.get(physical) else {
                             return Err(LserveError::PageOutOfRange {
                                 page,
                                 capacity: capacity as u32,

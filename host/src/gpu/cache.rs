@@ -674,6 +674,26 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             });
         }
         check_device_stats(cfg.stats_format)?;
+        if !cfg.units_per_page().is_power_of_two() {
+            return Err(LserveError::InvalidConfig {
+                field: "selection_unit",
+                reason: format!(
+                    "{} logical pages per page: the device selects logical pages when a page \
+                     holds a power of two of them",
+                    cfg.units_per_page()
+                ),
+            });
+        }
+        if cfg.unit_tokens() % lserve_abi::decode::DECODE_TILE_ROWS as usize != 0 {
+            return Err(LserveError::InvalidConfig {
+                field: "selection_unit",
+                reason: format!(
+                    "logical pages of {} tokens are not whole {}-row GPU decode tiles",
+                    cfg.unit_tokens(),
+                    lserve_abi::decode::DECODE_TILE_ROWS
+                ),
+            });
+        }
         let stream = gpu.stream();
         let slots = manager.max_sequences();
         let held_capacity = cfg.held_selection_pages() + 1;
@@ -1104,11 +1124,18 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             .ok_or_else(|| layer_out_of_range(layer, n))
     }
 
+    /// Selection units a sequence may have: the block tables' `max_pages` times the units per
+    /// page (the score workspace's row, the longest index entry).
+    pub(crate) fn max_units(&self) -> usize {
+        self.max_pages as usize * self.config.units_per_page()
+    }
+
     /// The selection state's row strides, as the kernels' argument structs hold them.
     pub(crate) fn selection_layout(&self) -> SelectionLayout {
         SelectionLayout {
             entry_capacity: self.entry_capacity,
             held_capacity: self.held_capacity,
+            units_per_page: self.config.units_per_page() as u32,
         }
     }
 

@@ -903,10 +903,10 @@ fn plan_layer<E: DeviceElement>(
     let l = cache.layer(layer)?;
     let cfg_min_len = cache.dynamic_min_len;
     // The most rows any pair of the batch visits: a dense head's whole sequence up to
-    // `dynamic_min_len`, at most a selection's pages above it (the K selected, the first, and the
+    // `dynamic_min_len`, at most a selection's units above it (the K selected, the first, and the
     // newest at selection time and now: the index table's content, whatever its capacity).
-    let page_tokens = l.paged.page_tokens;
-    let selected_rows = cache.config.selection_entry_pages() as u32 * page_tokens;
+    let unit_tokens = cache.config.unit_tokens() as u32;
+    let selected_rows = cache.config.selection_entry_pages() as u32 * unit_tokens;
     let max_rows = batch
         .host_lens
         .iter()

@@ -64,23 +64,24 @@ use super::launch::{check_shape, Launch};
 use super::stat_codes::StatCodesLayer;
 use super::tokens::Tokens;
 use super::GpuContext;
-use crate::config::GqaAggregation;
+use crate::config::{GqaAggregation, SparsityConfig};
 use crate::dtype::DType;
 use crate::paging::HostKvCache;
 use crate::quant::StatsFormat;
 use crate::{LserveError, Result};
 
-/// Device scratch of page selection: the physical-page scores of every (sequence, dense KV
-/// head) pair, `[max_batch][dense heads][max_pages]` `f32` (for a layer with `Hd` dense heads
-/// the score of page `p` of pair `(b, h)` is at `(b * Hd + h) * max_pages + p`). Allocated once;
-/// one workspace serves every layer, one layer at a time.
+/// Device scratch of page selection: the unit scores of every (sequence, dense KV head) pair,
+/// `[max_batch][dense heads][max_units]` `f32`, `max_units` the block tables' `max_pages` times
+/// the units per page (for a layer with `Hd` dense heads the score of unit `u` of pair `(b, h)`
+/// is at `(b * Hd + h) * max_units + u`). Allocated once; one workspace serves every layer, one
+/// layer at a time.
 pub struct SelectWorkspace {
     /// This workspace's identity (plans record it).
     id: u64,
     scores: CudaSlice<f32>,
     max_batch: usize,
     dense_heads: usize,
-    max_pages: usize,
+    max_units: usize,
 }
 
 impl SelectWorkspace {
@@ -95,14 +96,14 @@ impl SelectWorkspace {
             return Err(LserveError::Empty("batch"));
         }
         let dense_heads = cache.pattern().max_dense_heads();
-        let max_pages = cache.max_pages as usize;
-        let n = (max_batch * dense_heads * max_pages).max(1);
+        let max_units = cache.max_units();
+        let n = (max_batch * dense_heads * max_units).max(1);
         Ok(Self {
             id: fresh_id(),
             scores: gpu.stream().alloc_zeros(n)?,
             max_batch,
             dense_heads,
-            max_pages,
+            max_units,
         })
     }
 
@@ -149,6 +150,16 @@ fn score_kernel_name(
     ))
 }
 
+/// The top-K kernel for `config`'s selection unit: `select_pages` for physical pages (or logical
+/// pages as large as them), `select_logical_pages` for logical pages inside them.
+fn top_k_kernel_name(config: &SparsityConfig) -> &'static str {
+    if config.units_per_page() > 1 {
+        "select_logical_pages"
+    } else {
+        "select_pages"
+    }
+}
+
 /// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
 /// (`pages` physical pages; `row_groups` per block), but no more than two blocks per SM over all
 /// `pairs` (one wave: 2 blocks of the G 4 kernel fit an SM; rounded down, so a launch is never a
@@ -176,10 +187,10 @@ fn select_params<E: DeviceElement>(
             field: "reuse_interval",
             reason: format!("{} does not fit in u32", cfg.reuse_interval),
         })?;
-    // An index entry never lists more than the sequence's pages. A held row also keeps the
-    // selection's newest page in its last word.
+    // An index entry never lists more than the sequence's units. A held row also keeps the
+    // selection's newest unit in its last word.
     let held_needed = cfg.held_selection_pages() + 1;
-    let entry_needed = cfg.selection_entry_pages().min(cache.max_pages as usize);
+    let entry_needed = cfg.selection_entry_pages().min(cache.max_units());
     if (cache.held_capacity as usize) < held_needed
         || (cache.entry_capacity as usize) < entry_needed
     {
@@ -220,7 +231,7 @@ fn check_pairs<E: DeviceElement>(
     ws: &SelectWorkspace,
 ) -> Result<usize> {
     let b = batch.len();
-    if b > ws.max_batch || dense > ws.dense_heads || ws.max_pages != cache.max_pages as usize {
+    if b > ws.max_batch || dense > ws.dense_heads || ws.max_units != cache.max_units() {
         return Err(LserveError::InvalidArgument {
             what: "workspace",
             reason: "sized for a smaller batch or another cache".into(),
@@ -283,7 +294,7 @@ impl TopKLaunch {
         // SAFETY: `select_pages`'s argument struct, of the buffers registered above. Grid
         // `B * Hd`, `SELECT_THREADS` threads, `SELECT_SMEM_BYTES` of shared memory as the kernel
         // requires; the capacities were checked (`held_capacity >= K + 3`, `entry_capacity >=
-        // min(K + 3, max_pages)`); slots are live and distinct (`DecodeBatch::set`), so each pair
+        // min(K + 3, max_units)`); slots are live and distinct (`DecodeBatch::set`), so each pair
         // owns its held state and index entry; the workspace rows were written by the scorer for
         // the due pairs of this batch (the only rows whose scores the selector uses; it may load
         // a not-due pair's row before deciding, harmlessly: the workspace is allocated, zeroed,
@@ -376,7 +387,7 @@ impl SelectLaunch<'_> {
         // `q8` scorer was looked up only for a cache whose layers keep 8-bit statistics (the
         // configuration's `stats_format`, which built them); the batch's slots
         // and lengths are live (validated by `DecodeBatch::set`) and their block tables hold pool
-        // page ids; the workspace holds `B * Hd * max_pages` scores (checked). Overlapped: the
+        // page ids; the workspace holds `B * Hd * max_units` scores (checked). Overlapped: the
         // kernel waits for the previous one (`overlapped_entry`) before touching anything a
         // kernel writes.
         unsafe { launch.launch(cfg, &args) }?;
@@ -485,7 +496,7 @@ impl<'b> SelectPlan<'b> {
             geometry.group(),
             cache.config.stats_format,
         )?;
-        let top_k = gpu.function("select_pages")?;
+        let top_k = gpu.function(top_k_kernel_name(&cache.config))?;
         let layers = (0..cache.layers())
             .map(|layer| {
                 let l = cache.layer(layer)?;
@@ -869,7 +880,11 @@ mod tests {
                 }
             }
         }
-        for name in ["select_pages", "advance_decode_steps"] {
+        for name in [
+            "select_pages",
+            "select_logical_pages",
+            "advance_decode_steps",
+        ] {
             assert!(ptx_has_kernel(name), "{name} is not in the PTX");
         }
     }

@@ -227,7 +227,7 @@ fn probe(
         let values: Vec<&[f32]> = (0..len).map(|t| &v[(t * hkv + kvh) * d..][..d]).collect();
         let seen = match (&visits[kvh], pattern.kind(layer, kvh)) {
             (HeadVisit::Selected { pages, .. }, _) => {
-                tokens_of_pages(pages, config.page_tokens, len)
+                tokens_of_pages(pages, config.unit_tokens(), len)
             }
             (HeadVisit::Streaming, HeadKind::Streaming) => decode_tokens(patterns[kvh], len)?,
             _ => (0..len).collect(),

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use candle_core::Tensor;
 use half::f16;
-use lserve::config::SparsityConfig;
+use lserve::config::{SelectionUnit, SparsityConfig};
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{Calibration, CalibrationScore, HeadPattern};
 use lserve::reference::decode::HeadVisit;
@@ -19,15 +19,26 @@ use crate::model::{Llama, Qkv};
 pub enum Selection {
     /// Every token (no page selection).
     Dense,
-    /// Quest-like flat page selection: pages of 16 tokens, statistics per page (physical page =
-    /// logical page), selection every step.
+    /// Quest-like flat page selection: pages of `page` tokens (16 for Quest's), statistics per
+    /// page (physical page = logical page), selection every step.
     Flat {
         /// Tokens a dense head attends to.
         budget: usize,
+        /// Tokens per page (a multiple of 16).
+        page: usize,
     },
     /// LServe's hierarchical pages: physical 64, logical 16 tokens, selection every `reuse`
     /// steps.
     Hierarchical {
+        /// Tokens a dense head attends to.
+        budget: usize,
+        /// Reuse interval (1: select every step).
+        reuse: usize,
+    },
+    /// Logical-page selection (`SelectionUnit::LogicalPage`): physical pages of 64 tokens as
+    /// LServe's, but the top-K picks 16-token logical pages inside them (flat 16's selection
+    /// over LServe's layout), every `reuse` steps.
+    Logical {
         /// Tokens a dense head attends to.
         budget: usize,
         /// Reuse interval (1: select every step).
@@ -91,8 +102,10 @@ impl Setting {
         match self.selection {
             Selection::Dense if s.is_empty() => "dense".into(),
             Selection::Dense => format!("stream-{s}"),
-            Selection::Flat { budget } => join(format!("flat-b{budget}")),
+            Selection::Flat { budget, page: 16 } => join(format!("flat-b{budget}")),
+            Selection::Flat { budget, page } => join(format!("flat{page}-b{budget}")),
             Selection::Hierarchical { budget, reuse } => join(format!("lserve-b{budget}-r{reuse}")),
+            Selection::Logical { budget, reuse } => join(format!("logical-b{budget}-r{reuse}")),
         }
     }
 
@@ -106,9 +119,9 @@ impl Setting {
                 dynamic_min_len: u32::MAX as usize,
                 ..base
             },
-            Selection::Flat { budget } => SparsityConfig {
-                page_tokens: 16,
-                logical_page_tokens: 16,
+            Selection::Flat { budget, page } => SparsityConfig {
+                page_tokens: page,
+                logical_page_tokens: page,
                 token_budget: budget,
                 reuse_interval: 1,
                 dynamic_min_len: budget,
@@ -120,6 +133,15 @@ impl Setting {
                 token_budget: budget,
                 reuse_interval: reuse,
                 dynamic_min_len: budget,
+                ..base
+            },
+            Selection::Logical { budget, reuse } => SparsityConfig {
+                page_tokens: 64,
+                logical_page_tokens: 16,
+                token_budget: budget,
+                reuse_interval: reuse,
+                dynamic_min_len: budget,
+                selection_unit: SelectionUnit::LogicalPage,
                 ..base
             },
         }

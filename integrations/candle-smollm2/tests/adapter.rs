@@ -117,7 +117,10 @@ fn selection_probe_reports_the_mass_it_missed() {
     let setting = Setting {
         streaming: 0.0,
         heads: Heads::Interleaved,
-        selection: Selection::Flat { budget: 64 },
+        selection: Selection::Flat {
+            budget: 64,
+            page: 16,
+        },
     };
     let mut attn =
         LserveAttention::new(HeadPattern::all_dense(g), setting.config(), t + 1, true).unwrap();
@@ -372,7 +375,10 @@ fn short_context_nll_on_smollm2() {
         ..dense
     };
     let flat = Setting {
-        selection: Selection::Flat { budget: BUDGET },
+        selection: Selection::Flat {
+            budget: BUDGET,
+            page: 16,
+        },
         ..dense
     };
     let stream = Setting {

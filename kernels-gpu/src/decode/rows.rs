@@ -10,6 +10,7 @@ use lserve_abi::decode::{
     DecodeArgs, DecodeParams, DECODE_TILE_ROWS, HEAD_STREAMING, TENSOR_MAP_BYTES, TENSOR_MAP_POOL,
     TENSOR_MAP_STREAM,
 };
+use lserve_abi::layout::unit_id;
 use lserve_abi::select::held_newest_at;
 
 use super::newest::EntryTail;
@@ -30,10 +31,14 @@ pub struct RowSource {
     /// (where [`tile_offset`](Self::tile_offset) puts a page past the pool), none for
     /// streaming heads.
     pub offset_end: usize,
-    /// Dense: pages taken from `pages`; any after them is `newest_page`.
+    /// Dense: units taken from `pages`; any after them is `newest_page`.
     listed: u32,
-    /// Dense: the physical id of the sequence's newest page.
+    /// Dense: the id of the sequence's newest unit (its newest page's, for whole pages).
     newest_page: u32,
+    /// Dense: log2 of the units per physical page of the list's ids: 0 for the block table
+    /// (pages), that of `SelectionLayout::units_per_page` for the index table. A unit is
+    /// `page_tokens >> unit_shift` tokens, a multiple of the tile's rows.
+    unit_shift: u32,
     /// Whether pages from `listed` on are `newest_page` (a launch that appends, whose index
     /// entries' tails are being rewritten); else every page comes from `pages`.
     newest_after_listed: bool,
@@ -156,6 +161,7 @@ impl RowSource {
                 offset_end: usize::MAX,
                 listed: 0,
                 newest_page: 0,
+                unit_shift: 0,
                 newest_after_listed: false,
                 head,
                 slot,
@@ -167,12 +173,24 @@ impl RowSource {
         }
         let page_tokens = p.cache.paged.page_tokens;
         let live_pages = len.div_ceil(page_tokens);
-        let newest_fill = len - (live_pages - 1) * page_tokens;
         let entry = slot * p.cache.paged.heads + head;
-        // The list: `pages` of which the first `listed` come from `pages_at`, the rest (the
-        // newest page) from `newest_page`.
+        // A selecting list is in selection units (`lserve_abi::layout::unit_id`s); the block
+        // table in pages.
+        let dense_all = len <= p.dynamic_min_len;
+        let unit_shift = if dense_all {
+            0
+        } else {
+            p.selection.units_per_page.trailing_zeros()
+        };
+        let (unit_tokens, units_per_page) = (page_tokens >> unit_shift, 1 << unit_shift);
+        let live_units = len.div_ceil(unit_tokens);
+        let newest_fill = len - (live_units - 1) * unit_tokens;
+        // The newest unit's id, from the newest page's block-table entry (appending launches).
+        let newest_id = unit_id(newest_page, live_units - 1, units_per_page);
+        // The list: `pages` units of which the first `listed` come from `pages_at`, the rest
+        // (the newest unit) from `newest_id`.
         // SAFETY (all arms): the caller guarantees the tables cover `slot` and `head`.
-        let (pages_at, pages, listed, tail) = if len <= p.dynamic_min_len {
+        let (pages_at, pages, listed, tail) = if dense_all {
             (
                 unsafe {
                     cache
@@ -237,10 +255,10 @@ impl RowSource {
                     EntryTail::NONE,
                 )
             } else {
-                // A selection may fill the entry only if it covers every page, the newest
+                // A selection may fill the entry only if it covers every unit, the newest
                 // included: clamped there, the list never leaves the table.
                 let held = held.min(p.selection.entry_capacity);
-                let pages = if held_newest == live_pages - 1 {
+                let pages = if held_newest == live_units - 1 {
                     held
                 } else {
                     held + 1
@@ -258,12 +276,12 @@ impl RowSource {
                     EntryTail {
                         held,
                         pages,
-                        newest_page,
+                        newest_page: newest_id,
                     },
                 )
             }
         };
-        let rows = (pages - 1) * page_tokens + newest_fill;
+        let rows = (pages - 1) * unit_tokens + newest_fill;
         Self {
             k: cache.k_pool.get(),
             v: cache.v_pool.get(),
@@ -272,7 +290,8 @@ impl RowSource {
             pages: pages_at,
             offset_end: p.cache.paged.kv_elements(),
             listed,
-            newest_page,
+            newest_page: newest_id,
+            unit_shift,
             newest_after_listed: appending,
             head,
             slot,
@@ -306,15 +325,30 @@ impl RowSource {
         }
     }
 
-    /// The physical page of a dense head's tile `t`, from the page list (global memory): the
-    /// kernel asks for it a tile ahead.
+    /// The physical page of a dense head's tile `t` and the tile's first row in that page, from
+    /// the list's unit id (global memory): the kernel asks for it a tile ahead.
     ///
     /// # Safety
     /// `t < self.tiles()`, and the head is dense (`pages` is not null).
     #[inline(always)]
-    unsafe fn page_of(&self, p: &DecodeParams, t: u32) -> u32 {
-        let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
-        let at = t / tiles_per_page;
+    unsafe fn page_of(&self, p: &DecodeParams, t: u32) -> (u32, u32) {
+        let unit_tokens = p.cache.paged.page_tokens >> self.unit_shift;
+        let tiles_per_unit = unit_tokens / DECODE_TILE_ROWS;
+        // SAFETY: forwarded.
+        let id = unsafe { self.unit_of(t / tiles_per_unit) };
+        let sub = id & ((1 << self.unit_shift) - 1);
+        (
+            id >> self.unit_shift,
+            sub * unit_tokens + (t % tiles_per_unit) * DECODE_TILE_ROWS,
+        )
+    }
+
+    /// The id of the list's unit `at` (global memory).
+    ///
+    /// # Safety
+    /// `at` is below the list's unit count, and the head is dense (`pages` is not null).
+    #[inline(always)]
+    unsafe fn unit_of(&self, at: u32) -> u32 {
         if self.newest_after_listed {
             // The load whatever `at` (inside the list, or its first page if it is empty),
             // then a select: no branch around the load in the tile loop.
@@ -348,14 +382,11 @@ impl RowSource {
         if self.pages.is_null() {
             p.cache.streaming.kv_row(self.slot, self.head, row)
         } else {
-            let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
             // SAFETY: forwarded; the head is dense.
-            let page = unsafe { self.page_of(p, t) };
-            p.cache.paged.kv_row(
-                pool_page(&p.cache.paged, page),
-                self.head,
-                (t % tiles_per_page) * DECODE_TILE_ROWS,
-            )
+            let (page, row) = unsafe { self.page_of(p, t) };
+            p.cache
+                .paged
+                .kv_row(pool_page(&p.cache.paged, page), self.head, row)
         }
     }
 
@@ -384,14 +415,11 @@ impl RowSource {
         if self.pages.is_null() {
             (self.slot * p.cache.streaming.heads + self.head, row)
         } else {
-            let tiles_per_page = p.cache.paged.page_tokens / DECODE_TILE_ROWS;
             // SAFETY: forwarded; the head is dense. A page past the pool becomes block
             // `capacity * heads + head`, outside the map: the box lands as zeros.
-            let page = pool_page(&p.cache.paged, unsafe { self.page_of(p, t) });
-            (
-                page * p.cache.paged.heads + self.head,
-                (t % tiles_per_page) * DECODE_TILE_ROWS,
-            )
+            let (page, row) = unsafe { self.page_of(p, t) };
+            let page = pool_page(&p.cache.paged, page);
+            (page * p.cache.paged.heads + self.head, row)
         }
     }
 

@@ -18,6 +18,7 @@
 
 use lserve_abi::buffers::SelectionPtrs;
 use lserve_abi::kv_write::{AppendArgs, AppendParams, CHUNK_ELEMS, KV_WRITE_THREADS};
+use lserve_abi::layout::unit_id;
 
 use super::stat_codes::store_stat_codes;
 use super::stats::Bounds;
@@ -74,8 +75,15 @@ pub unsafe fn append_kv<E: Half16, S: KvStore>(a: &AppendArgs, rows: S) {
 
     if let RowTarget::Dense { page, head, token } = target {
         if chunk == 0 && len > p.dynamic_min_len {
+            // The token's selection unit (its page, or its logical page).
+            let upp = p.selection.units_per_page;
+            let unit = unit_id(
+                page,
+                pos / p.selection.unit_tokens(c.paged.page_tokens),
+                upp,
+            );
             // SAFETY: the pair's entry exists (`slot` live, `head < dense_heads`).
-            unsafe { keep_index_entry(p, &a.selection, slot * c.paged.heads + head, page) };
+            unsafe { keep_index_entry(p, &a.selection, slot * c.paged.heads + head, unit) };
         }
         let n_l = c.paged.logical_tokens;
         let offset = chunk_at(c.paged.stats_row(page, head, token / n_l), chunk);
@@ -101,7 +109,7 @@ pub unsafe fn append_kv<E: Half16, S: KvStore>(a: &AppendArgs, rows: S) {
     }
 }
 
-/// Makes index entry `entry` the held selection followed by `page` (the newest page, the
+/// Makes index entry `entry` the held selection followed by `page` (the id of the newest unit, the
 /// token's), unless the held selection ends with it. Nothing while the pair holds no selection
 /// (its first selection writes the entry). Idempotent: a replayed step writes the same.
 ///

@@ -66,7 +66,7 @@ pub mod q8 {
     crate::grouped_kernels!(score_q8_kernel);
 }
 
-/// Top-K selection and index tables entry point (see [`top_k`]).
+/// Top-K selection and index tables entry point (see [`top_k`]): physical pages.
 ///
 /// # Safety
 /// As [`top_k::select_pages`]'s: launched by `lserve`'s host launcher only.
@@ -75,7 +75,19 @@ pub unsafe extern "gpu-kernel" fn select_pages(a: SelectArgs) {
     // Overlapped with the scorer: the body waits for it (`overlapped_entry`) after reading the
     // host-written batch description and block tables.
     // SAFETY: forwarded launch contract.
-    unsafe { top_k::select_pages(&a) }
+    unsafe { top_k::select_pages::<false>(&a) }
+}
+
+/// Top-K selection and index tables entry point (see [`top_k`]): logical pages
+/// (`SelectionLayout::units_per_page > 1`).
+///
+/// # Safety
+/// As [`top_k::select_pages`]'s: launched by `lserve`'s host launcher only.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn select_logical_pages(a: SelectArgs) {
+    // As `select_pages`.
+    // SAFETY: forwarded launch contract.
+    unsafe { top_k::select_pages::<true>(&a) }
 }
 
 /// Decode step counters entry point (see [`steps`]).

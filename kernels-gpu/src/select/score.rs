@@ -8,8 +8,9 @@
 //! `q⁺ · kmax + q⁻ · kmin` with `q⁺ = max(q, 0)`, `q⁻ = min(q, 0)`: two multiply-adds, no
 //! compare, and exactly the product the max would pick. The lane sums meet in a row-group
 //! shuffle reduction, the group's heads are aggregated (max or mean), and a row group keeps the
-//! max over the logical pages of its physical page. Each row group walks whole physical pages,
-//! `chunks * row_groups` apart (a grid-stride loop: any grid covers every page, so a captured
+//! max over the logical pages of its unit: a physical page, or with logical-page selection
+//! (`SelectionLayout::units_per_page > 1`) the logical page itself. Each row group walks whole
+//! units, `chunks * row_groups` apart (a grid-stride loop: any grid covers every unit, so a captured
 //! launch stays correct as sequences grow); it issues the loads of up to [`Rows::IN_FLIGHT`]
 //! logical pages before using any.
 //!
@@ -281,9 +282,12 @@ pub unsafe fn score_pages<E: Half16, S: StatRows, const D: usize, const G: usize
     let q = unsafe { query_halves::<E, D, G>(a.q.get(), b, kv_head, p.strides.q, col) };
     let mean = p.aggregation == AGGREGATE_MEAN;
 
-    let per_page = p.cache.paged.logical_per_page();
+    // The units scored: physical pages (each the max over its logical pages), or with
+    // logical-page selection (`units_per_page = 2^shift > 1`) the logical pages themselves.
+    let shift = p.selection.units_per_page.trailing_zeros();
+    let per_unit = p.cache.paged.logical_per_page() >> shift; // logical pages per unit
     let logical_rows = len.div_ceil(p.cache.paged.logical_tokens); // logical pages that exist
-    let pages = len.div_ceil(p.cache.paged.page_tokens);
+    let units = len.div_ceil(p.cache.paged.page_tokens >> shift);
     // SAFETY: the slot's block table row.
     let table = unsafe {
         a.block_tables
@@ -292,50 +296,56 @@ pub unsafe fn score_pages<E: Half16, S: StatRows, const D: usize, const G: usize
     };
     // SAFETY: the pair's workspace row.
     let out = unsafe {
-        a.scores
-            .get()
-            .add(score_offset(b, dense_head, dense_heads, p.cache.max_pages))
+        a.scores.get().add(score_offset(
+            b,
+            dense_head,
+            dense_heads,
+            p.cache.max_pages << shift,
+        ))
     };
 
-    // Pages go to row groups `stride` apart. The loop bound is per warp (its first row group's
-    // page), so every lane of a warp runs the same iterations and reaches every shuffle.
+    // Units go to row groups `stride` apart. The loop bound is per warp (its first row group's
+    // unit), so every lane of a warp runs the same iterations and reaches every shuffle.
     let group = thread_in_block() / lanes;
     let warp_first_group = thread_in_block() / WARP_SIZE * (WARP_SIZE / lanes);
     let stride = grid_dim_x() * Rows::<D, G>::GROUPS;
-    let mut page = block_idx_x() * Rows::<D, G>::GROUPS + group;
-    let mut warp_page = block_idx_x() * Rows::<D, G>::GROUPS + warp_first_group;
-    while warp_page < pages {
-        let live = page < pages;
-        // SAFETY: `page < pages` is inside the sequence's block table.
+    let mut unit = block_idx_x() * Rows::<D, G>::GROUPS + group;
+    let mut warp_unit = block_idx_x() * Rows::<D, G>::GROUPS + warp_first_group;
+    while warp_unit < units {
+        let live = unit < units;
+        // SAFETY: `unit < units`: its physical page is inside the sequence's block table.
         let physical = if live {
-            unsafe { *table.add(page as usize) }
+            unsafe { *table.add((unit >> shift) as usize) }
         } else {
             0
         };
         // A block table entry past the pool loads no statistics and scores `-inf`
         // (`crate::pool_page`).
         let stored = live && in_pool(&p.cache.paged, physical);
-        let stats = p.cache.paged.stats_row(physical, dense_head, 0) + col as usize * 8;
+        // The unit's first logical page: in the sequence, and in its physical page.
+        let first_logical = unit * per_unit;
+        let in_page = (unit & ((1 << shift) - 1)) * per_unit;
+        let stats = p.cache.paged.stats_row(physical, dense_head, in_page) + col as usize * 8;
         let mut best = f32::NEG_INFINITY;
         let mut first = 0;
-        while first < per_page {
+        while first < per_unit {
             // Issue the loads of up to IN_FLIGHT logical pages, then score them.
             // Eight slots so that `unroll8!`'s statically dead arms index in bounds; only the
             // first IN_FLIGHT are used (registers, no local memory: checked with ptxas).
             let mut rows = [S::EMPTY; 8];
             unroll8!(u in 0..Rows::<D, G>::IN_FLIGHT => {
                 let l = first + u as u32;
-                if stored && l < per_page && page * per_page + l < logical_rows {
+                if stored && l < per_unit && first_logical + l < logical_rows {
                     // SAFETY: an existing logical page of a page of the sequence.
                     rows[u] = unsafe { S::load(a, stats + l as usize * D) };
                 }
             });
             unroll8!(u in 0..Rows::<D, G>::IN_FLIGHT => {
                 let l = first + u as u32;
-                if l < per_page {
-                    // SAFETY: `l < per_page` is warp-uniform, so every lane of the warp is here.
+                if l < per_unit {
+                    // SAFETY: `l < per_unit` is warp-uniform, so every lane of the warp is here.
                     let s = unsafe { aggregated_score::<E, S, D, G>(&q, rows[u], mean) };
-                    if stored && page * per_page + l < logical_rows {
+                    if stored && first_logical + l < logical_rows {
                         best = best.max(s);
                     }
                 }
@@ -343,10 +353,10 @@ pub unsafe fn score_pages<E: Half16, S: StatRows, const D: usize, const G: usize
             first += Rows::<D, G>::IN_FLIGHT as u32;
         }
         if live && col == 0 {
-            // SAFETY: `page < pages <= max_pages`: inside the pair's row.
-            unsafe { *out.add(page as usize) = best };
+            // SAFETY: `unit < units <= max_pages << shift`: inside the pair's row.
+            unsafe { *out.add(unit as usize) = best };
         }
-        page += stride;
-        warp_page += stride;
+        unit += stride;
+        warp_unit += stride;
     }
 }

@@ -28,6 +28,7 @@
 //! each pass, and the two passes over each thread's run load [`KEY_BATCH`] keys at a time: no
 //! hard maximum. `DESIGN.md` counts the round trips and barriers.
 
+use lserve_abi::layout::{unit_id, unit_page};
 use lserve_abi::select::{
     held_newest_at, score_key, score_offset, selection_due, SelectArgs, SELECT_SMEM_BYTES,
     SELECT_THREADS,
@@ -119,18 +120,18 @@ impl ResidentRun {
         self.origin.wrapping_add(i as u32)
     }
 
-    /// The physical page ids of the run's candidates (page `first + candidate`; 0 in the other
-    /// slots), all loads issued before any is used.
+    /// The index-entry ids of the run's candidates (unit `rows.first + candidate`; 0 in the
+    /// other slots), all block-table loads issued before any is used.
     ///
     /// # Safety
-    /// `table` is the sequence's block table row and the candidates are its pages.
+    /// `rows.table` is the sequence's block table row and the candidates are its units.
     #[inline(always)]
-    unsafe fn page_ids(self, table: *const u32, first: u32) -> [u32; KEY_BATCH] {
+    unsafe fn unit_ids(self, rows: &Rows) -> [u32; KEY_BATCH] {
         let mut ids = [0u32; KEY_BATCH];
         crate::unroll8!(i in 0..KEY_BATCH => {
             if self.holds(i) {
-                // SAFETY: a page of the sequence.
-                ids[i] = unsafe { *table.add((first + self.candidate(i)) as usize) };
+                // SAFETY: a unit of the sequence.
+                ids[i] = unsafe { rows.unit_id(rows.first + self.candidate(i)) };
             }
         });
         ids
@@ -367,7 +368,8 @@ impl Placement {
     }
 }
 
-/// The pair's rows the selection writes, and where its candidates are.
+/// The pair's rows the selection writes, and where its candidates are. Candidates are the
+/// sequence's selection units: physical pages, or logical pages (`units_per_page > 1`).
 #[derive(Clone, Copy)]
 struct Rows {
     /// Candidate 0's score (the workspace row from the first candidate on).
@@ -376,11 +378,28 @@ struct Rows {
     table: *const u32,
     held: *mut u32,
     index: *mut u32,
-    /// The page of candidate 0.
+    /// The unit of candidate 0.
     first: u32,
     candidates: u32,
-    /// Held positions before the first selected candidate (page 0 when always included).
+    /// Held positions before the first selected candidate (unit 0 when always included).
     offset: u32,
+    /// Selection units per physical page.
+    units_per_page: u32,
+}
+
+impl Rows {
+    /// The index-entry id of the sequence's unit `unit` (`lserve_abi::layout::unit_id` of its
+    /// page's block-table entry).
+    ///
+    /// # Safety
+    /// `unit` is a unit of the sequence, so its page is in the block table row.
+    #[inline(always)]
+    unsafe fn unit_id(&self, unit: u32) -> u32 {
+        let upp = self.units_per_page;
+        // SAFETY: forwarded.
+        let page = unsafe { *self.table.add(unit_page(unit, upp) as usize) };
+        unit_id(page, unit, upp)
+    }
 }
 
 /// Selects from resident runs (`keys` and `ids` loaded by `run`); returns how many candidates
@@ -491,8 +510,8 @@ unsafe fn select_streamed(k: u32, rows: Rows) -> u32 {
         crate::unroll8!(u in 0..KEY_BATCH => {
             if c + (u as u32) < end && place.take(keys[u]) {
                 taken |= 1 << u;
-                // SAFETY: a page of the sequence.
-                ids[u] = unsafe { *rows.table.add((rows.first + c + u as u32) as usize) };
+                // SAFETY: a unit of the sequence.
+                ids[u] = unsafe { rows.unit_id(rows.first + c + u as u32) };
             }
         });
         crate::unroll8!(u in 0..KEY_BATCH => {
@@ -517,8 +536,12 @@ unsafe fn select_streamed(k: u32, rows: Rows) -> u32 {
 /// plus the page the append adds between selections), slots live and
 /// distinct; `seq_len`, `seq_slot` and the block tables written by host copies enqueued before
 /// the previous kernel, not by a kernel.
+///
+/// `LOGICAL`: the units are logical pages (`p.selection.units_per_page` of them per page); else
+/// physical pages, whatever the layout says (one unit per page as a constant, so the physical
+/// selector carries none of the unit arithmetic).
 #[inline(always)]
-pub unsafe fn select_pages(a: &SelectArgs) {
+pub unsafe fn select_pages<const LOGICAL: bool>(a: &SelectArgs) {
     let p = &a.params;
     let pair = block_idx_x();
     let dense_heads = p.cache.paged.heads;
@@ -537,8 +560,14 @@ pub unsafe fn select_pages(a: &SelectArgs) {
     };
     // Otherwise dense decode: attention reads the block table.
     let selecting = len > p.dynamic_min_len;
-    let newest = len.div_ceil(p.cache.paged.page_tokens).saturating_sub(1);
-    // Candidates: pages first..newest (page 0 is not one when it is always included).
+    let units_per_page = if LOGICAL {
+        p.selection.units_per_page
+    } else {
+        1
+    };
+    let unit_tokens = p.cache.paged.page_tokens >> units_per_page.trailing_zeros();
+    let newest = len.div_ceil(unit_tokens).saturating_sub(1);
+    // Candidates: units first..newest (unit 0 is not one when it is always included).
     let first = p.always_include_first.min(newest);
     let always_first = p.always_include_first != 0;
     let entry = (slot * dense_heads + dense_head) as usize;
@@ -546,10 +575,14 @@ pub unsafe fn select_pages(a: &SelectArgs) {
     // candidate on.
     let rows = unsafe {
         Rows {
-            scores: a
-                .scores
-                .get()
-                .add(score_offset(b, dense_head, dense_heads, p.cache.max_pages) + first as usize),
+            scores: a.scores.get().add(
+                score_offset(
+                    b,
+                    dense_head,
+                    dense_heads,
+                    p.cache.max_pages * units_per_page,
+                ) + first as usize,
+            ),
             table: a
                 .block_tables
                 .get()
@@ -567,20 +600,21 @@ pub unsafe fn select_pages(a: &SelectArgs) {
             first,
             candidates: newest - first,
             offset: always_first as u32,
+            units_per_page,
         }
     };
     let resident = ResidentRun::new(rows.scores, rows.candidates, t);
     // Block-table entries whose addresses depend on the length only: the resident run's, and
-    // page 0's and the newest page's (thread 0 writes those two last).
+    // unit 0's and the newest unit's (thread 0 writes those two last).
     let (mut ids, mut ends) = ([0u32; KEY_BATCH], [0u32; 2]);
     if selecting {
         if let Some(run) = resident {
-            // SAFETY: the sequence's table row; candidates are its pages.
-            ids = unsafe { run.page_ids(rows.table, first) };
+            // SAFETY: the sequence's table row; candidates are its units.
+            ids = unsafe { run.unit_ids(&rows) };
         }
         if t == 0 {
-            // SAFETY: pages 0 and `newest` are the sequence's (`len >= 1` when selecting).
-            ends = unsafe { [*rows.table, *rows.table.add(newest as usize)] };
+            // SAFETY: units 0 and `newest` are the sequence's (`len >= 1` when selecting).
+            ends = unsafe { [rows.unit_id(0), rows.unit_id(newest)] };
         }
     }
     // SAFETY: every thread, block-uniform; the barrier separates the zeroing from the passes.

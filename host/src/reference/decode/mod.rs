@@ -83,9 +83,10 @@ fn batch_views<'m, E: Element>(
 }
 
 /// Decode attention of one layer for a batch, reading only the index tables and the cache:
-/// each query head of a dense KV head attends over the tokens of the physical pages in its
-/// (sequence slot, dense head) entry of `tables` (a page's tokens that exist: all `N_P` but for
-/// the sequence's last page); each query head of a streaming KV head attends over its sink and
+/// each query head of a dense KV head attends over the tokens of the units in its (sequence
+/// slot, dense head) entry of `tables` (physical pages, or logical-page ids under
+/// [`SelectionUnit::LogicalPage`](crate::config::SelectionUnit::LogicalPage); a unit's tokens
+/// that exist: all but for the sequence's last unit); each query head of a streaming KV head attends over its sink and
 /// ring rows (the sinks and the last `local_tokens` tokens). Returns `out [B][Hq][D]`.
 ///
 /// This is also how to check a GPU run whose selection differs on near-ties: run this on the
@@ -197,13 +198,17 @@ fn attention_over_rows<E: Element>(
                         return Err(LserveError::Empty("index table entry"));
                     }
                     let pool = cache.dense(layer)?;
-                    for &page in entry {
+                    let (unit, per_page) = (config.unit_tokens(), config.units_per_page() as u32);
+                    for &id in entry {
+                        let (page, sub) = (id / per_page, (id % per_page) as usize);
                         let logical = view.block_table.pages().iter().position(|&p| p == page);
                         let logical = logical.ok_or_else(|| LserveError::InvalidArgument {
                             what: "index table entry",
                             reason: format!("page {page} is not in the sequence's block table"),
                         })?;
-                        for t in 0..n_p.min(view.len - logical * n_p) {
+                        let first = sub * unit;
+                        let start = logical * n_p + first;
+                        for t in first..first + unit.min(view.len.saturating_sub(start)) {
                             keys.push(row(pool.key(page, head, t)?)?);
                             values.push(row(pool.value(page, head, t)?)?);
                         }

@@ -16,10 +16,12 @@ use crate::reference::{check_len, to_f32};
 pub enum HeadVisit {
     /// Dense head with `L <= dynamic_min_len`: every page of the sequence.
     AllPages,
-    /// Dense head with page selection: the logical pages attended (ascending) and whether
-    /// selection ran on this step (`false`: the held selection plus the newest page).
+    /// Dense head with page selection: the units attended (ascending) and whether selection
+    /// ran on this step (`false`: the held selection plus the newest unit).
     Selected {
-        /// Logical page numbers, ascending.
+        /// The units' numbers in the sequence (pages: block-table indices; logical pages: the
+        /// sequence's logical page numbers, [`SparsityConfig::unit_tokens`](crate::config::SparsityConfig::unit_tokens)
+        /// tokens each), ascending.
         pages: Vec<u32>,
         /// Whether selection ran on this step.
         selected_now: bool,
@@ -49,10 +51,11 @@ impl DecodeStepOutput {
 /// step token the caller has already reserved, so `L = len` and the token is position `L - 1`):
 /// 1. writes the token's `k`, `v` (`[B][Hkv][D]`) into the cache and updates the dense heads'
 ///    key statistics;
-/// 2. for each dense KV head fills its index-table entry: every page if `L <= dynamic_min_len`,
-///    else the selected pages, selection running when due per `reuse` and the sequence's decode
-///    step counter ([`KvCacheManager::decode_step`]), in ascending logical order mapped to
-///    physical ids;
+/// 2. for each dense KV head fills its index-table entry: every unit (page, or logical page:
+///    [`SelectionUnit`](crate::config::SelectionUnit)) if `L <= dynamic_min_len`, else the
+///    selected units, selection running when due per `reuse` and the sequence's decode step
+///    counter ([`KvCacheManager::decode_step`]), in ascending sequence order mapped to ids
+///    ([`SparsityConfig::unit_id`](crate::config::SparsityConfig::unit_id) of the physical page);
 /// 3. attends ([`decode_attention_tables`]) and returns `out [B][Hq][D]` with what each head
 ///    visited.
 ///
@@ -147,9 +150,10 @@ pub fn decode_step<E: Element>(
                 capacity: pool_capacity as u32,
             });
         }
+        let units = config.units_for_len(view.len);
         let needed = match config.uses_page_selection(view.len) {
-            true => pages.len().min(config.selection_entry_pages()),
-            false => pages.len(),
+            true => units.min(config.selection_entry_pages()),
+            false => units,
         };
         if needed > capacity {
             return Err(LserveError::InvalidArgument {
@@ -158,7 +162,7 @@ pub fn decode_step<E: Element>(
             });
         }
         if config.uses_page_selection(view.len) {
-            check_held_selections(mgr, reuse, layer, seq, pages.len(), capacity)?;
+            check_held_selections(mgr, reuse, layer, seq, units, capacity)?;
         }
     }
     let group = g.group();
@@ -169,18 +173,19 @@ pub fn decode_step<E: Element>(
         cache.write_token(layer, view, pos, &k[b * row..][..row], &v[b * row..][..row])?;
         update_key_stats(cache, layer, view, pos)?;
         let step = mgr.decode_step(seq)?;
-        let pages_of_seq = view.block_table.len();
-        let newest = (pages_of_seq - 1) as u32;
+        let units_of_seq = config.units_for_len(view.len);
+        let newest = (units_of_seq - 1) as u32;
+        let per_page = config.units_per_page();
         let mut seq_visits = Vec::with_capacity(hkv);
         for kv_head in 0..hkv {
-            let logical_pages: Vec<u32> = match pattern.kind(layer, kv_head) {
+            let units: Vec<u32> = match pattern.kind(layer, kv_head) {
                 HeadKind::Streaming => {
                     seq_visits.push(HeadVisit::Streaming);
                     continue;
                 }
                 HeadKind::Dense if !config.uses_page_selection(view.len) => {
                     seq_visits.push(HeadVisit::AllPages);
-                    (0..pages_of_seq as u32).collect()
+                    (0..units_of_seq as u32).collect()
                 }
                 HeadKind::Dense => {
                     let key = ReuseKey {
@@ -203,12 +208,15 @@ pub fn decode_step<E: Element>(
                     pages
                 }
             };
-            let physical = logical_pages
+            let ids = units
                 .iter()
-                .map(|&p| view.block_table.physical(p as usize))
+                .map(|&u| {
+                    let page = view.block_table.physical(u as usize / per_page)?;
+                    Ok(config.unit_id(page, u % per_page as u32))
+                })
                 .collect::<Result<Vec<_>>>()?;
             let head = pattern.compact_index(layer, kv_head);
-            tables.set(layer, view.slot as usize, head, &physical)?;
+            tables.set(layer, view.slot as usize, head, &ids)?;
         }
         visits.push(seq_visits);
     }
@@ -217,7 +225,7 @@ pub fn decode_step<E: Element>(
 }
 
 /// Checks that the selections `reuse` holds for `seq`'s dense heads of `layer` that a step
-/// reuses (selection not due) fit a sequence of `pages` pages and an entry of `capacity`: a
+/// reuses (selection not due) fit a sequence of `pages` units and an entry of `capacity`: a
 /// held selection from another run (another manager, a freed sequence's id) is an error before
 /// the step writes anything.
 fn check_held_selections(

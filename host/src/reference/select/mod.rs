@@ -29,11 +29,13 @@ use crate::reference::quant::quantize_key_stats;
 /// The parameters of one page selection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SelectionParams {
-    /// Logical pages per physical page (`g = N_P / N_L`).
+    /// Logical pages per selection unit: `g = N_P / N_L` when physical pages are selected, 1
+    /// when logical pages are ([`SparsityConfig::logical_per_unit`](crate::config::SparsityConfig::logical_per_unit)).
+    /// The "pages" of this module are the units.
     pub logical_per_page: usize,
-    /// Physical pages chosen by score (`K = token_budget / N_P`), besides the always-included.
+    /// Units chosen by score (`K = token_budget / unit_tokens`), besides the always-included.
     pub top_k: usize,
-    /// Whether physical page 0 (the attention sink) is always selected.
+    /// Whether unit 0 (the attention sink) is always selected.
     pub always_include_first: bool,
     /// GQA aggregation of the group's logical scores.
     pub aggregation: GqaAggregation,
@@ -42,11 +44,11 @@ pub struct SelectionParams {
 /// The outcome of [`select_pages`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Selection {
-    /// The selected physical pages (logical page numbers of the sequence's physical pages:
-    /// index into its block table), ascending.
+    /// The selected units in sequence order, ascending: physical pages as indices into the
+    /// block table, or (logical-page selection) the sequence's logical page numbers.
     pub pages: Vec<u32>,
-    /// The score of every physical page of the sequence (also the non-candidates), so a test can
-    /// tell near-ties apart.
+    /// The score of every unit of the sequence (also the non-candidates), so a test can tell
+    /// near-ties apart.
     pub physical_scores: Vec<f64>,
 }
 
@@ -106,7 +108,8 @@ pub fn select_pages(
 }
 
 /// Page selection for dense KV head `kv_head` of `layer` from the cache's stored statistics:
-/// `q_group` is the group's queries `[G][D]` (as `f32`). See [`select_pages`]. With 8-bit
+/// `q_group` is the group's queries `[G][D]` (as `f32`). See [`select_pages`]; the units are
+/// the config's ([`SelectionUnit`](crate::config::SelectionUnit)). With 8-bit
 /// statistics (`SparsityConfig::stats_format`) the scores are those of the stored statistics
 /// quantized ([`quantize_key_stats`](crate::reference::quant::quantize_key_stats)) and
 /// dequantized, as the device's selector reads them.
@@ -124,7 +127,7 @@ pub fn select_from_cache<E: Element>(
         StatsFormat::Int8(group) => quantize_key_stats(&stats, group)?.dequantized(),
     };
     let params = SelectionParams {
-        logical_per_page: c.logical_per_page(),
+        logical_per_page: c.logical_per_unit(),
         top_k: c.pages_per_selection(),
         always_include_first: c.always_include_first_page,
         aggregation: c.gqa_aggregation,

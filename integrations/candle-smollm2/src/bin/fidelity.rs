@@ -11,8 +11,10 @@
 //! fraction (prefill does not select pages). Then each evaluated position is one decode step of
 //! that configuration, fed the true token; its logits score the next true token.
 //!
-//! `--settings` is a comma-separated list of `dense`, `stream:F`, `flat:B[:F]`,
-//! `lserve:B:C[:F]` (`B` token budget, `C` reuse interval, `F` streaming fraction), each
+//! `--settings` is a comma-separated list of `dense`, `stream:F`, `flat:B[:F]` (16-token pages;
+//! `flat32:`, `flat64:` for 32- and 64-token pages), `lserve:B:C[:F]` (hierarchical 64/16),
+//! `logical:B:C[:F]` (16-token logical pages selected inside 64-token physical pages) (`B`
+//! token budget, `C` reuse interval, `F` streaming fraction), each
 //! optionally followed by `@HEADS`, which heads stream: `@even` (the default,
 //! `HeadPattern::interleaved`), `@calib` (`HeadPattern::from_calibration` on the calibration
 //! text: the least attention mass outside the sinks + local window), `@calib-out` (the same
@@ -85,7 +87,20 @@ fn parse_setting(full: &str) -> Result<Setting> {
     let (streaming, selection) = match parts[0] {
         "dense" => (0.0, Selection::Dense),
         "stream" => (frac(1)?, Selection::Dense),
-        "flat" => (frac(2)?, Selection::Flat { budget: num(1)? }),
+        "flat" | "flat16" => (
+            frac(2)?,
+            Selection::Flat {
+                budget: num(1)?,
+                page: 16,
+            },
+        ),
+        "flat32" | "flat64" => (
+            frac(2)?,
+            Selection::Flat {
+                budget: num(1)?,
+                page: parts[0][4..].parse()?,
+            },
+        ),
         "lserve" => (
             frac(3)?,
             Selection::Hierarchical {
@@ -93,7 +108,16 @@ fn parse_setting(full: &str) -> Result<Setting> {
                 reuse: num(2)?,
             },
         ),
-        other => bail!("unknown setting kind {other:?} (dense, stream, flat, lserve)"),
+        "logical" => (
+            frac(3)?,
+            Selection::Logical {
+                budget: num(1)?,
+                reuse: num(2)?,
+            },
+        ),
+        other => bail!(
+            "unknown setting kind {other:?} (dense, stream, flat, flat32, flat64, lserve, logical)"
+        ),
     };
     Ok(Setting {
         streaming,
