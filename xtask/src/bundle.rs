@@ -8,6 +8,9 @@
 //! generator, `report/`), `COMMIT` (the commit it was built from), `run.sh`. GPU test executables
 //! are the integration tests named `gpu_*` (`tests/gpu_*.rs`); `run.sh sanitize` runs those under
 //! compute-sanitizer; `run.sh report` runs the benches and then `bin/lserve-report`.
+//! `tests/gpu_real_activations` reads a data file the bundle does not hold
+//! (`scripts/dump_activations.sh`); `run.sh` looks for it and lists that executable as NOT RUN
+//! without it.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -366,6 +369,11 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # host and nvidia-smi's GPU name and driver to reports/machine.txt. The exit
 # status is non-zero if anything failed. Extra arguments after the mode go to every test
 # executable (e.g. `./run.sh tests gpu_` filters by test name). PROPTEST_CASES is passed through.
+#
+# tests/gpu_real_activations reads real activations (scripts/dump_activations.sh makes the file;
+# it does not fit in the bundle's 64 MiB): LSERVE_ACTIVATIONS names it, else
+# activations/smollm2-gpl3.safetensors here or ../gpu-activations/smollm2-gpl3.safetensors beside
+# the bundle. Without one that executable is not run, and the summary says so (NOT RUN).
 set -u -o pipefail
 cd "$(dirname "$0")"
 
@@ -420,10 +428,33 @@ header() {
     if [ -f COMMIT ]; then echo "commit: $(cat COMMIT)"; fi
 }
 
+# The real activations for tests/gpu_real_activations (see the top): exports LSERVE_ACTIVATIONS.
+for f in "${LSERVE_ACTIVATIONS:-}" activations/smollm2-gpl3.safetensors \
+    ../gpu-activations/smollm2-gpl3.safetensors; do
+    if [ -n "$f" ] && [ -f "$f" ]; then
+        LSERVE_ACTIVATIONS="$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"
+        export LSERVE_ACTIVATIONS
+        break
+    fi
+done
+
+# has_data EXE LABEL: whether EXE has the data it reads; if not, a NOT RUN summary row.
+has_data() {
+    if [ "$(basename "$1")" = gpu_real_activations ] && [ -z "${LSERVE_ACTIVATIONS:-}" ]; then
+        echo "=== $2: NOT RUN: no real activations (scripts/dump_activations.sh; LSERVE_ACTIVATIONS)"
+        ROWS+=("$(printf '%-44s %7s %7s %8s %5s' "$2" - - - "NOT RUN")")
+        return 1
+    fi
+}
+
 run_tests() {
     local exe
     for exe in "${GPU_TESTS[@]}"; do
-        run_one "$exe" "$REPORTS/$(basename "$exe").txt" "./$exe" --include-ignored "$@"
+        has_data "$exe" "$exe" || continue
+        # Its relative errors per run and per layer are on the passing tests' stderr.
+        local show=()
+        [ "$(basename "$exe")" = gpu_real_activations ] && show=(--show-output)
+        run_one "$exe" "$REPORTS/$(basename "$exe").txt" "./$exe" --include-ignored "${show[@]}" "$@"
     done
 }
 
@@ -459,6 +490,7 @@ run_sanitize() {
     # with its contexts (127 GB resident at 1K + 4K on the H200 machine's 128 GiB; killed at 16K).
     export LSERVE_PROFILE_MAX_CONTEXT="${LSERVE_PROFILE_MAX_CONTEXT:-4096}"
     for exe in "${GPU_TESTS[@]}"; do
+        has_data "$exe" "sanitize $exe" || continue
         for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
             run_one "$tool $exe" "$REPORTS/sanitize-$tool-$(basename "$exe").txt" \
                 compute-sanitizer --tool "$tool" --error-exitcode 97 \

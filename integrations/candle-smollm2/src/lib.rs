@@ -9,11 +9,14 @@
 //!   fidelity report compares, the negative log-likelihood;
 //! - [`eval`]: the fidelity report's teacher-forced evaluation of a setting over a text window
 //!   (the `fidelity` binary and the smoke test on the model run it);
-//! - [`tokenizer`]: the GPT2-style BPE tokenizer from the GGUF metadata.
+//! - [`tokenizer`]: the GPT2-style BPE tokenizer from the GGUF metadata;
+//! - [`activations`]: real post-RoPE Q, K, V of a few layers over a long text (dense attention
+//!   in candle ops), saved as safetensors for lserve's GPU tests (the `dump_activations` binary).
 //!
 //! The model comes from `scripts/fetch_smollm2.sh` ([`default_gguf_path`]).
 #![warn(missing_docs)]
 
+pub mod activations;
 pub mod adapter;
 pub mod engine;
 pub mod eval;
