@@ -455,7 +455,8 @@ fn one(call: Call) {
                     );
                     assert_eq!(m.pool().capacity(), capacity);
                     let entry = IndexTables::entry_capacity_for(m.config(), max_seq_len);
-                    assert!(entry >= 1 && entry <= m.max_pages_per_seq().max(1));
+                    let units = m.max_pages_per_seq() * m.config().units_per_page();
+                    assert!(entry >= 1 && entry <= units.max(1));
                     for l in 0..g.layers() {
                         let pl = m.paged_layout(l);
                         assert_eq!(pl.capacity as usize, capacity);
@@ -718,7 +719,13 @@ fn config_rules(c: &SparsityConfig, len: usize, step: u64, head_dim: usize, max_
             );
             let entry = IndexTables::entry_capacity_for(c, max_seq_len);
             assert!(entry >= 1);
-            assert!(entry <= (c.pages_for_len(max_seq_len) * c.units_per_page()).max(1));
+            assert!(
+                entry
+                    <= (c
+                        .pages_for_len(max_seq_len)
+                        .saturating_mul(c.units_per_page()))
+                    .max(1)
+            );
             assert!(StreamingStore::new(1, c.sink_tokens, c.local_tokens).is_ok());
             if let Some(s) = c.softmax_scale {
                 assert_eq!(c.softmax_scale_for(head_dim), s);

@@ -177,7 +177,9 @@ impl IndexTables {
     /// and, on a reused step, the current newest (`K + 3`); never more than the units of
     /// `ceil(max_seq_len / page_tokens)` pages.
     pub fn entry_capacity_for(config: &SparsityConfig, max_seq_len: usize) -> usize {
-        let all = config.pages_for_len(max_seq_len) * config.units_per_page();
+        let all = config
+            .pages_for_len(max_seq_len)
+            .saturating_mul(config.units_per_page());
         let dense = config.units_for_len(config.dynamic_min_len.min(max_seq_len));
         let selected = config.selection_entry_pages();
         dense.max(selected).min(all).max(1)
