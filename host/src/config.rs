@@ -203,7 +203,9 @@ impl SparsityConfig {
     }
 
     /// The index-entry id of unit `sub` of physical page `physical`:
-    /// `physical * units_per_page + sub` (the page id itself for physical units).
+    /// `physical * units_per_page + sub` (the page id itself for physical units), saturating at
+    /// `u32::MAX` (tables for a manager hold ids below `capacity * units_per_page`, checked to
+    /// fit `u32` by [`IndexTables::for_manager`](crate::index_table::IndexTables::for_manager)).
     ///
     /// ```
     /// use lserve::config::{SelectionUnit, SparsityConfig};
@@ -213,7 +215,9 @@ impl SparsityConfig {
     /// assert_eq!(c.pages_per_selection(), 256); // 4096 tokens of 16-token units
     /// ```
     pub const fn unit_id(&self, physical: u32, sub: u32) -> u32 {
-        physical * self.units_per_page() as u32 + sub
+        physical
+            .saturating_mul(self.units_per_page() as u32)
+            .saturating_add(sub)
     }
 
     /// Units a selection picks (`K = token_budget / unit_tokens`: physical pages, or logical
