@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use candle_core::Tensor;
 use half::f16;
-use lserve::config::{SelectionUnit, SparsityConfig};
+use lserve::config::{GqaAggregation, SelectionUnit, SparsityConfig};
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::{Calibration, CalibrationScore, HeadPattern};
 use lserve::reference::decode::HeadVisit;
@@ -74,13 +74,24 @@ pub struct Setting {
     pub heads: Heads,
     /// The dense heads' selection.
     pub selection: Selection,
+    /// How a KV group's query heads combine their page scores (LServe's default: max).
+    pub aggregation: GqaAggregation,
 }
 
 impl Setting {
     /// A short name: `dense`, `stream-s0.25`, `flat-b1024`, `lserve-b1024-r4-s0.5`, ..., with
     /// `-calib` or `-randSEED` after the fraction for calibrated or random heads (nothing for
-    /// interleaved ones).
+    /// interleaved ones), and `-mean` last for mean GQA aggregation.
     pub fn name(&self) -> String {
+        let name = self.selection_name();
+        match self.aggregation {
+            GqaAggregation::Max => name,
+            GqaAggregation::Mean => format!("{name}-mean"),
+        }
+    }
+
+    /// [`name`](Self::name) without the aggregation.
+    fn selection_name(&self) -> String {
         let s = if self.streaming > 0.0 {
             let heads = match self.heads {
                 Heads::Interleaved => String::new(),
@@ -113,7 +124,10 @@ impl Setting {
     /// the budget (`dynamic_min_len = budget`); the first page is always attended (the
     /// attention sink), as in LServe's defaults.
     pub fn config(&self) -> SparsityConfig {
-        let base = SparsityConfig::default();
+        let base = SparsityConfig {
+            gqa_aggregation: self.aggregation,
+            ..SparsityConfig::default()
+        };
         match self.selection {
             Selection::Dense => SparsityConfig {
                 dynamic_min_len: u32::MAX as usize,

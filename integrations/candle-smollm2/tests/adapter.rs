@@ -3,7 +3,7 @@
 //! as `scripts/test.sh` runs them).
 
 use candle_core::{DType, Device, Tensor, D};
-use lserve::config::SparsityConfig;
+use lserve::config::{GqaAggregation, SparsityConfig};
 use lserve::geometry::ModelGeometry;
 use lserve::head_pattern::HeadPattern;
 use lserve_candle_smollm2::adapter::{prefill_attention, to_f16, LserveAttention};
@@ -80,6 +80,7 @@ fn adapter_prefill_and_decode_equal_candle_attention_for_group_3() {
         streaming: 0.0,
         heads: Heads::Interleaved,
         selection: Selection::Dense,
+        aggregation: GqaAggregation::Max,
     };
     let mut attn = LserveAttention::new(pattern, setting.config(), t, true).unwrap();
     let p = t - 5;
@@ -121,6 +122,7 @@ fn selection_probe_reports_the_mass_it_missed() {
             budget: 64,
             page: 16,
         },
+        aggregation: GqaAggregation::Max,
     };
     let mut attn =
         LserveAttention::new(HeadPattern::all_dense(g), setting.config(), t + 1, true).unwrap();
@@ -176,6 +178,7 @@ fn dense_decode_matches_prefill_on_smollm2() {
         streaming: 0.0,
         heads: Heads::Interleaved,
         selection: Selection::Dense,
+        aggregation: GqaAggregation::Max,
     };
     let g = engine::geometry(&model).unwrap();
     let (p, n) = (ids.len() - 4, ids.len());
@@ -261,6 +264,7 @@ fn calibrated_setting_uses_the_calibration() {
         streaming: 0.5,
         heads: Heads::Calibrated,
         selection: Selection::Dense,
+        aggregation: GqaAggregation::Max,
     };
     assert!(setting.pattern(g, None).is_err());
     let config = SparsityConfig {
@@ -366,6 +370,7 @@ fn short_context_nll_on_smollm2() {
         streaming: 0.0,
         heads: Heads::Interleaved,
         selection: Selection::Dense,
+        aggregation: GqaAggregation::Max,
     };
     let lserve = Setting {
         selection: Selection::Hierarchical {

@@ -14,7 +14,8 @@
 //! `--settings` is a comma-separated list of `dense`, `stream:F`, `flat:B[:F]` (16-token pages;
 //! `flat32:`, `flat64:` for 32- and 64-token pages), `lserve:B:C[:F]` (hierarchical 64/16),
 //! `logical:B:C[:F]` (16-token logical pages selected inside 64-token physical pages) (`B`
-//! token budget, `C` reuse interval, `F` streaming fraction), each
+//! token budget, `C` reuse interval, `F` streaming fraction), each optionally followed by `+mean`
+//! (mean GQA aggregation of the group's page scores instead of max), then
 //! optionally followed by `@HEADS`, which heads stream: `@even` (the default,
 //! `HeadPattern::interleaved`), `@calib` (`HeadPattern::from_calibration` on the calibration
 //! text: the least attention mass outside the sinks + local window), `@calib-out` (the same
@@ -31,6 +32,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use lserve::config::GqaAggregation;
 use lserve::head_pattern::Calibration;
 use lserve_candle_smollm2::engine::{calibrate, geometry, prefill, Heads, Selection, Setting};
 use lserve_candle_smollm2::eval::{by_pattern, evaluate, mean, Outcome, Window};
@@ -67,6 +69,10 @@ fn parse_setting(full: &str) -> Result<Setting> {
             ),
             None => bail!("setting {full}: heads {h:?} (even, calib, calib-out, random:SEED)"),
         },
+    };
+    let (s, aggregation) = match s.strip_suffix("+mean") {
+        Some(s) => (s, GqaAggregation::Mean),
+        None => (s, GqaAggregation::Max),
     };
     let parts: Vec<&str> = s.split(':').collect();
     let num = |i: usize| -> Result<usize> {
@@ -123,6 +129,7 @@ fn parse_setting(full: &str) -> Result<Setting> {
         streaming,
         heads,
         selection,
+        aggregation,
     })
 }
 
