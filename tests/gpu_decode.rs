@@ -16,12 +16,11 @@
 mod common;
 
 use common::{
-    assert_coded_layer, check_selection, f16_or_bf16, gpu, head_pattern, int8, random_vec,
-    tolerance,
+    assert_coded_layer, check_selection, entry_units, f16_or_bf16, gpu, head_pattern, int8,
+    random_vec, tolerance, worst_row_error,
 };
 use half::{bf16, f16};
 use lserve::config::{GqaAggregation, SelectionUnit, SparsityConfig};
-use lserve::dtype::Element;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
     decode_attention, download_selection, read_coded_layer, AppendLaunch, DecodeBatch, DecodePlan,
@@ -123,23 +122,30 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         )
 }
 
-/// Relative error of `got` against `want` per row of `d` elements; the worst row.
-fn worst_row_error<E: Element>(got: &[E], want: &[f64], d: usize) -> f64 {
-    got.chunks(d)
-        .zip(want.chunks(d))
-        .map(|(g, w)| {
-            let (mut diff, mut norm) = (0.0f64, 0.0f64);
-            for (&a, &b) in g.iter().zip(w) {
-                let a = a.to_f32() as f64;
-                if a.is_nan() {
-                    return f64::INFINITY;
-                }
-                diff += (a - b) * (a - b);
-                norm += b * b;
-            }
-            (diff / norm.max(1e-30)).sqrt()
-        })
-        .fold(0.0, f64::max)
+impl Case {
+    /// This case over a batch of 8 long sequences (64 to 4100 tokens) with 4 KV heads of D 128
+    /// (group 4, one streaming), 64-token pages of 4 logical pages, K 8, reuse 2, sinks 64 and
+    /// local 256, crossing `dynamic_min_len` 1024; its other fields (element type, statistics,
+    /// selection unit) kept.
+    fn eight_long_sequences(self, seed: u64) -> Case {
+        Case {
+            head_dim: 128,
+            kv_heads: 4,
+            group: 4,
+            streaming: vec![false, true, false, false],
+            page_tokens: 64,
+            logical_per_page: 4,
+            top_k: 8,
+            sink: 64,
+            local: 256,
+            dynamic_min_len: 1024,
+            reuse: 2,
+            prompts: vec![3000, 1500, 900, 4100, 2200, 64, 1025, 2500],
+            steps: 6,
+            seed,
+            ..self
+        }
+    }
 }
 
 /// A case's cache after its prompts, on the host: the state both drivers start from.
@@ -568,18 +574,11 @@ fn run_steps<E: DeviceElement>(
                         selected_now,
                         "step {step}, seq {b}, head {h}: entries differ on a reuse step: GPU {got_pages:?}, reference {want_pages:?}"
                     );
-                    // The sequence's unit numbers of the entry's ids (`page * upp + sub`).
-                    let upp = p.config.units_per_page() as u32;
-                    let logical: Vec<u32> = got_pages
-                        .iter()
-                        .map(|&x| {
-                            view.block_table
-                                .pages()
-                                .iter()
-                                .position(|&y| y == x / upp)
-                                .map_or(u32::MAX, |l| l as u32 * upp + x % upp)
-                        })
-                        .collect();
+                    let logical = entry_units(
+                        view.block_table.pages(),
+                        &got_pages,
+                        p.config.units_per_page() as u32,
+                    );
                     let near_tie = check_selection(
                         &logical,
                         &sel,
@@ -727,22 +726,7 @@ fn coded_decode_steps_match_reference() {
         Some(int8()),
     )
     .unwrap();
-    let long = Case {
-        kv_heads: 4,
-        group: 4,
-        streaming: vec![false, true, false, false],
-        page_tokens: 64,
-        logical_per_page: 4,
-        top_k: 8,
-        sink: 64,
-        local: 256,
-        dynamic_min_len: 1024,
-        reuse: 2,
-        prompts: vec![3000, 1500, 900, 4100, 2200, 64, 1025, 2500],
-        steps: 6,
-        seed: 18,
-        ..case
-    };
+    let long = case.eight_long_sequences(18);
     run_steps::<bf16>(
         &gpu,
         &long,
@@ -821,21 +805,7 @@ fn logical_page_selection_decode_steps_match_reference() {
         Some(int8()),
     )
     .unwrap();
-    let long = Case {
-        kv_heads: 4,
-        group: 4,
-        head_dim: 128,
-        streaming: vec![false, true, false, false],
-        top_k: 8,
-        sink: 64,
-        local: 256,
-        dynamic_min_len: 1024,
-        reuse: 2,
-        prompts: vec![3000, 1500, 900, 4100, 2200, 64, 1025, 2500],
-        steps: 6,
-        seed: 32,
-        ..case
-    };
+    let long = case.eight_long_sequences(32);
     run_steps::<bf16>(&gpu, &long, false, 0, AppendLaunch::Auto, MAX_SPLITS, None).unwrap();
 }
 
@@ -890,21 +860,7 @@ fn eight_bit_statistics_decode_steps_match_reference() {
         None,
     )
     .unwrap();
-    let long = Case {
-        kv_heads: 4,
-        group: 4,
-        streaming: vec![false, true, false, false],
-        page_tokens: 64,
-        top_k: 8,
-        sink: 64,
-        local: 256,
-        dynamic_min_len: 1024,
-        reuse: 2,
-        prompts: vec![3000, 1500, 900, 4100, 2200, 64, 1025, 2500],
-        steps: 6,
-        seed: 21,
-        ..case
-    };
+    let long = case.eight_long_sequences(21);
     run_steps::<bf16>(
         &gpu,
         &long,

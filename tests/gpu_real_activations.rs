@@ -31,7 +31,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use common::{assert_stat_codes, check_selection, gpu, head_pattern, prefilled, tolerance};
+use common::{
+    assert_stat_codes, check_selection, entry_units, gpu, head_pattern, prefilled, row_error,
+    tolerance,
+};
 use half::{bf16, f16};
 use lserve::config::SparsityConfig;
 use lserve::dtype::{DType, Element};
@@ -237,20 +240,6 @@ struct Seen {
     selecting_steps: usize,
 }
 
-/// Relative error `‖got − want‖ / ‖want‖` of one row; infinite on NaN.
-fn row_error<E: Element>(got: &[E], want: &[f64]) -> f64 {
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (&a, &b) in got.iter().zip(want) {
-        let a = a.to_f32() as f64;
-        if a.is_nan() {
-            return f64::INFINITY;
-        }
-        diff += (a - b) * (a - b);
-        norm += b * b;
-    }
-    (diff / norm.max(1e-30)).sqrt()
-}
-
 /// `run` on `layer` of the dump in element type `E`: the windows' prompts uploaded, then the
 /// windows' decode steps on the device against the reference, step by step. Panics on the
 /// first difference the equivalence rules do not allow.
@@ -378,16 +367,11 @@ fn run_layer<E: DeviceElement>(gpu: &GpuContext, dump: &Dump, layer: &Layer, run
                     .map(|x| x.to_f32())
                     .collect();
                 let sel = select_from_cache(&p.host, 0, &view, h, &q_group).unwrap();
-                let logical: Vec<u32> = got_pages
-                    .iter()
-                    .map(|&x| {
-                        view.block_table
-                            .pages()
-                            .iter()
-                            .position(|&y| y == x)
-                            .unwrap_or(usize::MAX) as u32
-                    })
-                    .collect();
+                let logical = entry_units(
+                    view.block_table.pages(),
+                    &got_pages,
+                    config.units_per_page() as u32,
+                );
                 if let Err(e) = check_selection(
                     &logical,
                     &sel,

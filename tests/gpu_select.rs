@@ -23,7 +23,9 @@
 
 mod common;
 
-use common::{check_selection, f16_or_bf16, gpu, head_pattern, random_vec, SELECTION_TOL};
+use common::{
+    check_selection, entry_units, f16_or_bf16, gpu, head_pattern, random_vec, SELECTION_TOL,
+};
 use std::collections::BTreeMap;
 
 use half::bf16;
@@ -281,19 +283,11 @@ fn run_step<E: DeviceElement>(
                     if index_len as usize > state.entry_capacity {
                         return Err(at(&format!("index length {index_len:#x}")));
                     }
-                    // The sequence's unit numbers of the entry's ids (`page * upp + sub`).
-                    let logical: Vec<u32> = index
-                        .iter()
-                        .map(|&id| {
-                            let p = id / upp;
-                            view.block_table
-                                .pages()
-                                .iter()
-                                .position(|&x| x == p)
-                                .map(|l| l as u32 * upp + id % upp)
-                                .ok_or_else(|| at(&format!("page {p:#x} not in the block table")))
-                        })
-                        .collect::<Result<_, _>>()?;
+                    let logical = entry_units(view.block_table.pages(), index, upp);
+                    if let Some(i) = logical.iter().position(|&u| u == u32::MAX) {
+                        let p = index[i] / upp;
+                        return Err(at(&format!("page {p:#x} not in the block table")));
+                    }
                     let q_group: Vec<f32> = q[(b * hq + kv_head * group) * d..][..group * d]
                         .iter()
                         .map(|x| x.to_f32())

@@ -17,7 +17,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{check_selection, gpu, head_pattern, random_vec, tolerance};
+use common::{check_selection, entry_units, gpu, head_pattern, random_vec, tolerance};
 use half::bf16;
 use lserve::block_iter::BlockMask;
 use lserve::config::SparsityConfig;
@@ -248,16 +248,7 @@ fn check_entries(
                 .map(|x| x.to_f32())
                 .collect();
             let sel = select_from_cache(&r.host, layer, &view, h, &q_group).unwrap();
-            let logical: Vec<u32> = got
-                .iter()
-                .map(|&x| {
-                    view.block_table
-                        .pages()
-                        .iter()
-                        .position(|&y| y == x)
-                        .unwrap_or(usize::MAX) as u32
-                })
-                .collect();
+            let logical = entry_units(view.block_table.pages(), got, 1);
             let c = config();
             let near_tie = check_selection(
                 &logical,

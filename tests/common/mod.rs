@@ -182,6 +182,29 @@ pub fn tolerance<E: Element>() -> f64 {
     }
 }
 
+/// Relative error `‖got − want‖ / ‖want‖` of one row of a GPU output against the reference;
+/// infinite if `got` holds a NaN.
+pub fn row_error<E: Element>(got: &[E], want: &[f64]) -> f64 {
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&a, &b) in got.iter().zip(want) {
+        let a = a.to_f32() as f64;
+        if a.is_nan() {
+            return f64::INFINITY;
+        }
+        diff += (a - b) * (a - b);
+        norm += b * b;
+    }
+    (diff / norm.max(1e-30)).sqrt()
+}
+
+/// [`row_error`] of every row of `d` elements; the worst.
+pub fn worst_row_error<E: Element>(got: &[E], want: &[f64], d: usize) -> f64 {
+    got.chunks(d)
+        .zip(want.chunks(d))
+        .map(|(g, w)| row_error(g, w))
+        .fold(0.0, f64::max)
+}
+
 /// `f16_or_bf16!(flag, f(args))` calls `f::<f16>(args)` when `flag` is true, else
 /// `f::<bf16>(args)`: runs a case in the element type it drew.
 #[allow(unused_macros)] // the module's `dead_code` allowance does not cover macros
@@ -196,6 +219,23 @@ macro_rules! f16_or_bf16 {
 }
 #[allow(unused_imports)] // as the macro: not every test file dispatches on the element type
 pub(crate) use f16_or_bf16;
+
+/// The sequence's unit numbers of an index entry's ids (`page * units_per_page + sub`,
+/// `SparsityConfig::unit_id`; the page id itself for whole pages): the page's position in the
+/// sequence's block table `pages`, times `units_per_page`, plus `sub`; `u32::MAX` for an id
+/// whose page is not the sequence's.
+pub fn entry_units(pages: &[u32], ids: &[u32], units_per_page: u32) -> Vec<u32> {
+    ids.iter()
+        .map(|&id| {
+            pages
+                .iter()
+                .position(|&p| p == id / units_per_page)
+                .map_or(u32::MAX, |l| {
+                    l as u32 * units_per_page + id % units_per_page
+                })
+        })
+        .collect()
+}
 
 /// Relative tolerance of a near-tie in page selection (`docs/ARCHITECTURE.md`, "Equivalence
 /// rules").
