@@ -1,7 +1,9 @@
 //! Prefill benchmarks (criterion), Hq 32, Hkv 8, D 128, bf16, batch 1:
 //!
 //! - `prefill/dense` and `prefill/streaming50`: every head causal, and 50% streaming heads
-//!   (sink 64, local 256), contexts 4K to 128K;
+//!   (sink 64, local 256), contexts 4K to 128K, on the default module's kernel (the `wgmma`
+//!   one on compute capability 9.0); there also `prefill/{dense,streaming50}_mma_sync`, the
+//!   `mma.sync` kernel of the sm_90 module in the same run;
 //! - `prefill_block_sparse/{0,40,50,80}`: at 32K, dense heads with a random caller block mask
 //!   keeping 100/60/50/20% of the causal blocks off the diagonal (the oracle is dense time x
 //!   the kept fraction, the shape of the paper's Figure 12);
@@ -394,18 +396,33 @@ fn prefill(c: &mut Criterion) {
         .and_then(|g| HeadPattern::interleaved(g, 0.5))
         .expect("a valid geometry");
     let half = half_pattern.layer_kinds(0);
+    // Where the default module runs the `wgmma` kernel (sm_90a), the `mma.sync` kernel beside
+    // it in the same run: a context with the sm_90 module (the same device and primary
+    // context, so the tensors are shared).
+    let mma_sync = if gpu.ptx().has_wgmma() {
+        Some(GpuContext::with_ptx_arch(0, "sm_90").expect("an sm_90 context"))
+    } else {
+        None
+    };
     for len in [4096usize, 16384, 32768, 65536, 131072] {
-        let patterns: Vec<(&str, &[HeadKind])> = [("dense", &dense[..]), ("streaming50", half)]
+        let mut patterns: Vec<(&str, &[HeadKind], &GpuContext)> =
+            vec![("dense", &dense[..], &gpu), ("streaming50", half, &gpu)];
+        if let Some(m) = &mma_sync {
+            patterns.push(("dense_mma_sync", &dense[..], m));
+            patterns.push(("streaming50_mma_sync", half, m));
+        }
+        let patterns: Vec<_> = patterns
             .into_iter()
-            .filter(|(name, _)| selected(&format!("prefill/{name}/{len}")))
+            .filter(|(name, _, _)| selected(&format!("prefill/{name}/{len}")))
             .collect();
         if patterns.is_empty() {
             continue;
         }
         let mut t = tensors(&gpu, len).expect("tensors");
+        gpu.stream().synchronize().expect("tensors ready");
         let flops = (4 * HQ * D) as u64 * (len as u64 * len as u64) / 2;
         let cu = [0, len];
-        for (name, kinds) in patterns {
+        for (name, kinds, gpu) in patterns {
             let args = PrefillArgs {
                 q_heads: HQ,
                 kv_heads: HKV,
@@ -419,10 +436,10 @@ fn prefill(c: &mut Criterion) {
                 prefix_lens: None,
                 with_lse: false,
             };
-            let plan = PrefillPlan::new(&gpu, &args).expect("plan");
+            let plan = PrefillPlan::new(gpu, &args).expect("plan");
             bench_plan(
                 c,
-                &gpu,
+                gpu,
                 "prefill",
                 BenchmarkId::new(name, len),
                 flops,

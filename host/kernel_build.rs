@@ -11,8 +11,8 @@ use std::process::Command;
 pub const PTX_NAME: &str = "lserve_kernels.ptx";
 
 /// The architectures the library's PTX is built for, oldest first: the host loads the newest
-/// one the device runs.
-pub const ARCHES: [&str; 2] = ["sm_80", "sm_90"];
+/// one the device runs (`sm_90a`, architecture-specific, runs on compute capability 9.0 only).
+pub const ARCHES: [&str; 3] = ["sm_80", "sm_90", "sm_90a"];
 
 /// The architecture the test-kernel module is built for (the tests run on Hopper).
 pub const TEST_ARCH: &str = "sm_90";

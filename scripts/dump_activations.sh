@@ -32,7 +32,8 @@ if [ -z "${LSERVE_DUMP_FORCE:-}" ] && [ -f "$out" ] && [ -f "$stamp" ] && [ "$(c
 fi
 
 if [ -z "${LSERVE_PTX_DIR:-}" ] && [ -f "$repo/host/ptx/lserve_kernels.sm_90.ptx" ] &&
-    [ -f "$repo/host/ptx/lserve_kernels.sm_80.ptx" ]; then
+    [ -f "$repo/host/ptx/lserve_kernels.sm_80.ptx" ] &&
+    [ -f "$repo/host/ptx/lserve_kernels.sm_90a.ptx" ]; then
     export LSERVE_PTX_DIR="$repo/host/ptx"
 fi
 rm -f "$stamp"

@@ -3,7 +3,7 @@
 # Installs what a fresh machine lacks (the pinned nightly with its components, a stable
 # toolchain for the consumer check, ptxas from PyPI, and cargo-fuzz before the fuzz step), then
 # runs every check:
-# formatting, `cargo xtask ptx` (PTX valid, no spills, no kernel above its baseline, for sm_90 and
+# formatting, `cargo xtask ptx` (PTX valid, no spills, no kernel above its baseline, for sm_90, sm_90a and
 # sm_80), clippy, the workspace's tests from a bare copy of the tree (GPU tests show as ignored
 # without a GPU), `cargo xtask package`, a stable, offline build of a crate that depends on the
 # packaged lserve, a compile check of lserve beside candle's CUDA build, the SmolLM2 engine's tests
@@ -31,8 +31,9 @@ cargo fmt --all --check
 (cd kernels-gpu && cargo fmt --check)
 (cd fuzz && cargo fmt --check)
 
-step "cargo xtask ptx (sm_90, sm_80)"
+step "cargo xtask ptx (sm_90, sm_90a, sm_80)"
 cargo xtask ptx
+cargo xtask ptx --arch sm_90a
 cargo xtask ptx --arch sm_80
 
 step "clippy"

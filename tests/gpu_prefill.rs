@@ -404,6 +404,65 @@ fn both_kernels_all_shapes() {
     }
 }
 
+/// On a device whose default module is sm_90a (compute capability 9.0) launches without masks
+/// and without the log-sum-exp take the `wgmma` kernel, and an sm_90 context (the `mma.sync`
+/// kernel) on the same inputs gives the same attention: each within the tolerance of the
+/// reference, and within twice that of each other. Ragged lengths not multiples of the
+/// tiles, a one-token sequence, streaming and dense heads, MHA and GQA, both head dims and
+/// element types. Elsewhere (no sm_90a module) only the default kernel runs.
+#[test]
+#[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
+fn wgmma_and_mma_sync_kernels_agree() {
+    let gpu = gpu();
+    let capability = gpu.context().compute_capability().unwrap();
+    assert_eq!(
+        gpu.ptx().has_wgmma(),
+        capability == (9, 0) && std::env::var("LSERVE_PTX_ARCH").is_err(),
+        "module {}",
+        gpu.ptx().arch
+    );
+    let other = gpu
+        .ptx()
+        .has_wgmma()
+        .then(|| GpuContext::with_ptx_arch(0, "sm_90").unwrap());
+    for (head_dim, group, f16_data) in [
+        (128, 4, false),
+        (64, 1, true),
+        (128, 3, true),
+        (64, 2, false),
+    ] {
+        let case = Case {
+            head_dim,
+            kv_heads: 2,
+            group,
+            lens: vec![1000, 1, 191, 64, 130],
+            streaming: vec![false, true],
+            sink: 64,
+            local: 200,
+            mask_density: None,
+            f16: f16_data,
+            seed: 21,
+        };
+        f16_or_bf16!(f16_data, run_case(&gpu, &case)).unwrap();
+        if let Some(other) = &other {
+            f16_or_bf16!(f16_data, run_case(other, &case)).unwrap();
+            fn outputs<E: DeviceElement>(a: &GpuContext, b: &GpuContext, case: &Case) -> f64 {
+                let x = inputs::<E>(case);
+                let (cu, kinds) = (case.cu_seqlens(), case.kinds());
+                let args = args(case, &cu, &kinds, None);
+                let (oa, ob) = (run_gpu(a, &args, &x), run_gpu(b, &args, &x));
+                let want: Vec<f64> = ob.iter().map(|e| e.to_f32() as f64).collect();
+                worst_head_error(&oa, &want, case.q_heads(), case.head_dim)
+                    .unwrap()
+                    .0
+            }
+            let err = f16_or_bf16!(f16_data, outputs(&gpu, other, &case));
+            eprintln!("D {head_dim}, group {group}, f16 {f16_data}: wgmma vs mma.sync {err:.3e}");
+            assert!(err < 2e-2, "wgmma against mma.sync: {err:.3e}");
+        }
+    }
+}
+
 /// A plan is reusable: two runs on different data give each its own reference result.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]

@@ -134,3 +134,40 @@ pub struct PrefillArgs {
     /// computed elsewhere; null: not written.
     pub lse: crate::ptr::GlobalPtrMut<f32>,
 }
+
+/// Threads per block of the Hopper prefill kernels (`prefill_wgmma_attention_*`, sm_90): two
+/// consumer warpgroups of 64 query rows each (warps 0-7: `wgmma` products, softmax, output) and
+/// one producer warp (warp 8: the tensor-map copies of Q, K and V).
+pub const WGMMA_PREFILL_THREADS: u32 = 288;
+/// K/V stages in the Hopper prefill kernels' ring (each a K and a V tile of [`BLOCK_KV`] rows).
+pub const WGMMA_PREFILL_STAGES: u32 = 4;
+/// Columns of one tensor-map box of the Hopper prefill kernels (128 bytes: the swizzle's
+/// width); a tile of `D` columns is `D / 64` boxes of 64 rows.
+pub const WGMMA_BOX_COLUMNS: u32 = 64;
+
+/// Shared memory of the Hopper prefill kernel for head dimension `head_dim`, in bytes: 1024
+/// bytes of slack to align the tiles to the swizzle's 1024-byte atoms, the query tile
+/// ([`TILE_Q`] rows), [`WGMMA_PREFILL_STAGES`] K and V tiles, then the `mbarrier`s (one for the
+/// query tile, a full and an empty one per stage, 8 bytes each).
+pub const fn wgmma_prefill_smem_bytes(head_dim: u32) -> u32 {
+    1024 + (TILE_Q + 2 * WGMMA_PREFILL_STAGES * BLOCK_KV) * head_dim * 2
+        + 8 * (1 + 2 * WGMMA_PREFILL_STAGES)
+}
+
+/// Bytes of one encoded tensor map (CUDA's `CUtensorMap`, 64-byte aligned).
+pub const PREFILL_TENSOR_MAP_BYTES: usize = 128;
+
+/// The one argument of a Hopper prefill launch (`prefill_wgmma_attention_*`): the arguments of
+/// the `mma.sync` kernels (the same schedule and outputs; `q`, `k`, `v` are read through the
+/// maps) and the tensor maps of `q`, `k` and `v`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WgmmaPrefillArgs {
+    /// Scalars, schedule, head map and tensors as for the other prefill kernels.
+    pub base: PrefillArgs,
+    /// Three tensor maps ([`PREFILL_TENSOR_MAP_BYTES`] each, 64-byte aligned, in global memory):
+    /// `q` as `(D, q_heads, query rows)`, `k` and `v` as `(D, kv_heads, tokens)` (16-bit elements,
+    /// innermost first, token strides as `base.params.strides`), boxes `(64, 1, 64)`, 128-byte
+    /// swizzle.
+    pub maps: crate::ptr::GlobalPtr<u8>,
+}

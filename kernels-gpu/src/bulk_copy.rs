@@ -128,3 +128,35 @@ pub unsafe fn tensor_copy_3d_with_policy(
         );
     }
 }
+
+/// [`tensor_copy_3d_with_policy`] without a cache hint; coordinates are signed (a box that
+/// starts before the tensor, e.g. at row `-16`, lands zeros for the rows outside it).
+///
+/// # Safety
+/// As [`tensor_copy_3d_with_policy`].
+#[inline(always)]
+pub unsafe fn tensor_copy_3d(dst: u32, map: *const u8, c0: i32, c1: i32, c2: i32, bar: u32) {
+    // SAFETY: forwarded (as `tensor_copy_3d_with_policy`).
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes \
+             [{0}], [{1}, {{{2}, {3}, {4}}}], [{5}];",
+            in(reg32) dst, in(reg64) map as u64, in(reg32) c0, in(reg32) c1, in(reg32) c2,
+            in(reg32) bar,
+            options(nostack),
+        );
+    }
+}
+
+/// Arrives once on `bar` (`mbarrier.arrive`), without a transaction count.
+///
+/// # Safety
+/// `bar` is an initialized barrier whose current phase still expects this arrival.
+#[inline(always)]
+pub unsafe fn mbarrier_arrive(bar: u32) {
+    // SAFETY: forwarded. No `nomem`: this thread's earlier shared-memory reads are ordered
+    // before the arrival (release).
+    unsafe {
+        asm!("mbarrier.arrive.shared::cta.b64 _, [{0}];", in(reg32) bar, options(nostack));
+    }
+}

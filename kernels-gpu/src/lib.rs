@@ -9,7 +9,8 @@
 //! - [`mma`]: `mma.sync` m16n8k16 fragments and products;
 //! - [`ldmatrix`]: shared memory -> fragments;
 //! - [`cp_async`]: asynchronous global -> shared copies, commit / wait groups;
-//! - [`bulk_copy`]: bulk copies on the tensor memory accelerator, `mbarrier`s.
+//! - [`bulk_copy`]: bulk copies on the tensor memory accelerator, `mbarrier`s;
+//! - `wgmma` (sm_90a only): warpgroup tensor-core products from shared-memory descriptors.
 //!
 //! [`tile`] is the layer the attention kernels (decode, prefill) share on top of those: one
 //! shared-memory tile type, the `ldmatrix` fragment loaders, the online-softmax state and its
@@ -32,9 +33,11 @@
 //! `tests/gpu_primitives.rs`, loaded by tests alone). The selector's warp scan, ballot and vector
 //! shared-memory loads are covered by `tests/gpu_select.rs` instead.
 //!
-//! Targets: sm_90 and sm_80 PTX are built from the same source. Hopper's instructions (tensor-map
-//! bulk copies, `mbarrier` transaction counts, programmatic dependent launch) are behind
-//! `cfg(target_feature = "sm_90")`; the sm_80 build uses `cp.async` tiles and plain launches.
+//! Targets: sm_90a, sm_90 and sm_80 PTX are built from the same source. Hopper's instructions
+//! (tensor-map bulk copies, `mbarrier` transaction counts, programmatic dependent launch) are
+//! behind `cfg(target_feature = "sm_90")`; the sm_80 build uses `cp.async` tiles and plain
+//! launches; Hopper's architecture-specific `wgmma` (and the prefill kernel built on it) is
+//! behind `cfg(target_feature = "sm_90a")`.
 #![no_std]
 #![feature(
     abi_gpu_kernel,
@@ -76,6 +79,8 @@ pub mod thread;
 #[cfg(not(feature = "test-kernels"))]
 pub mod tile;
 pub mod warp;
+#[cfg(target_feature = "sm_90a")]
+pub mod wgmma;
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {

@@ -131,7 +131,32 @@ impl GpuContext {
         unsafe { ctx.disable_event_tracking() };
         // A stream of our own, not the legacy default stream: only those can be captured.
         let stream = ctx.new_stream()?;
-        Self::with_stream(ctx, stream)
+        let requested = std::env::var(PTX_ARCH_VAR).ok();
+        Self::with_stream(ctx, stream, requested.as_deref())
+    }
+
+    /// [`new`](Self::new) with the PTX module of architecture `arch` (`sm_80`, `sm_90` or
+    /// `sm_90a`) instead of the newest the device runs (`LSERVE_PTX_ARCH` is not read): e.g. an
+    /// sm_90 context on an H100 runs the `mma.sync` prefill where the default (sm_90a) runs the
+    /// `wgmma` one, side by side in one process.
+    ///
+    /// Errors: as [`new`](Self::new); [`LserveError::UnsupportedDevice`] if the device does not
+    /// run that module, `InvalidArgument` for an unknown `arch`.
+    ///
+    /// ```no_run
+    /// let gpu = lserve::gpu::GpuContext::with_ptx_arch(0, "sm_90")?;
+    /// assert_eq!(gpu.ptx().arch, "sm_90");
+    /// # Ok::<(), lserve::LserveError>(())
+    /// ```
+    pub fn with_ptx_arch(ordinal: usize, arch: &str) -> Result<Self> {
+        if !driver_present() {
+            return Err(LserveError::NoCudaDriver);
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: as in `new`.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        Self::with_stream(ctx, stream, Some(arch))
     }
 
     /// lserve on an engine's stream: loads the embedded kernels into the stream's context (the
@@ -161,17 +186,19 @@ impl GpuContext {
     /// ```
     pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
         let ctx = stream.context().clone();
-        Self::with_stream(ctx, stream)
+        let requested = std::env::var(PTX_ARCH_VAR).ok();
+        Self::with_stream(ctx, stream, requested.as_deref())
     }
 
-    /// Loads the kernels into `ctx`, whose stream `stream` is.
-    fn with_stream(ctx: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<Self> {
+    /// Loads the kernels into `ctx`, whose stream `stream` is: the module `requested` names, or
+    /// the newest the device runs.
+    fn with_stream(
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        requested: Option<&str>,
+    ) -> Result<Self> {
         let capability = ctx.compute_capability()?;
-        let requested = std::env::var(PTX_ARCH_VAR).ok();
-        let ptx = module_for(
-            (capability.0 as u32, capability.1 as u32),
-            requested.as_deref(),
-        )?;
+        let ptx = module_for((capability.0 as u32, capability.1 as u32), requested)?;
         let module = ctx.load_module(Ptx::from_src(ptx.text()))?;
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,

@@ -91,6 +91,7 @@ kernel_args!(
     lserve_abi::select::SelectArgs,
     lserve_abi::select::StepArgs,
     lserve_abi::prefill::PrefillArgs,
+    lserve_abi::prefill::WgmmaPrefillArgs,
 );
 
 /// One kernel launch: its buffers are registered first ([`read`](Self::read),

@@ -11,18 +11,20 @@
 //! t - j < local)`, a caller block mask (blocks of 64 queries x 64 keys) is intersected with
 //! that, the diagonal block always kept.
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::layout::TokenStrides;
 use lserve_abi::prefill::{
-    mask_words_per_row, prefill_smem_bytes, PrefillArgs as KernelArgs, PrefillParams,
-    PrefillWorkItem, BLOCK_Q, MASKED_TILE_Q_BLOCKS, PREFILL_THREADS, TILE_Q_BLOCKS,
+    mask_words_per_row, prefill_smem_bytes, wgmma_prefill_smem_bytes, PrefillArgs as KernelArgs,
+    PrefillParams, PrefillWorkItem, WgmmaPrefillArgs, BLOCK_Q, MASKED_TILE_Q_BLOCKS,
+    PREFILL_TENSOR_MAP_BYTES, PREFILL_THREADS, TILE_Q_BLOCKS, WGMMA_PREFILL_THREADS,
 };
 use lserve_abi::ptr::GlobalPtrMut;
 
 use super::cache::{DeviceElement, DeviceKvCache};
 use super::kv_write::{gather_kv_rows, pool_key_stats, write_kv_rows, DeviceKvWritePlan};
 use super::launch::Launch;
+use super::tensor_map::prefill_tensor_map;
 use super::tokens::{kv_stride, Tokens, TokensMut};
 use super::GpuContext;
 use crate::block_iter::{num_blocks, BlockMask};
@@ -87,6 +89,16 @@ pub struct PrefillPlan {
     mask: CudaSlice<u32>,
     tokens: usize,
     head_dim: usize,
+    /// The `wgmma` kernel's tensor maps of the last run's `q`, `k`, `v` (device buffer of three
+    /// maps) and what they describe; rewritten when a run's tensors differ.
+    maps: Option<std::sync::Mutex<TensorMaps>>,
+}
+
+/// The tensor maps of the `wgmma` kernel (`lserve_abi::prefill::WgmmaPrefillArgs::maps`) in
+/// device memory, and the tensors they were encoded for (addresses and token strides).
+struct TensorMaps {
+    buffer: CudaSlice<u8>,
+    encoded_for: Option<[u64; 5]>,
 }
 
 fn to_u32(what: &'static str, x: usize) -> Result<u32> {
@@ -104,6 +116,9 @@ enum Kernel {
     /// `prefill_masked_attention_*`: caller block masks (and the log-sum-exp if asked), one
     /// query block per work item.
     Masked,
+    /// `prefill_wgmma_attention_*` (sm_90a module only): what [`Kernel::Attention`] computes,
+    /// on Hopper's `wgmma` products with tensor-map copies; the same work items.
+    Wgmma,
 }
 
 impl Kernel {
@@ -122,6 +137,7 @@ impl Kernel {
             Kernel::Attention => "attention",
             Kernel::Lse => "lse_attention",
             Kernel::Masked => "masked_attention",
+            Kernel::Wgmma => "wgmma_attention",
         };
         format!("prefill_{kind}_{}_d{head_dim}", E::DTYPE.name())
     }
@@ -129,7 +145,7 @@ impl Kernel {
     /// Query blocks per work item.
     fn tile_q_blocks(self) -> u32 {
         match self {
-            Kernel::Attention => TILE_Q_BLOCKS,
+            Kernel::Attention | Kernel::Wgmma => TILE_Q_BLOCKS,
             Kernel::Lse | Kernel::Masked => MASKED_TILE_Q_BLOCKS,
         }
     }
@@ -361,9 +377,25 @@ impl PrefillPlan {
             strides: TokenStrides::packed(args.q_heads as u32, args.kv_heads as u32),
         };
         let stream = gpu.stream();
+        // The `wgmma` kernel where the loaded module has it (same work items as `Attention`).
+        let kernel = match args.kernel() {
+            Kernel::Attention if gpu.ptx().has_wgmma() => Kernel::Wgmma,
+            k => k,
+        };
+        let maps = if kernel == Kernel::Wgmma {
+            // 64-byte aligned: device allocations are 256-byte aligned.
+            let buffer = stream.alloc_zeros::<u8>(3 * PREFILL_TENSOR_MAP_BYTES)?;
+            Some(std::sync::Mutex::new(TensorMaps {
+                buffer,
+                encoded_for: None,
+            }))
+        } else {
+            None
+        };
         Ok(Self {
             params,
-            kernel: args.kernel(),
+            kernel,
+            maps,
             q_tokens: args.query_rows(),
             items: stream.clone_htod(&items)?,
             head_map: stream.clone_htod(&head_map)?,
@@ -492,6 +524,9 @@ impl PrefillPlan {
             strides,
             ..self.params
         };
+        if self.kernel == Kernel::Wgmma {
+            return self.launch_wgmma(gpu, p, q, k, v, out);
+        }
         // The schedule was built for this kernel (`has_mask` set for the masked one).
         let smem = prefill_smem_bytes(d as u32, self.kernel.tile_q_blocks());
         let f = gpu.function_with_smem(&self.kernel.name::<E>(d), smem)?;
@@ -534,6 +569,84 @@ impl PrefillPlan {
 }
 
 impl PrefillPlan {
+    /// [`launch`](Self::launch) of the `wgmma` kernel: the tensor maps of `q`, `k`, `v` are
+    /// encoded and copied to the plan's buffer (stream-ordered) unless they describe these
+    /// tensors already.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_wgmma<E: DeviceElement>(
+        &self,
+        gpu: &GpuContext,
+        p: &PrefillParams,
+        q: &Tokens<'_, E>,
+        k: &Tokens<'_, E>,
+        v: &Tokens<'_, E>,
+        out: &mut TokensMut<'_, E>,
+    ) -> Result<()> {
+        let d = self.head_dim;
+        let stream = gpu.stream();
+        let maps = self
+            .maps
+            .as_ref()
+            .expect("a wgmma plan has its tensor maps");
+        let mut maps = maps.lock().unwrap_or_else(|e| e.into_inner());
+        let addr = |t: &Tokens<'_, E>| t.view().device_ptr(stream).0;
+        let (qa, ka, va) = (addr(q), addr(k), addr(v));
+        let key = [qa, ka, va, p.strides.q as u64, p.strides.kv as u64];
+        if maps.encoded_for != Some(key) {
+            let (hq, hkv) = (p.q_heads as usize, p.kv_heads as usize);
+            let mut bytes = Vec::with_capacity(3 * PREFILL_TENSOR_MAP_BYTES);
+            bytes.extend_from_slice(&prefill_tensor_map(
+                qa,
+                d,
+                hq,
+                self.q_tokens,
+                p.strides.q as usize * d,
+            )?);
+            for ptr in [ka, va] {
+                bytes.extend_from_slice(&prefill_tensor_map(
+                    ptr,
+                    d,
+                    hkv,
+                    self.tokens,
+                    p.strides.kv as usize * d,
+                )?);
+            }
+            stream.memcpy_htod(&bytes, &mut maps.buffer)?;
+            maps.encoded_for = Some(key);
+        }
+        let smem = wgmma_prefill_smem_bytes(d as u32);
+        let f = gpu.function_with_smem(&self.kernel.name::<E>(d), smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (p.items, p.q_heads, 1),
+            block_dim: (WGMMA_PREFILL_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut launch = Launch::new(gpu, &f);
+        let args = WgmmaPrefillArgs {
+            base: KernelArgs {
+                params: *p,
+                items: launch.read(&self.items).cast(),
+                head_map: launch.read(&self.head_map),
+                mask: launch.read(&self.mask),
+                q: launch.read(q.view()).cast(),
+                k: launch.read(k.view()).cast(),
+                v: launch.read(v.view()).cast(),
+                out: launch.write(out.view_mut()).cast(),
+                lse: GlobalPtrMut::NULL,
+            },
+            maps: launch.read(&maps.buffer),
+        };
+        // SAFETY: `args` is the argument struct of `prefill_wgmma_attention_{bf16,f16}_d{64,128}`
+        // (in the loaded sm_90a module: the plan chose this kernel only there), of the buffers
+        // registered above; the plan and tensors were validated as for `launch` (the same work
+        // items: tiles of `TILE_Q_BLOCKS` query blocks); the maps in `maps.buffer` describe
+        // these `q` (`query_rows` rows), `k`, `v` (`tokens` rows) at these strides, written on
+        // this stream before the launch; the grid is `(items, q_heads)`, the block and shared
+        // memory are what the kernel is written for.
+        unsafe { launch.launch(cfg, &args) }?;
+        Ok(())
+    }
+
     /// Checks that `q`, `k`, `v`, `out` hold the planned tokens by [`Tokens`]' rule and that `k`
     /// and `v` share a stride; returns the strides.
     fn check_tensors<E: DeviceElement>(

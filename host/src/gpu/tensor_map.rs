@@ -20,6 +20,7 @@ use lserve_abi::decode::{
     pool_tensor_dims, stream_tensor_dims, DECODE_BOX_COLUMNS, DECODE_TENSOR_MAPS, DECODE_TILE_ROWS,
     TENSOR_MAP_BYTES,
 };
+use lserve_abi::prefill::{BLOCK_KV, WGMMA_BOX_COLUMNS};
 use lserve_abi::{PagedLayout, StreamingLayout};
 
 use crate::{LserveError, Result};
@@ -28,11 +29,43 @@ use crate::{LserveError, Result};
 /// densely packed), or all zeros for a tensor with no elements (a layer without dense or
 /// without streaming heads: no pair ever copies from it).
 fn encode(ptr: u64, dims: [u64; 3]) -> Result<[u8; TENSOR_MAP_BYTES]> {
+    let strides = [dims[0] * 2, dims[0] * dims[1] * 2];
+    encode_boxes(
+        ptr,
+        dims,
+        strides,
+        [DECODE_BOX_COLUMNS, DECODE_TILE_ROWS, 1],
+    )
+}
+
+/// The map of a prefill tensor at `ptr` (`q`, `k` or `v`): `rows` token rows of `heads` heads of
+/// `head_dim` 16-bit elements, rows `token_stride` elements apart, seen as `(head_dim, heads,
+/// rows)` with boxes of 64 columns, one head and 64 rows (`lserve_abi::prefill::WgmmaPrefillArgs`).
+pub(crate) fn prefill_tensor_map(
+    ptr: u64,
+    head_dim: usize,
+    heads: usize,
+    rows: usize,
+    token_stride: usize,
+) -> Result<[u8; TENSOR_MAP_BYTES]> {
+    let dims = [head_dim as u64, heads as u64, rows as u64];
+    let strides = [head_dim as u64 * 2, token_stride as u64 * 2];
+    encode_boxes(ptr, dims, strides, [WGMMA_BOX_COLUMNS, 1, BLOCK_KV])
+}
+
+/// The map of the tensor at `ptr` with dimensions `dims` and byte strides `strides` of its outer
+/// two dimensions, copied in boxes `boxes` with the 128-byte swizzle, or all zeros for a tensor
+/// with no elements (a layer without dense or without streaming heads: no pair ever copies from
+/// it).
+fn encode_boxes(
+    ptr: u64,
+    dims: [u64; 3],
+    strides: [u64; 2],
+    boxes: [u32; 3],
+) -> Result<[u8; TENSOR_MAP_BYTES]> {
     if dims.contains(&0) {
         return Ok([0; TENSOR_MAP_BYTES]);
     }
-    let strides = [dims[0] * 2, dims[0] * dims[1] * 2];
-    let boxes = [DECODE_BOX_COLUMNS, DECODE_TILE_ROWS, 1];
     let element_strides = [1u32; 3];
     let mut map = CUtensorMap { opaque: [0; 16] };
     // SAFETY: every pointer argument points to a live array of the length the rank (3) asks

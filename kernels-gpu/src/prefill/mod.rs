@@ -30,11 +30,16 @@
 //!
 //! The loop body is the same for every head, block and mask: what differs is only which blocks
 //! the walk yields, which warps skip one, and whether the block needs element masks.
+//!
+//! On sm_90a, `wgmma` computes what `prefill_attention_*` does with Hopper's warpgroup
+//! products, tensor-map copies and a producer warp (`prefill_wgmma_attention_*`).
 
 pub mod block_iter;
 pub mod mask;
 pub mod softmax;
 pub mod tiles;
+#[cfg(target_feature = "sm_90a")]
+pub mod wgmma;
 
 use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
@@ -497,4 +502,42 @@ prefill_kernels! {
     prefill_masked_attention_bf16_d128: BlockMask, Bf16, 128, rows 1, lse true;
     prefill_masked_attention_f16_d64: BlockMask, F16, 64, rows 1, lse true;
     prefill_masked_attention_f16_d128: BlockMask, F16, 128, rows 1, lse true;
+}
+
+/// Declares one Hopper prefill entry point per (element type, head dim) (`wgmma::`, sm_90a).
+#[cfg(target_feature = "sm_90a")]
+macro_rules! wgmma_prefill_kernels {
+    ($($name:ident: $elem:ty, $d:literal;)*) => {$(
+        /// Hopper prefill attention entry point (see `wgmma`'s module docs).
+        ///
+        /// # Safety
+        /// As `wgmma::prefill_wgmma_attention`'s: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $name(a: lserve_abi::prefill::WgmmaPrefillArgs) {
+            let map = |i: usize| {
+                // SAFETY: the argument's three maps are consecutive (launch contract).
+                unsafe { a.maps.get().add(i * lserve_abi::prefill::PREFILL_TENSOR_MAP_BYTES) }
+            };
+            let maps = wgmma::Maps { q: map(0), k: map(1), v: map(2) };
+            // SAFETY: forwarded launch contract.
+            unsafe {
+                wgmma::prefill_wgmma_attention::<$elem, $d>(
+                    &a.base.params,
+                    a.base.items.get(),
+                    a.base.head_map.get(),
+                    maps,
+                    a.base.out.get(),
+                )
+            }
+        }
+    )*};
+}
+
+// Launches without caller masks and without the log-sum-exp, on sm_90a.
+#[cfg(target_feature = "sm_90a")]
+wgmma_prefill_kernels! {
+    prefill_wgmma_attention_bf16_d64: Bf16, 64;
+    prefill_wgmma_attention_bf16_d128: Bf16, 128;
+    prefill_wgmma_attention_f16_d64: F16, 64;
+    prefill_wgmma_attention_f16_d128: F16, 128;
 }

@@ -1,0 +1,566 @@
+//! Hopper prefill attention (sm_90a): `wgmma` products from shared memory, tensor-map copies
+//! into an `mbarrier` ring, and a producer warp beside two consumer warpgroups (the
+//! FlashAttention-3 structure), for launches without caller masks and without the
+//! log-sum-exp. Same work items, head patterns and walk as the `mma.sync` kernel
+//! ([`super::prefill_attention`]): a tile of two query blocks, the union of their KV blocks
+//! ([`TileSpan`]).
+//!
+//! Block `(x, h)`, [`WGMMA_PREFILL_THREADS`] threads:
+//! - **warp 8, the producer** (one lane): copies the query tile (two 64-row blocks of `D`
+//!   columns, `D / 64` boxes each) once, then, per KV block of the walk, waits until its stage
+//!   of the [`WGMMA_PREFILL_STAGES`]-deep ring is free (the stage's *empty* barrier: every
+//!   consumer warp arrived) and copies the block's K and V tiles into it, counted in bytes on
+//!   the stage's *full* barrier;
+//! - **warpgroup `g` = warps `4g .. 4g + 4`, a consumer**, owns query block `g` of the tile (64
+//!   rows, 16 per warp): per block of the walk it waits for the stage's full barrier; if its
+//!   query block visits the block, `S = Q Kᵀ` (`D / 16` products `m64n64k16`, both operands in
+//!   shared memory), element masks where needed ([`mask::apply`]), the online softmax in
+//!   registers ([`RowSoftmax`], the accumulators hold `mma.sync`'s fragment layout), and
+//!   `O += P V` (4 products `m64nDk16`, `P` from registers, V read transposed); then each warp
+//!   arrives on the stage's empty barrier. A warp waits for every block, visited or not, so no
+//!   warp arrives twice in one phase.
+//! - The output `O / l` is written from the registers, as in the `mma.sync` kernel.
+//!
+//! The two consumer warpgroups share the tensor cores: while one runs its softmax the other's
+//! products run. V rows past the sequence's end (only in the tile's last block, which only the
+//! last query block's warpgroup visits) are zeroed in shared memory before its `P V`, since
+//! the copy brings whatever follows the sequence (`0 · inf` would be NaN).
+
+use lserve_abi::decode::HEAD_STREAMING;
+use lserve_abi::prefill::{
+    wgmma_prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, TILE_Q,
+    TILE_Q_BLOCKS, WGMMA_BOX_COLUMNS, WGMMA_PREFILL_STAGES as STAGES, WGMMA_PREFILL_THREADS,
+};
+
+use super::block_iter::{TileSpan, Window};
+use super::mask;
+use super::softmax::{rescale_unless_settled, RowSoftmax};
+use super::tiles::{MAX_O_TILES, S_TILES};
+use crate::bulk_copy::{
+    fence_mbarrier_init, fence_proxy_async_shared, mbarrier_arrive, mbarrier_arrive_expect_tx,
+    mbarrier_init, mbarrier_wait_parity, tensor_copy_3d,
+};
+use crate::math::opaque_u32;
+use crate::mma::{FragA, FragC};
+use crate::smem::{dynamic_smem, shared_addr, st_shared_v4_u32};
+use crate::sync::{arrive_named, sync_named, sync_threads, sync_warp};
+use crate::thread::{block_idx_x, block_idx_y, lane, warp_in_block, WARP_SIZE};
+use crate::tile::fragments::{k_steps, n_tiles, p_fragment};
+use crate::tile::SoftmaxState;
+use crate::warp::shfl_idx_u32;
+use crate::wgmma::{
+    commit_group, fence, fence_operands, mma_64x64_ss, mma_64xn_rs, wait_group, SmemDesc,
+    WgmmaElement,
+};
+
+/// Consumer warps (two warpgroups); the producer is the warp after them.
+const CONSUMER_WARPS: u32 = 8;
+/// Bytes of one tensor-map box: 64 rows of 128 bytes, the swizzle's atoms (8 rows, 1024 bytes)
+/// back to back.
+const BOX_BYTES: u32 = BLOCK_KV * 128;
+/// Bytes between 8-row groups of a swizzled tile.
+const ATOM_BYTES: u32 = 1024;
+
+const _: () = assert!(
+    WGMMA_PREFILL_THREADS == (CONSUMER_WARPS + 1) * WARP_SIZE
+        && TILE_Q_BLOCKS == 2
+        && BLOCK_Q == 64
+        && BLOCK_KV == 64
+        && TILE_Q == 128
+        && WGMMA_BOX_COLUMNS == 64
+        && S_TILES == 8
+);
+
+/// Where the tiles and barriers live (shared-window addresses from a 1024-byte aligned base):
+/// the query tile (query block `g`'s 64 rows at `q(g)`), the stages (K then V tile), the
+/// barriers. A 64-row tile of `D` columns is `D / 64` boxes (columns `64 b ..` in box `b`).
+#[derive(Clone, Copy)]
+struct Smem<const D: usize> {
+    base: u32,
+}
+
+impl<const D: usize> Smem<D> {
+    /// Bytes of one 64-row tile of `D` columns.
+    const TILE_BYTES: u32 = (D as u32 / WGMMA_BOX_COLUMNS) * BOX_BYTES;
+
+    /// The layout in this block's dynamic shared memory.
+    #[inline(always)]
+    fn new() -> Self {
+        let raw = shared_addr(dynamic_smem::<u8>(0));
+        Self {
+            base: (raw + ATOM_BYTES - 1) & !(ATOM_BYTES - 1),
+        }
+    }
+
+    /// Query block `g`'s rows of the query tile.
+    #[inline(always)]
+    fn q(&self, g: u32) -> u32 {
+        self.base + g * Self::TILE_BYTES
+    }
+
+    /// The K tile of `stage`.
+    #[inline(always)]
+    fn k(&self, stage: u32) -> u32 {
+        self.base + (TILE_Q_BLOCKS + 2 * stage) * Self::TILE_BYTES
+    }
+
+    /// The V tile of `stage`.
+    #[inline(always)]
+    fn v(&self, stage: u32) -> u32 {
+        self.k(stage) + Self::TILE_BYTES
+    }
+
+    /// The barriers: the query tile's, then per stage its full one, then per stage its empty
+    /// one.
+    #[inline(always)]
+    fn barrier(&self, i: u32) -> u32 {
+        self.base + (TILE_Q_BLOCKS + 2 * STAGES) * Self::TILE_BYTES + 8 * i
+    }
+
+    #[inline(always)]
+    fn q_full(&self) -> u32 {
+        self.barrier(0)
+    }
+
+    #[inline(always)]
+    fn full(&self, stage: u32) -> u32 {
+        self.barrier(1 + stage)
+    }
+
+    #[inline(always)]
+    fn empty(&self, stage: u32) -> u32 {
+        self.barrier(1 + STAGES + stage)
+    }
+}
+
+// The layout fits what the host sizes.
+const _: () = {
+    let end = 1024 + (2 + 2 * STAGES) * Smem::<128>::TILE_BYTES + 8 * (1 + 2 * STAGES);
+    assert!(wgmma_prefill_smem_bytes(128) == end);
+    let end = 1024 + (2 + 2 * STAGES) * Smem::<64>::TILE_BYTES + 8 * (1 + 2 * STAGES);
+    assert!(wgmma_prefill_smem_bytes(64) == end);
+};
+
+/// The descriptor of the K-major operand at `tile` (64 rows of `D` columns, [`Smem`]'s boxes)
+/// for columns `16 kk .. 16 kk + 16`: box `kk / 4`, 32 bytes per step inside the 128-byte rows.
+#[inline(always)]
+fn k_major(tile: u32, kk: usize) -> SmemDesc {
+    let kk = kk as u32;
+    SmemDesc::swizzled_128b(tile + (kk / 4) * BOX_BYTES + (kk % 4) * 32, 16, ATOM_BYTES)
+}
+
+/// The descriptor of the V tile at `tile` as the MN-major `B` of `P V` for keys
+/// `16 kk .. 16 kk + 16`: two 8-row atoms per step, the 64-column boxes [`BOX_BYTES`] apart.
+#[inline(always)]
+fn v_operand(tile: u32, kk: usize) -> SmemDesc {
+    SmemDesc::swizzled_128b(tile + kk as u32 * 2 * ATOM_BYTES, BOX_BYTES, ATOM_BYTES)
+}
+
+/// The tensor maps of `q`, `k`, `v` (generic addresses of kernel parameters).
+#[derive(Clone, Copy)]
+pub struct Maps {
+    /// `q` as `(D, q_heads, query rows)`.
+    pub q: *const u8,
+    /// `k` as `(D, kv_heads, tokens)`.
+    pub k: *const u8,
+    /// `v` as `k`.
+    pub v: *const u8,
+}
+
+/// The producer: the query tile, then every block of the walk into its stage.
+///
+/// # Safety
+/// One thread of the block; the barriers are initialized; `maps` describe the launch's tensors.
+#[inline(always)]
+unsafe fn produce<const D: usize>(
+    smem: Smem<D>,
+    maps: Maps,
+    span: TileSpan,
+    q_row0: i32,
+    head: u32,
+    kv_row0: u32,
+    kv_head: u32,
+) {
+    let boxes = D as u32 / WGMMA_BOX_COLUMNS;
+    // SAFETY: the query barrier's phase 0 expects this arrival and the tile's bytes; each box
+    // lands in its own 1024-byte aligned 8 KiB of the query tile.
+    unsafe {
+        mbarrier_arrive_expect_tx(smem.q_full(), TILE_Q_BLOCKS * Smem::<D>::TILE_BYTES);
+        let mut g = 0;
+        while g < TILE_Q_BLOCKS {
+            let mut b = 0;
+            while b < boxes {
+                tensor_copy_3d(
+                    smem.q(g) + b * BOX_BYTES,
+                    maps.q,
+                    (b * WGMMA_BOX_COLUMNS) as i32,
+                    head as i32,
+                    q_row0 + (g * BLOCK_Q) as i32,
+                    smem.q_full(),
+                );
+                b += 1;
+            }
+            g += 1;
+        }
+    }
+    let mut i = 0;
+    while i < span.len() {
+        let stage = i % STAGES;
+        if i >= STAGES {
+            // Block `i - STAGES`, the stage's previous tenant, is done in every consumer warp:
+            // phase `i / STAGES - 1` of the empty barrier.
+            // SAFETY: initialized; that phase is the current one or the one before.
+            unsafe { mbarrier_wait_parity(smem.empty(stage), (i / STAGES + 1) % 2) };
+        }
+        let row = (kv_row0 + span.kv_block(i) * BLOCK_KV) as i32;
+        // SAFETY: the stage's full barrier's phase `i / STAGES` expects this arrival (its
+        // previous phase completed before the empty barrier's did); the K and V boxes land in
+        // the stage's tiles, nobody reads them before that phase completes.
+        unsafe {
+            mbarrier_arrive_expect_tx(smem.full(stage), 2 * Smem::<D>::TILE_BYTES);
+            let mut b = 0;
+            while b < boxes {
+                let col = (b * WGMMA_BOX_COLUMNS) as i32;
+                let bar = smem.full(stage);
+                tensor_copy_3d(
+                    smem.k(stage) + b * BOX_BYTES,
+                    maps.k,
+                    col,
+                    kv_head as i32,
+                    row,
+                    bar,
+                );
+                tensor_copy_3d(
+                    smem.v(stage) + b * BOX_BYTES,
+                    maps.v,
+                    col,
+                    kv_head as i32,
+                    row,
+                    bar,
+                );
+                b += 1;
+            }
+        }
+        i += 1;
+    }
+}
+
+/// Zeroes rows `valid .. 64` of the V tile at `tile` (generic-proxy stores, then ordered before
+/// the warpgroup's products): one warpgroup, 16-byte stores.
+///
+/// # Safety
+/// The whole warpgroup `g` (threads `128 g ..`) calls it, after the tile landed and before its
+/// products read it; nobody else reads the tile meanwhile.
+#[inline(always)]
+unsafe fn zero_v_rows<const D: usize>(tile: u32, valid: u32, thread_in_group: u32, g: u32) {
+    let chunks_per_row = D as u32 / 8;
+    let chunks = (BLOCK_KV - valid) * chunks_per_row;
+    let mut c = thread_in_group;
+    while c < chunks {
+        let (row, chunk) = (valid + c / chunks_per_row, c % chunks_per_row);
+        let (b, within) = (chunk / 8, chunk % 8);
+        // SAFETY: row < 64, box < D / 64: inside the tile; whole 16-byte chunks of the row (the
+        // swizzle only permutes a row's chunks, so every chunk of the row is zeroed).
+        unsafe { st_shared_v4_u32(tile + b * BOX_BYTES + row * 128 + within * 16, [0; 4]) };
+        c += 128;
+    }
+    fence_proxy_async_shared();
+    // SAFETY: the warpgroup's 128 threads, barrier 1 + g is this warpgroup's alone.
+    unsafe {
+        if g == 0 {
+            sync_named::<1>(128)
+        } else {
+            sync_named::<2>(128)
+        }
+    };
+}
+
+/// Named barriers of the ping-pong: warpgroup `g` syncs on `PING_PONG_0 + g` before its turn
+/// at the tensor cores and arrives on the other's after issuing (ids 1 and 2 are
+/// [`zero_v_rows`]').
+const PING_PONG_0: u32 = 3;
+const PING_PONG_1: u32 = 4;
+
+/// Waits for warpgroup `g`'s turn.
+///
+/// # Safety
+/// The whole warpgroup `g`; the other warpgroup arrives once per sync ([`ping_pong_arrive`]).
+#[inline(always)]
+unsafe fn ping_pong_sync(g: u32) {
+    // SAFETY: forwarded: 128 threads sync, the other warpgroup's 128 arrive.
+    unsafe {
+        if g == 0 {
+            sync_named::<PING_PONG_0>(256)
+        } else {
+            sync_named::<PING_PONG_1>(256)
+        }
+    }
+}
+
+/// Gives the other warpgroup its turn.
+///
+/// # Safety
+/// As [`ping_pong_sync`].
+#[inline(always)]
+unsafe fn ping_pong_arrive(g: u32) {
+    // SAFETY: forwarded.
+    unsafe {
+        if g == 0 {
+            arrive_named::<PING_PONG_1>(256)
+        } else {
+            arrive_named::<PING_PONG_0>(256)
+        }
+    }
+}
+
+/// This warp is done with a stage: one arrival (lane 0's) on its empty barrier.
+///
+/// # Safety
+/// The whole warp; the stage's current phase of `empty` still expects this warp's arrival.
+#[inline(always)]
+unsafe fn release(empty: u32, lane: u32) {
+    // SAFETY: forwarded.
+    unsafe {
+        sync_warp();
+        if lane == 0 {
+            mbarrier_arrive(empty);
+        }
+    }
+}
+
+/// `O += P V` for this warpgroup: `P` the four 16-key `A` fragments of a block, V the block's
+/// tile at `v_tile` (issued, not waited for).
+///
+/// # Safety
+/// The whole warpgroup, after a [`fence`]; the tile landed and stays until the products are
+/// waited for.
+#[inline(always)]
+unsafe fn accumulate_pv<E: WgmmaElement, const D: usize>(
+    o: &mut [FragC; MAX_O_TILES],
+    p: &[FragA<E>; 4],
+    v_tile: u32,
+) {
+    // SAFETY: forwarded; the casts view the first `D / 8` accumulators (the ones in use).
+    unsafe {
+        if D == 128 {
+            let acc = &mut *(o as *mut [FragC; MAX_O_TILES]).cast::<[FragC; 16]>();
+            crate::unroll8!(kk in 0..4 => {
+                mma_64xn_rs::<E, 16>(acc, &p[kk], v_operand(v_tile, kk));
+            });
+        } else {
+            let acc = &mut *(o as *mut [FragC; MAX_O_TILES]).cast::<[FragC; 8]>();
+            crate::unroll8!(kk in 0..4 => {
+                mma_64xn_rs::<E, 8>(acc, &p[kk], v_operand(v_tile, kk));
+            });
+        }
+    }
+}
+
+/// The kernel body (see the module docs).
+///
+/// # Safety
+/// Launched with grid `(p.items, p.q_heads)`, [`WGMMA_PREFILL_THREADS`] threads and
+/// `wgmma_prefill_smem_bytes(D)` bytes of dynamic shared memory; `items` as for
+/// [`super::prefill_attention`] (tiles of [`TILE_Q_BLOCKS`] query blocks); `maps` the tensor
+/// maps of `q` (`(D, q_heads, query rows)`), `k` and `v` (`(D, kv_heads, tokens)`) with boxes
+/// `(64, 1, 64)` and the 128-byte swizzle; `out` holds the query rows (16-byte aligned).
+#[inline(always)]
+pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
+    p: &PrefillParams,
+    items: *const PrefillWorkItem,
+    head_map: *const u32,
+    maps: Maps,
+    out: *mut u16,
+) {
+    // SAFETY: the whole warp is here; warp-uniform from lane 0.
+    let warp = unsafe { shfl_idx_u32(warp_in_block(), 0) };
+    let lane = lane() % WARP_SIZE;
+    let head = block_idx_y();
+    let kv_head = head / p.group;
+    // SAFETY: `block_idx_x < items`, `kv_head < kv_heads` (grid, host checks).
+    let (item, entry) = unsafe {
+        (
+            items.add(block_idx_x() as usize).read(),
+            head_map.add(kv_head as usize).read(),
+        )
+    };
+    let window = if entry & HEAD_STREAMING != 0 {
+        Window {
+            sink: p.sink_tokens,
+            local: p.local_tokens,
+        }
+    } else {
+        Window::CAUSAL
+    };
+    let seq_len = item.seq_len;
+    let q_first = item.q_block * BLOCK_Q;
+    let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(TILE_Q_BLOCKS);
+    let span = TileSpan::new(window, item.q_block, tile_blocks);
+    let smem = Smem::<D>::new();
+
+    if warp == CONSUMER_WARPS && lane == 0 {
+        // SAFETY: this block's barrier words, unused until the barrier below.
+        unsafe {
+            mbarrier_init(smem.q_full(), 1);
+            let mut s = 0;
+            while s < STAGES {
+                mbarrier_init(smem.full(s), 1);
+                mbarrier_init(smem.empty(s), CONSUMER_WARPS);
+                s += 1;
+            }
+        }
+        fence_mbarrier_init();
+    }
+    // SAFETY: every thread of the block, once.
+    unsafe { sync_threads() };
+
+    if warp == CONSUMER_WARPS {
+        if lane == 0 {
+            // The tile's row 0 is position `q_first`, row `q_row + q_first - q_first_of_item`
+            // of `q` (negative for a chunk's tile that starts in the cached prefix: those rows
+            // land as zeros).
+            let q_row0 = item.q_row as i32 + q_first as i32 - item.q_first as i32;
+            // SAFETY: one thread; barriers initialized; the maps are the launch's.
+            unsafe {
+                produce::<D>(smem, maps, span, q_row0, head, item.seq_start, kv_head);
+            }
+        }
+        return;
+    }
+
+    // A consumer warp: warpgroup `g`, query block `g` of the tile, rows `16 w ..` of it.
+    let (g, w) = (warp / 4, warp % 4);
+    let my_q_block = item.q_block + g;
+    let visitor = span.visitor(window, my_q_block, g < tile_blocks);
+    let q_first_warp = q_first + g * BLOCK_Q + 16 * w;
+    let mut o = [FragC::default(); MAX_O_TILES];
+    let mut softmax = RowSoftmax::new(p.scale_log2);
+    // SAFETY: phase 0 of the query barrier counts the query tile.
+    unsafe { mbarrier_wait_parity(smem.q_full(), 0) };
+
+    // `P` of the last visited block, whose `P V` is issued with the next block's `S` (or after
+    // the walk), and the stage that block is in (released once that product is done).
+    let mut pending: Option<([FragA<E>; 4], u32)> = None;
+    // Ping-pong: warpgroup 1 lets warpgroup 0 issue first.
+    // SAFETY: warpgroup 1's 128 threads; warpgroup 0's 128 sync on the same barrier.
+    unsafe {
+        if g == 1 {
+            arrive_named::<PING_PONG_0>(256);
+        }
+    }
+    let mut i = 0;
+    while i < span.len() {
+        let stage = i % STAGES;
+        let kv_block = span.kv_block(i);
+        let visited = visitor.visits(&span, kv_block);
+        // SAFETY: block `i` is phase `i / STAGES` of its stage's full barrier.
+        unsafe { mbarrier_wait_parity(smem.full(stage), (i / STAGES) % 2) };
+        let mut s = [FragC::default(); S_TILES];
+        // Every accumulator defined before the products start (ptxas serializes products
+        // whose accumulators a plain instruction writes between them).
+        fence_operands(&mut s);
+        fence_operands(&mut o);
+        // This warpgroup's turn at the tensor cores: the previous block's `P V`, then this
+        // block's `S = Q Kᵀ`, one group; then the other warpgroup's turn while this one waits
+        // and runs its softmax.
+        // SAFETY: the whole warpgroup (`visited` and `pending` are uniform in it); the tiles
+        // the products read landed; the barriers pair one `sync` of one warpgroup with one
+        // `arrive` of the other per block of the walk (both walk every block).
+        unsafe {
+            ping_pong_sync(g);
+            fence();
+            if let Some((p_frags, p_stage)) = &pending {
+                accumulate_pv::<E, D>(&mut o, p_frags, smem.v(*p_stage));
+            }
+            if visited {
+                crate::unroll8!(kk in 0..k_steps(D) => {
+                    mma_64x64_ss::<E>(
+                        &mut s,
+                        k_major(smem.q(g), kk),
+                        k_major(smem.k(stage), kk),
+                        kk > 0,
+                    );
+                });
+            }
+            commit_group();
+            ping_pong_arrive(g);
+            wait_group::<0>();
+        }
+        fence_operands(&mut s);
+        fence_operands(&mut o);
+        if let Some((_, p_stage)) = pending.take() {
+            // SAFETY: the whole warp; its `P V` from that stage is done.
+            unsafe { release(smem.empty(p_stage), lane) };
+        }
+        if visited {
+            if window.needs_mask(my_q_block, kv_block, seq_len) {
+                mask::apply(
+                    &mut s,
+                    window,
+                    opaque_u32(q_first_warp),
+                    kv_block * BLOCK_KV,
+                    lane,
+                );
+            }
+            // SAFETY: the whole warp.
+            let corrections = unsafe { softmax.update::<true>(&mut s, &mut o, n_tiles(D)) };
+            let mut acc = [o];
+            // SAFETY: the whole warp.
+            unsafe { rescale_unless_settled(&mut acc, &[corrections], n_tiles(D)) };
+            o = acc[0];
+            let valid = seq_len - kv_block * BLOCK_KV;
+            if valid < BLOCK_KV {
+                // SAFETY: the whole warpgroup (uniform), the tile landed; only this warpgroup
+                // visits the sequence's last block.
+                unsafe { zero_v_rows::<D>(smem.v(stage), valid, 32 * w + lane, g) };
+            }
+            pending = Some((
+                core::array::from_fn(|kk| p_fragment::<E, 16>(&s[2 * kk], &s[2 * kk + 1])),
+                stage,
+            ));
+        } else {
+            // SAFETY: the whole warp; it did not read the stage.
+            unsafe { release(smem.empty(stage), lane) };
+        }
+        i += 1;
+    }
+    // SAFETY: warpgroup 0 takes warpgroup 1's last arrival (every arrival has its sync).
+    unsafe {
+        if g == 0 {
+            sync_named::<PING_PONG_0>(256);
+        }
+    }
+    if let Some((p_frags, p_stage)) = &pending {
+        // SAFETY: the whole warpgroup; the stage's V is still held.
+        unsafe {
+            fence();
+            accumulate_pv::<E, D>(&mut o, p_frags, smem.v(*p_stage));
+            commit_group();
+            wait_group::<0>();
+        }
+        fence_operands(&mut o);
+    }
+
+    // O / l for the rows that have queries.
+    let out_stride = opaque_u32(p.strides.out) as usize * D;
+    let row_offset = item.q_row.wrapping_sub(item.q_first);
+    let (group, quad) = (lane / 4, lane % 4);
+    // SAFETY: the whole warp.
+    let totals: [SoftmaxState; 2] = unsafe { softmax.totals() };
+    crate::unroll8!(half in 0..2 => {
+        let row = q_first_warp + group + 8 * half as u32;
+        if row >= item.q_first && row < seq_len {
+            let out_row = row.wrapping_add(row_offset) as usize;
+            let inv = 1.0 / totals[half].l;
+            let base = out_row * out_stride + head as usize * D;
+            crate::unroll16!(n in 0..n_tiles(D) => {
+                let c = &o[n].regs[2 * half..2 * half + 2];
+                let pair = E::pack2(c[0] * inv, c[1] * inv);
+                // SAFETY: position `row` has an output row; dims `8 n + 2 quad, +1 < D`.
+                unsafe {
+                    crate::global::store_u32(out.add(base + 8 * n + 2 * quad as usize).cast::<u32>(), pair)
+                };
+            });
+        }
+    });
+}
