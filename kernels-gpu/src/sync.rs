@@ -38,19 +38,6 @@ pub unsafe fn sync_named<const ID: u32>(threads: u32) {
     unsafe { asm!("barrier.sync {0}, {1};", const ID, in(reg32) threads, options(nostack)) };
 }
 
-/// Arrives at barrier `id` of `threads` threads without waiting (`barrier.arrive id,
-/// threads`): the other side of a [`sync_named`] of fewer threads (a producer / consumer
-/// hand-off between warp groups).
-///
-/// # Safety
-/// As [`sync_named`]: the arrivals and syncs of one use add up to `threads`.
-#[inline(always)]
-pub unsafe fn arrive_named<const ID: u32>(threads: u32) {
-    const { assert!(ID >= 1 && ID < 16) };
-    // SAFETY: forwarded. Not `nomem`: earlier memory accesses stay before the arrival.
-    unsafe { asm!("barrier.arrive {0}, {1};", const ID, in(reg32) threads, options(nostack)) };
-}
-
 /// Warp-wide barrier (`bar.warp.sync 0xffffffff`): reconverges the warp and orders memory
 /// between its lanes.
 ///

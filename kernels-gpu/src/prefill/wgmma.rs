@@ -43,7 +43,7 @@ use crate::bulk_copy::{
 use crate::math::opaque_u32;
 use crate::mma::{FragA, FragC};
 use crate::smem::{dynamic_smem, shared_addr, st_shared_v4_u32};
-use crate::sync::{arrive_named, sync_named, sync_threads, sync_warp};
+use crate::sync::{sync_named, sync_threads, sync_warp};
 use crate::thread::{block_idx_x, block_idx_y, lane, warp_in_block, WARP_SIZE};
 use crate::tile::fragments::{k_steps, n_tiles, p_fragment};
 use crate::tile::SoftmaxState;
@@ -275,44 +275,6 @@ unsafe fn zero_v_rows<const D: usize>(tile: u32, valid: u32, thread_in_group: u3
     };
 }
 
-/// Named barriers of the ping-pong: warpgroup `g` syncs on `PING_PONG_0 + g` before its turn
-/// at the tensor cores and arrives on the other's after issuing (ids 1 and 2 are
-/// [`zero_v_rows`]').
-const PING_PONG_0: u32 = 3;
-const PING_PONG_1: u32 = 4;
-
-/// Waits for warpgroup `g`'s turn.
-///
-/// # Safety
-/// The whole warpgroup `g`; the other warpgroup arrives once per sync ([`ping_pong_arrive`]).
-#[inline(always)]
-unsafe fn ping_pong_sync(g: u32) {
-    // SAFETY: forwarded: 128 threads sync, the other warpgroup's 128 arrive.
-    unsafe {
-        if g == 0 {
-            sync_named::<PING_PONG_0>(256)
-        } else {
-            sync_named::<PING_PONG_1>(256)
-        }
-    }
-}
-
-/// Gives the other warpgroup its turn.
-///
-/// # Safety
-/// As [`ping_pong_sync`].
-#[inline(always)]
-unsafe fn ping_pong_arrive(g: u32) {
-    // SAFETY: forwarded.
-    unsafe {
-        if g == 0 {
-            arrive_named::<PING_PONG_1>(256)
-        } else {
-            arrive_named::<PING_PONG_0>(256)
-        }
-    }
-}
-
 /// This warp is done with a stage: one arrival (lane 0's) on its empty barrier.
 ///
 /// # Safety
@@ -438,41 +400,20 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
     // SAFETY: phase 0 of the query barrier counts the query tile.
     unsafe { mbarrier_wait_parity(smem.q_full(), 0) };
 
-    // `P` of the last visited block, whose `P V` is issued with the next block's `S` (or after
-    // the walk), and the stage that block is in (released once that product is done).
-    let mut pending: Option<([FragA<E>; 4], u32)> = None;
-    // Ping-pong: warpgroup 1 lets warpgroup 0 issue first.
-    // SAFETY: warpgroup 1's 128 threads; warpgroup 0's 128 sync on the same barrier.
-    unsafe {
-        if g == 1 {
-            arrive_named::<PING_PONG_0>(256);
-        }
-    }
     let mut i = 0;
     while i < span.len() {
         let stage = i % STAGES;
         let kv_block = span.kv_block(i);
-        let visited = visitor.visits(&span, kv_block);
         // SAFETY: block `i` is phase `i / STAGES` of its stage's full barrier.
         unsafe { mbarrier_wait_parity(smem.full(stage), (i / STAGES) % 2) };
-        let mut s = [FragC::default(); S_TILES];
-        // Every accumulator defined before the products start (ptxas serializes products
-        // whose accumulators a plain instruction writes between them).
-        fence_operands(&mut s);
-        fence_operands(&mut o);
-        // This warpgroup's turn at the tensor cores: the previous block's `P V`, then this
-        // block's `S = Q Kᵀ`, one group; then the other warpgroup's turn while this one waits
-        // and runs its softmax.
-        // SAFETY: the whole warpgroup (`visited` and `pending` are uniform in it); the tiles
-        // the products read landed; the barriers pair one `sync` of one warpgroup with one
-        // `arrive` of the other per block of the walk (both walk every block).
-        unsafe {
-            ping_pong_sync(g);
-            fence();
-            if let Some((p_frags, p_stage)) = &pending {
-                accumulate_pv::<E, D>(&mut o, p_frags, smem.v(*p_stage));
-            }
-            if visited {
+        if visitor.visits(&span, kv_block) {
+            let mut s = [FragC::default(); S_TILES];
+            // Every accumulator defined before the products start (ptxas serializes products
+            // whose accumulators a plain instruction writes between them).
+            fence_operands(&mut s);
+            // SAFETY: the whole warpgroup (the visit is uniform in it); the tiles landed.
+            unsafe {
+                fence();
                 crate::unroll8!(kk in 0..k_steps(D) => {
                     mma_64x64_ss::<E>(
                         &mut s,
@@ -481,18 +422,10 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
                         kk > 0,
                     );
                 });
+                commit_group();
+                wait_group::<0>();
             }
-            commit_group();
-            ping_pong_arrive(g);
-            wait_group::<0>();
-        }
-        fence_operands(&mut s);
-        fence_operands(&mut o);
-        if let Some((_, p_stage)) = pending.take() {
-            // SAFETY: the whole warp; its `P V` from that stage is done.
-            unsafe { release(smem.empty(p_stage), lane) };
-        }
-        if visited {
+            fence_operands(&mut s);
             if window.needs_mask(my_q_block, kv_block, seq_len) {
                 mask::apply(
                     &mut s,
@@ -514,31 +447,24 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
                 // visits the sequence's last block.
                 unsafe { zero_v_rows::<D>(smem.v(stage), valid, 32 * w + lane, g) };
             }
-            pending = Some((
-                core::array::from_fn(|kk| p_fragment::<E, 16>(&s[2 * kk], &s[2 * kk + 1])),
-                stage,
-            ));
-        } else {
-            // SAFETY: the whole warp; it did not read the stage.
-            unsafe { release(smem.empty(stage), lane) };
+            // `P` as `A` fragments, all four packed before the products (a register written
+            // between two products would make ptxas fence them apart).
+            let p_frags: [FragA<E>; 4] =
+                core::array::from_fn(|kk| p_fragment::<E, 16>(&s[2 * kk], &s[2 * kk + 1]));
+            fence_operands(&mut o);
+            // SAFETY: the whole warpgroup; V landed (and its tail rows are zero).
+            unsafe {
+                fence();
+                accumulate_pv::<E, D>(&mut o, &p_frags, smem.v(stage));
+                commit_group();
+                wait_group::<0>();
+            }
+            fence_operands(&mut o);
         }
+        // SAFETY: the whole warp; it waited for this block's full phase, so it is not a phase
+        // ahead, and its products that read the stage are done.
+        unsafe { release(smem.empty(stage), lane) };
         i += 1;
-    }
-    // SAFETY: warpgroup 0 takes warpgroup 1's last arrival (every arrival has its sync).
-    unsafe {
-        if g == 0 {
-            sync_named::<PING_PONG_0>(256);
-        }
-    }
-    if let Some((p_frags, p_stage)) = &pending {
-        // SAFETY: the whole warpgroup; the stage's V is still held.
-        unsafe {
-            fence();
-            accumulate_pv::<E, D>(&mut o, p_frags, smem.v(*p_stage));
-            commit_group();
-            wait_group::<0>();
-        }
-        fence_operands(&mut o);
     }
 
     // O / l for the rows that have queries.
