@@ -75,6 +75,12 @@ pub struct PrefillArgs<'a> {
 }
 
 /// A prefill batch's schedule on the device (see the module docs).
+///
+/// On compute capability 9.0 (the sm_90a module) a plan without caller masks and without the
+/// log-sum-exp runs the `wgmma` kernel, which reads `q`, `k`, `v` through tensor maps that the
+/// plan keeps in a device buffer of its own and rewrites on the run's stream when a run's
+/// tensors or stream differ from the last run's: runs of one plan go to one stream at a time
+/// (or to streams the caller orders).
 pub struct PrefillPlan {
     params: PrefillParams,
     /// The kernel the schedule was built for.
@@ -95,10 +101,12 @@ pub struct PrefillPlan {
 }
 
 /// The tensor maps of the `wgmma` kernel (`lserve_abi::prefill::WgmmaPrefillArgs::maps`) in
-/// device memory, and the tensors they were encoded for (addresses and token strides).
+/// device memory, and the tensors they were encoded for (addresses and token strides) and the
+/// stream that wrote them. The buffer is the plan's: runs of one such plan on two streams at once
+/// would race on it (runs on one stream, or on streams ordered by the caller, are fine).
 struct TensorMaps {
     buffer: CudaSlice<u8>,
-    encoded_for: Option<[u64; 5]>,
+    encoded_for: Option<[u64; 6]>,
 }
 
 fn to_u32(what: &'static str, x: usize) -> Result<u32> {
@@ -584,14 +592,15 @@ impl PrefillPlan {
     ) -> Result<()> {
         let d = self.head_dim;
         let stream = gpu.stream();
-        let maps = self
-            .maps
-            .as_ref()
-            .expect("a wgmma plan has its tensor maps");
+        let Some(maps) = self.maps.as_ref() else {
+            return Err(invalid("plan", "a wgmma plan without its tensor maps"));
+        };
         let mut maps = maps.lock().unwrap_or_else(|e| e.into_inner());
         let addr = |t: &Tokens<'_, E>| t.view().device_ptr(stream).0;
         let (qa, ka, va) = (addr(q), addr(k), addr(v));
-        let key = [qa, ka, va, p.strides.q as u64, p.strides.kv as u64];
+        // The stream too: maps written on another stream are written again on this one.
+        let on = std::sync::Arc::as_ptr(stream) as u64;
+        let key = [qa, ka, va, p.strides.q as u64, p.strides.kv as u64, on];
         if maps.encoded_for != Some(key) {
             let (hq, hkv) = (p.q_heads as usize, p.kv_heads as usize);
             let mut bytes = Vec::with_capacity(3 * PREFILL_TENSOR_MAP_BYTES);
