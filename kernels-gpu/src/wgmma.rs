@@ -43,13 +43,6 @@ impl SmemDesc {
         let field = |bytes: u32| ((bytes >> 4) & 0x3FFF) as u64;
         Self(field(addr) | field(lbo) << 16 | field(sbo) << 32 | 1u64 << 62)
     }
-
-    /// The same operand `bytes` further on (a multiple of 16): the start address moves, the
-    /// offsets and the swizzle stay.
-    #[inline(always)]
-    pub fn advance(self, bytes: u32) -> Self {
-        Self(self.0 + (bytes >> 4) as u64)
-    }
 }
 
 /// `wgmma.fence`: the registers and shared memory the next products read are ordered after
