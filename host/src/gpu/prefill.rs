@@ -544,20 +544,7 @@ impl PrefillPlan {
             shared_mem_bytes: smem,
         };
         let mut launch = Launch::new(gpu, &f);
-        let args = KernelArgs {
-            params: *p,
-            items: launch.read(&self.items).cast(),
-            head_map: launch.read(&self.head_map),
-            mask: launch.read(&self.mask),
-            q: launch.read(q.view()).cast(),
-            k: launch.read(k.view()).cast(),
-            v: launch.read(v.view()).cast(),
-            out: launch.write(out.view_mut()).cast(),
-            lse: match lse {
-                Some(lse) => launch.write(lse),
-                None => GlobalPtrMut::NULL,
-            },
-        };
+        let args = self.kernel_args(&mut launch, p, q, k, v, out, lse);
         // SAFETY: `args` is the argument struct of
         // `prefill_{,lse_,masked_}attention_{bf16,f16}_d{64,128}`, of the buffers registered above. The plan was validated: every work item's sequence lies
         // inside `T` tokens, which the tensors hold at their strides (`check_tensors`: views
@@ -577,6 +564,35 @@ impl PrefillPlan {
 }
 
 impl PrefillPlan {
+    /// The kernels' argument struct for `p` and these tensors (`lse`: where to write the
+    /// log-sum-exp, if anywhere), the buffers registered with `launch`.
+    #[allow(clippy::too_many_arguments)]
+    fn kernel_args<'a, E: DeviceElement>(
+        &'a self,
+        launch: &mut Launch<'a>,
+        p: &PrefillParams,
+        q: &'a Tokens<'_, E>,
+        k: &'a Tokens<'_, E>,
+        v: &'a Tokens<'_, E>,
+        out: &'a mut TokensMut<'_, E>,
+        lse: Option<&'a mut CudaSlice<f32>>,
+    ) -> KernelArgs {
+        KernelArgs {
+            params: *p,
+            items: launch.read(&self.items).cast(),
+            head_map: launch.read(&self.head_map),
+            mask: launch.read(&self.mask),
+            q: launch.read(q.view()).cast(),
+            k: launch.read(k.view()).cast(),
+            v: launch.read(v.view()).cast(),
+            out: launch.write(out.view_mut()).cast(),
+            lse: match lse {
+                Some(lse) => launch.write(lse),
+                None => GlobalPtrMut::NULL,
+            },
+        }
+    }
+
     /// [`launch`](Self::launch) of the `wgmma` kernel: the tensor maps of `q`, `k`, `v` are
     /// encoded and copied to the plan's buffer (stream-ordered) unless they describe these
     /// tensors already.
@@ -632,17 +648,7 @@ impl PrefillPlan {
         };
         let mut launch = Launch::new(gpu, &f);
         let args = WgmmaPrefillArgs {
-            base: KernelArgs {
-                params: *p,
-                items: launch.read(&self.items).cast(),
-                head_map: launch.read(&self.head_map),
-                mask: launch.read(&self.mask),
-                q: launch.read(q.view()).cast(),
-                k: launch.read(k.view()).cast(),
-                v: launch.read(v.view()).cast(),
-                out: launch.write(out.view_mut()).cast(),
-                lse: GlobalPtrMut::NULL,
-            },
+            base: self.kernel_args(&mut launch, p, q, k, v, out, None),
             maps: launch.read(&maps.buffer),
         };
         // SAFETY: `args` is the argument struct of `prefill_wgmma_attention_{bf16,f16}_d{64,128}`

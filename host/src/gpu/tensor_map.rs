@@ -89,7 +89,7 @@ fn encode_boxes(
     };
     if status != cudaError_enum::CUDA_SUCCESS {
         return Err(LserveError::InvalidArgument {
-            what: "KV buffer",
+            what: "tensor",
             reason: format!(
                 "the driver cannot describe it as a tensor map ({status:?}; dims {dims:?})"
             ),

@@ -43,6 +43,17 @@ impl Window {
         local: u32::MAX,
     };
 
+    /// The pattern of a KV head whose head-map entry is `entry`: Λ with the launch's `sink` /
+    /// `local` tokens for a streaming head (bit `HEAD_STREAMING`), causal otherwise.
+    #[inline(always)]
+    pub fn of_head(entry: u32, sink: u32, local: u32) -> Self {
+        if entry & lserve_abi::decode::HEAD_STREAMING != 0 {
+            Self { sink, local }
+        } else {
+            Self::CAUSAL
+        }
+    }
+
     /// Whether query position `t` sees key position `j`.
     #[inline(always)]
     pub fn visible(&self, t: u32, j: u32) -> bool {

@@ -41,7 +41,6 @@ pub mod tiles;
 #[cfg(target_feature = "sm_90a")]
 pub mod wgmma;
 
-use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
     PrefillArgs, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS,
     PREFILL_STAGES, PREFILL_THREADS, TILE_Q_BLOCKS,
@@ -217,14 +216,7 @@ unsafe fn prefill_attention<
             head_map.add(kv_head as usize).read(),
         )
     };
-    let window = if entry & HEAD_STREAMING != 0 {
-        Window {
-            sink: p.sink_tokens,
-            local: p.local_tokens,
-        }
-    } else {
-        Window::CAUSAL
-    };
+    let window = Window::of_head(entry, p.sink_tokens, p.local_tokens);
     let (seq_start, seq_len) = (item.seq_start as usize, item.seq_len);
     // The tile's first position (`item.q_first`, the sequence's first query, may lie after it).
     let q_first = item.q_block * BLOCK_Q;

@@ -26,7 +26,6 @@
 //! last query block's warpgroup visits) are zeroed in shared memory before its `P V`, since
 //! the copy brings whatever follows the sequence (`0 · inf` would be NaN).
 
-use lserve_abi::decode::HEAD_STREAMING;
 use lserve_abi::prefill::{
     wgmma_prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, TILE_Q,
     TILE_Q_BLOCKS, WGMMA_BOX_COLUMNS, WGMMA_PREFILL_STAGES as STAGES, WGMMA_PREFILL_THREADS,
@@ -346,14 +345,7 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
             head_map.add(kv_head as usize).read(),
         )
     };
-    let window = if entry & HEAD_STREAMING != 0 {
-        Window {
-            sink: p.sink_tokens,
-            local: p.local_tokens,
-        }
-    } else {
-        Window::CAUSAL
-    };
+    let window = Window::of_head(entry, p.sink_tokens, p.local_tokens);
     let seq_len = item.seq_len;
     let q_first = item.q_block * BLOCK_Q;
     let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(TILE_Q_BLOCKS);
