@@ -20,7 +20,7 @@ use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kernel_build::{build_modules, toolchain_channel, PtxModule};
+use kernel_build::{build_modules, toolchain_channel, with_launch_bounds, PtxModule};
 
 fn main() {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -77,13 +77,16 @@ fn copy_modules(
     for m in modules {
         let from = dir.join(m.file_name());
         println!("cargo:rerun-if-changed={}", from.display());
-        fs::copy(&from, out_dir.join(m.file_name())).map_err(|e| {
+        let text = fs::read_to_string(&from).map_err(|e| {
             format!(
                 "{what}: no {} ({e}); the test kernels are not shipped: build them from the \
                  kernel sources (LSERVE_KERNELS_SRC)",
                 from.display()
             )
         })?;
+        let to = out_dir.join(m.file_name());
+        fs::write(&to, with_launch_bounds(&text))
+            .map_err(|e| format!("writing {}: {e}", to.display()))?;
     }
     Ok(())
 }

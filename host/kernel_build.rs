@@ -17,6 +17,41 @@ pub const ARCHES: [&str; 3] = ["sm_80", "sm_90", "sm_90a"];
 /// The architecture the test-kernel module is built for (the tests run on Hopper).
 pub const TEST_ARCH: &str = "sm_90";
 
+/// Kernels whose PTX states their block size (`.maxntid`, what CUDA C's `__launch_bounds__`
+/// emits; rustc's NVPTX back end has no attribute for it): entry-name prefix, threads per block.
+/// Without it the driver's compiler may give a kernel more registers than its block can hold
+/// (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES` at launch).
+pub const LAUNCH_BOUNDS: [(&str, u32); 1] = [(
+    "prefill_wgmma_attention_",
+    lserve_abi::prefill::WGMMA_PREFILL_THREADS,
+)];
+
+/// `ptx` with a `.maxntid` directive on every entry that [`LAUNCH_BOUNDS`] names (between its
+/// parameter list and its body); the rest unchanged. An entry that states one already keeps it.
+pub fn with_launch_bounds(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len() + 64 * LAUNCH_BOUNDS.len());
+    let mut pending = None;
+    for line in ptx.split_inclusive('\n') {
+        if let Some((_, rest)) = line.split_once(".entry ") {
+            let name = rest.split('(').next().unwrap_or("").trim();
+            pending = LAUNCH_BOUNDS
+                .iter()
+                .find(|(prefix, _)| name.starts_with(prefix))
+                .map(|&(_, threads)| threads);
+        }
+        if line.trim_start().starts_with(".maxntid") {
+            pending = None; // already stated
+        }
+        if line.trim() == "{" {
+            if let Some(threads) = pending.take() {
+                out.push_str(&format!(".maxntid {threads}, 1, 1\n"));
+            }
+        }
+        out.push_str(line);
+    }
+    out
+}
+
 /// One PTX module lserve embeds: the library's kernels for an architecture, or the test kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PtxModule {
@@ -138,7 +173,10 @@ pub fn build_modules(
         }
         let ptx = built_ptx(&target_dir);
         let to = out_dir.join(m.file_name());
-        fs::copy(&ptx, &to).map_err(|e| format!("copying {}: {e}", ptx.display()))?;
+        let text =
+            fs::read_to_string(&ptx).map_err(|e| format!("reading {}: {e}", ptx.display()))?;
+        fs::write(&to, with_launch_bounds(&text))
+            .map_err(|e| format!("writing {}: {e}", to.display()))?;
     }
     if failed.is_empty() {
         Ok(())

@@ -137,20 +137,25 @@ pub struct PrefillArgs {
 
 /// Threads per block of the Hopper prefill kernels (`prefill_wgmma_attention_*`, sm_90): two
 /// consumer warpgroups of 64 query rows each (warps 0-7: `wgmma` products, softmax, output) and
-/// one producer warp (warp 8: the tensor-map copies of Q, K and V).
-pub const WGMMA_PREFILL_THREADS: u32 = 288;
-/// K/V stages in the Hopper prefill kernels' ring (each a K and a V tile of [`BLOCK_KV`] rows).
-pub const WGMMA_PREFILL_STAGES: u32 = 4;
+/// a producer warpgroup (warps 8-11, which give their registers to the consumers; one thread of
+/// warp 8 issues the tensor-map copies of Q, K and V).
+pub const WGMMA_PREFILL_THREADS: u32 = 384;
+/// KV blocks per step of the Hopper prefill kernels: `S = Q Kᵀ` of a step spans two blocks of
+/// the walk ([`BLOCK_KV`] keys each, not necessarily adjacent), 128 keys.
+pub const WGMMA_STEP_BLOCKS: u32 = 2;
+/// Steps in the Hopper prefill kernels' ring (each stage a K and a V tile of
+/// [`WGMMA_STEP_BLOCKS`] blocks).
+pub const WGMMA_PREFILL_STAGES: u32 = 2;
 /// Columns of one tensor-map box of the Hopper prefill kernels (128 bytes: the swizzle's
 /// width); a tile of `D` columns is `D / 64` boxes of 64 rows.
 pub const WGMMA_BOX_COLUMNS: u32 = 64;
 
 /// Shared memory of the Hopper prefill kernel for head dimension `head_dim`, in bytes: 1024
 /// bytes of slack to align the tiles to the swizzle's 1024-byte atoms, the query tile
-/// ([`TILE_Q`] rows), [`WGMMA_PREFILL_STAGES`] K and V tiles, then the `mbarrier`s (one for the
-/// query tile, a full and an empty one per stage, 8 bytes each).
+/// ([`TILE_Q`] rows), [`WGMMA_PREFILL_STAGES`] K and V tiles of a step, then the `mbarrier`s
+/// (one for the query tile, a full and an empty one per stage, 8 bytes each).
 pub const fn wgmma_prefill_smem_bytes(head_dim: u32) -> u32 {
-    1024 + (TILE_Q + 2 * WGMMA_PREFILL_STAGES * BLOCK_KV) * head_dim * 2
+    1024 + (TILE_Q + 2 * WGMMA_PREFILL_STAGES * WGMMA_STEP_BLOCKS * BLOCK_KV) * head_dim * 2
         + 8 * (1 + 2 * WGMMA_PREFILL_STAGES)
 }
 

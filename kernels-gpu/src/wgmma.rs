@@ -78,6 +78,32 @@ pub unsafe fn wait_group<const N: u32>() {
     unsafe { asm!("wgmma.wait_group.sync.aligned {0};", const N, options(nostack)) };
 }
 
+/// `setmaxnreg.inc`: this warpgroup's registers per thread rise to `N` (blocking until another
+/// warpgroup of the block has released enough, [`release_registers`]).
+///
+/// # Safety
+/// The whole warpgroup executes it, once, with `N` a multiple of 8 in `24 ..= 256` and at least
+/// its current count; the block's warpgroups together never ask for more than it was launched
+/// with.
+#[inline(always)]
+pub unsafe fn claim_registers<const N: u32>() {
+    // SAFETY: forwarded.
+    unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {0};", const N, options(nostack, nomem)) };
+}
+
+/// `setmaxnreg.dec`: this warpgroup's registers per thread fall to `N`, the rest go back to the
+/// block's pool for [`claim_registers`].
+///
+/// # Safety
+/// The whole warpgroup executes it, once, with `N` a multiple of 8 in `24 ..= 256`, at most its
+/// current count, and at least what its remaining code needs (ptxas allocates the code after
+/// it within `N`).
+#[inline(always)]
+pub unsafe fn release_registers<const N: u32>() {
+    // SAFETY: forwarded.
+    unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {0};", const N, options(nostack, nomem)) };
+}
+
 /// Pins the accumulator registers `acc` here: an empty `asm` that reads and writes each, in
 /// program order with the `wgmma` instructions (all are volatile `asm`), so that no computation
 /// on them moves across a [`wait_group`] or into a batch of products.
@@ -93,11 +119,11 @@ pub fn fence_operands<const N: usize>(acc: &mut [FragC; N]) {
 
 /// Element types of the `wgmma` products here.
 pub trait WgmmaElement: MmaElement {
-    /// `acc (64x64) = A * B (+ acc if accumulate)`, both from shared memory, both K-major.
+    /// `acc (64x128) = A * B (+ acc if accumulate)`, both from shared memory, both K-major.
     ///
     /// # Safety
-    /// As [`mma_64x64_ss`].
-    unsafe fn mma_64x64_ss(acc: &mut [FragC; 8], a: SmemDesc, b: SmemDesc, accumulate: bool);
+    /// As [`mma_64x128_ss`].
+    unsafe fn mma_64x128_ss(acc: &mut [FragC; 16], a: SmemDesc, b: SmemDesc, accumulate: bool);
 
     /// `acc (64x64) += A * B`, `A` from registers, `B` from shared memory, MN-major.
     ///
@@ -152,8 +178,8 @@ macro_rules! impl_wgmma {
     ($ty:ty, $name:literal) => {
         impl WgmmaElement for $ty {
             #[inline(always)]
-            unsafe fn mma_64x64_ss(
-                acc: &mut [FragC; 8],
+            unsafe fn mma_64x128_ss(
+                acc: &mut [FragC; 16],
                 a: SmemDesc,
                 b: SmemDesc,
                 accumulate: bool,
@@ -162,11 +188,11 @@ macro_rules! impl_wgmma {
                 unsafe {
                     with_acc!(
                         concat!(
-                            "{{\n.reg .pred p;\nsetp.ne.b32 p, {34}, 0;\n",
-                            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $name, ".", $name,
-                            " {{", acc32!(), "}}, {32}, {33}, p, 1, 1, 0, 0;\n}}"
+                            "{{\n.reg .pred p;\nsetp.ne.b32 p, {66}, 0;\n",
+                            "wgmma.mma_async.sync.aligned.m64n128k16.f32.", $name, ".", $name,
+                            " {{", acc64!(), "}}, {64}, {65}, p, 1, 1, 0, 0;\n}}"
                         ),
-                        acc[0 1 2 3 4 5 6 7],
+                        acc[0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
                         in(reg64) a.0, in(reg64) b.0, in(reg32) accumulate as u32,
                         options(nostack),
                     )
@@ -215,8 +241,8 @@ macro_rules! impl_wgmma {
 impl_wgmma!(Bf16, "bf16");
 impl_wgmma!(F16, "f16");
 
-/// `acc = A * B` (or `+= ` with `accumulate`) for this warpgroup's 64 rows and 64 columns over
-/// 16 of K: `A` (64x16) and `B` (64 rows of N by 16 of K) both K-major in shared memory.
+/// `acc = A * B` (or `+= ` with `accumulate`) for this warpgroup's 64 rows and 128 columns over
+/// 16 of K: `A` (64x16) and `B` (128 rows of N by 16 of K) both K-major in shared memory.
 ///
 /// # Safety
 /// The whole warpgroup executes it, after a [`fence`] that follows every access of `acc` and
@@ -224,14 +250,14 @@ impl_wgmma!(F16, "f16");
 /// aligned swizzled tiles inside the block's shared memory, which nobody writes until a
 /// [`wait_group`] covers this product; `acc` is read only after that wait.
 #[inline(always)]
-pub unsafe fn mma_64x64_ss<E: WgmmaElement>(
-    acc: &mut [FragC; 8],
+pub unsafe fn mma_64x128_ss<E: WgmmaElement>(
+    acc: &mut [FragC; 16],
     a: SmemDesc,
     b: SmemDesc,
     accumulate: bool,
 ) {
     // SAFETY: forwarded.
-    unsafe { E::mma_64x64_ss(acc, a, b, accumulate) }
+    unsafe { E::mma_64x128_ss(acc, a, b, accumulate) }
 }
 
 /// `acc += A * B` for this warpgroup's 64 rows and `8 * T` columns (`T` 8 or 16) over 16 of K:
@@ -239,7 +265,7 @@ pub unsafe fn mma_64x64_ss<E: WgmmaElement>(
 /// by N) MN-major in shared memory.
 ///
 /// # Safety
-/// As [`mma_64x64_ss`].
+/// As [`mma_64x128_ss`].
 #[inline(always)]
 pub unsafe fn mma_64xn_rs<E: WgmmaElement, const T: usize>(
     acc: &mut [FragC; T],

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::baseline;
-use crate::kernel_build::{built_ptx, kernel_build_command, toolchain_channel};
+use crate::kernel_build::{built_ptx, kernel_build_command, toolchain_channel, with_launch_bounds};
 
 /// The most parameters a production kernel entry point may take: each takes its one argument
 /// struct from `lserve-abi` (issue "One shape inside": no positional pointer lists).
@@ -203,12 +203,14 @@ fn build_ptx(kernel_dir: &Path, channel: &str, arch: &str) -> Result<PathBuf, St
              `rustup toolchain install` in kernels-gpu/ installs it with its components)"
         ));
     }
-    let ptx = built_ptx(&target_dir);
-    if ptx.is_file() {
-        Ok(ptx)
-    } else {
-        Err(format!("no PTX at {}", ptx.display()))
-    }
+    let built = built_ptx(&target_dir);
+    let text =
+        fs::read_to_string(&built).map_err(|e| format!("no PTX at {}: {e}", built.display()))?;
+    // The PTX as the library embeds it (the launch bounds added, `kernel_build.rs`).
+    let ptx = built.with_extension("bounded.ptx");
+    fs::write(&ptx, with_launch_bounds(&text))
+        .map_err(|e| format!("writing {}: {e}", ptx.display()))?;
+    Ok(ptx)
 }
 
 /// `ptxas`: `$PTXAS`, else on `PATH`, else in Python's `nvidia` packages (PyPI

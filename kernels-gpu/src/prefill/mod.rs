@@ -352,18 +352,20 @@ unsafe fn prefill_attention<
             if M::LATENCY_TUNED_SOFTMAX {
                 let mut corrections = [[1.0f32; 2]; ROW_TILES];
                 crate::unroll8!(m in 0..ROW_TILES => {
+                    let block = core::array::from_mut(&mut s[m]);
                     // SAFETY: the whole warp.
                     corrections[m] = unsafe {
-                        softmax[m].update::<true>(&mut s[m], &mut o[m], n_tiles(D))
+                        softmax[m].update::<true, 1>(block, &mut o[m], n_tiles(D))
                     };
                 });
                 // SAFETY: the whole warp.
                 unsafe { rescale_unless_settled(&mut o, &corrections, n_tiles(D)) };
             } else {
                 crate::unroll8!(m in 0..ROW_TILES => {
+                    let block = core::array::from_mut(&mut s[m]);
                     // SAFETY: the whole warp.
                     unsafe {
-                        softmax[m].update::<false>(&mut s[m], &mut o[m], n_tiles(D))
+                        softmax[m].update::<false, 1>(block, &mut o[m], n_tiles(D))
                     };
                 });
             }

@@ -38,8 +38,10 @@ impl RowSoftmax {
         }
     }
 
-    /// Folds one block of scores in: updates the row maxima and the denominators and turns `s`
-    /// into the probabilities `p = 2^(s · scale_log2 − m)` (masked scores, `-inf`, become 0).
+    /// Folds one step of scores in (`H` KV blocks of [`S_TILES`] accumulators each, one for the
+    /// `mma.sync` kernels, two for the Hopper kernel's 128-key steps): updates the row maxima and
+    /// the denominators and turns `s` into the probabilities `p = 2^(s · scale_log2 − m)`
+    /// (masked scores, `-inf`, become 0).
     ///
     /// Without `LATENCY_TUNED` it also rescales `o` (its first `o_tiles` accumulators) by the
     /// rows' corrections `2^((m_old − m_new) · scale_log2)` and returns `[1.0; 2]`: the form the
@@ -48,7 +50,7 @@ impl RowSoftmax {
     /// maximum did not move) and leaves `o` to the caller, and the dependent chains between the
     /// two products of a block, which two warps per scheduler cannot hide, are shorter:
     /// - a row's block maximum and probability sum are pairwise trees (4 levels over a lane's
-    ///   16 values) instead of running chains of 16 (the maximum is the same; the sum rounds
+    ///   `16 H` values) instead of running chains (the maximum is the same; the sum rounds
     ///   differently, as any order does);
     /// - `o` is left alone: the caller rescales all its row tiles at once, and not at all when
     ///   no maximum of the warp moved ([`rescale_unless_settled`]).
@@ -56,25 +58,29 @@ impl RowSoftmax {
     /// # Safety
     /// The whole warp calls it (quad shuffles).
     #[inline(always)]
-    pub unsafe fn update<const LATENCY_TUNED: bool>(
+    pub unsafe fn update<const LATENCY_TUNED: bool, const H: usize>(
         &mut self,
-        s: &mut [FragC; S_TILES],
+        s: &mut [[FragC; S_TILES]; H],
         o: &mut [FragC; MAX_O_TILES],
         o_tiles: usize,
     ) -> [f32; 2] {
         let mut corrections = [1.0f32; 2];
         unroll8!(r in 0..2 => {
             let block_max = if LATENCY_TUNED {
-                let mut v = [f32::NEG_INFINITY; 2 * S_TILES];
-                unroll8!(n in 0..S_TILES => {
-                    v[2 * n] = s[n].regs[2 * r];
-                    v[2 * n + 1] = s[n].regs[2 * r + 1];
+                let mut v = [[f32::NEG_INFINITY; 2 * S_TILES]; H];
+                unroll8!(h in 0..H => {
+                    unroll8!(n in 0..S_TILES => {
+                        v[h][2 * n] = s[h][n].regs[2 * r];
+                        v[h][2 * n + 1] = s[h][n].regs[2 * r + 1];
+                    });
                 });
-                tree16(v, f32::max)
+                tree(v, f32::max)
             } else {
                 let mut block_max = f32::NEG_INFINITY;
-                unroll8!(n in 0..S_TILES => {
-                    block_max = block_max.max(s[n].regs[2 * r]).max(s[n].regs[2 * r + 1]);
+                unroll8!(h in 0..H => {
+                    unroll8!(n in 0..S_TILES => {
+                        block_max = block_max.max(s[h][n].regs[2 * r]).max(s[h][n].regs[2 * r + 1]);
+                    });
                 });
                 block_max
             };
@@ -101,22 +107,26 @@ impl RowSoftmax {
                 exp2(self.rows[r].m - m_ref)
             };
             let row_sum = if LATENCY_TUNED {
-                let mut v = [0.0f32; 2 * S_TILES];
-                unroll8!(n in 0..S_TILES => {
-                    unroll8!(c in 0..2 => {
-                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_ref));
-                        s[n].regs[2 * r + c] = p;
-                        v[2 * n + c] = p;
+                let mut v = [[0.0f32; 2 * S_TILES]; H];
+                unroll8!(h in 0..H => {
+                    unroll8!(n in 0..S_TILES => {
+                        unroll8!(c in 0..2 => {
+                            let p = exp2(fma(s[h][n].regs[2 * r + c], self.scale_log2, -m_ref));
+                            s[h][n].regs[2 * r + c] = p;
+                            v[h][2 * n + c] = p;
+                        });
                     });
                 });
-                tree16(v, |a, b| a + b)
+                tree(v, |a, b| a + b)
             } else {
                 let mut row_sum = 0.0;
-                unroll8!(n in 0..S_TILES => {
-                    unroll8!(c in 0..2 => {
-                        let p = exp2(fma(s[n].regs[2 * r + c], self.scale_log2, -m_ref));
-                        s[n].regs[2 * r + c] = p;
-                        row_sum += p;
+                unroll8!(h in 0..H => {
+                    unroll8!(n in 0..S_TILES => {
+                        unroll8!(c in 0..2 => {
+                            let p = exp2(fma(s[h][n].regs[2 * r + c], self.scale_log2, -m_ref));
+                            s[h][n].regs[2 * r + c] = p;
+                            row_sum += p;
+                        });
                     });
                 });
                 row_sum
@@ -146,14 +156,19 @@ impl RowSoftmax {
     }
 }
 
-/// `op` over 16 values as a pairwise tree (4 dependent levels).
+/// `op` over the `16 H` values of `H` blocks (`H` 1 or 2) as a pairwise tree (the blocks
+/// combined first, then 4 dependent levels).
 #[inline(always)]
-fn tree16(mut v: [f32; 2 * S_TILES], op: impl Fn(f32, f32) -> f32) -> f32 {
-    const _: () = assert!(2 * S_TILES == 16);
-    crate::unroll8!(i in 0..8 => { v[i] = op(v[i], v[i + 8]); });
-    crate::unroll8!(i in 0..4 => { v[i] = op(v[i], v[i + 4]); });
-    crate::unroll8!(i in 0..2 => { v[i] = op(v[i], v[i + 2]); });
-    op(v[0], v[1])
+fn tree<const H: usize>(v: [[f32; 2 * S_TILES]; H], op: impl Fn(f32, f32) -> f32) -> f32 {
+    const { assert!(2 * S_TILES == 16 && (H == 1 || H == 2)) };
+    let mut v16 = v[0];
+    if H == 2 {
+        crate::unroll16!(i in 0..16 => { v16[i] = op(v16[i], v[H - 1][i]); });
+    }
+    crate::unroll8!(i in 0..8 => { v16[i] = op(v16[i], v16[i + 8]); });
+    crate::unroll8!(i in 0..4 => { v16[i] = op(v16[i], v16[i + 4]); });
+    crate::unroll8!(i in 0..2 => { v16[i] = op(v16[i], v16[i + 2]); });
+    op(v16[0], v16[1])
 }
 
 /// Rescales the warp's accumulators `o` (their first `o_tiles`) by the row corrections that

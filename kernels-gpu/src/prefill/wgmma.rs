@@ -3,22 +3,26 @@
 //! FlashAttention-3 structure), for launches without caller masks and without the
 //! log-sum-exp. Same work items, head patterns and walk as the `mma.sync` kernel
 //! ([`super::prefill_attention`]): a tile of two query blocks, the union of their KV blocks
-//! ([`TileSpan`]).
+//! ([`TileSpan`]), taken [`WGMMA_STEP_BLOCKS`] at a time: step `j` is the walk's blocks `2j`
+//! and `2j + 1` (adjacent or not: the sink range's last block and the local range's first
+//! share a step), 128 keys, so `S` is one `64 x 128` product per `k16`.
 //!
 //! Block `(x, h)`, [`WGMMA_PREFILL_THREADS`] threads:
 //! - **warp 8, the producer** (one lane): copies the query tile (two 64-row blocks of `D`
-//!   columns, `D / 64` boxes each) once, then, per KV block of the walk, waits until its stage
-//!   of the [`WGMMA_PREFILL_STAGES`]-deep ring is free (the stage's *empty* barrier: every
-//!   consumer warp arrived) and copies the block's K and V tiles into it, counted in bytes on
-//!   the stage's *full* barrier;
+//!   columns, `D / 64` boxes each) once, then, per step, waits until its stage of the
+//!   [`STAGES`]-deep ring is free (the stage's *empty* barrier: every consumer warp arrived) and
+//!   copies the step's two K and V blocks into it, counted in bytes on the stage's *full*
+//!   barrier. A walk of odd length ends in a step whose second block is absent: its boxes are
+//!   copied from row `-64`, wholly outside the tensor, so they land as zeros.
 //! - **warpgroup `g` = warps `4g .. 4g + 4`, a consumer**, owns query block `g` of the tile (64
-//!   rows, 16 per warp): per block of the walk it waits for the stage's full barrier; if its
-//!   query block visits the block, `S = Q Kᵀ` (`D / 16` products `m64n64k16`, both operands in
-//!   shared memory), element masks where needed ([`mask::apply`]), the online softmax in
-//!   registers ([`RowSoftmax`], the accumulators hold `mma.sync`'s fragment layout), and
-//!   `O += P V` (4 products `m64nDk16`, `P` from registers, V read transposed); then each warp
-//!   arrives on the stage's empty barrier. A warp waits for every block, visited or not, so no
-//!   warp arrives twice in one phase.
+//!   rows, 16 per warp): per step it waits for the stage's full barrier; if its query block
+//!   visits either block, `S = Q Kᵀ` (`D / 16` products `m64n128k16`, both operands in shared
+//!   memory), per block element masks where needed ([`mask::apply`]) or all `-inf` for a block
+//!   it does not visit, the online softmax over both blocks in registers ([`RowSoftmax`], the
+//!   accumulators hold `mma.sync`'s fragment layout), and `O += P V` (8 products `m64nDk16`,
+//!   `P` from registers, V read transposed); then each warp arrives on the stage's empty
+//!   barrier. A warp waits for every step, visited or not, so no warp arrives twice in one
+//!   phase.
 //! - The output `O / l` is written from the registers, as in the `mma.sync` kernel.
 //!
 //! The two consumer warpgroups share the tensor cores: while one runs its softmax the other's
@@ -29,6 +33,7 @@
 use lserve_abi::prefill::{
     wgmma_prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, TILE_Q,
     TILE_Q_BLOCKS, WGMMA_BOX_COLUMNS, WGMMA_PREFILL_STAGES as STAGES, WGMMA_PREFILL_THREADS,
+    WGMMA_STEP_BLOCKS,
 };
 
 use super::block_iter::{TileSpan, Window};
@@ -48,31 +53,47 @@ use crate::tile::fragments::{k_steps, n_tiles, p_fragment};
 use crate::tile::SoftmaxState;
 use crate::warp::shfl_idx_u32;
 use crate::wgmma::{
-    commit_group, fence, fence_operands, mma_64x64_ss, mma_64xn_rs, wait_group, SmemDesc,
-    WgmmaElement,
+    claim_registers, commit_group, fence, fence_operands, mma_64x128_ss, mma_64xn_rs,
+    release_registers, wait_group, SmemDesc, WgmmaElement,
 };
 
-/// Consumer warps (two warpgroups); the producer is the warp after them.
+/// Consumer warps (two warpgroups); the producer warpgroup is the four after them.
 const CONSUMER_WARPS: u32 = 8;
+/// Registers per thread of the consumer warpgroups and of the producer warpgroup after the
+/// reallocation ([`claim_registers`], [`release_registers`]): the block is launched with
+/// `65536 / 384 = 168` per thread (the register file, rounded down to a multiple of 8), and
+/// `2 · 128 · 232 + 128 · 40 = 384 · 168`.
+const CONSUMER_REGISTERS: u32 = 232;
+const PRODUCER_REGISTERS: u32 = 40;
+const _: () =
+    assert!(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS == WGMMA_PREFILL_THREADS * 168);
 /// Bytes of one tensor-map box: 64 rows of 128 bytes, the swizzle's atoms (8 rows, 1024 bytes)
 /// back to back.
 const BOX_BYTES: u32 = BLOCK_KV * 128;
+/// Bytes of a step's column group: its blocks' boxes of the same 64 columns, back to back (so
+/// the step's 128 rows are one K-major operand).
+const STEP_BOX_BYTES: u32 = WGMMA_STEP_BLOCKS * BOX_BYTES;
 /// Bytes between 8-row groups of a swizzled tile.
 const ATOM_BYTES: u32 = 1024;
 
 const _: () = assert!(
-    WGMMA_PREFILL_THREADS == (CONSUMER_WARPS + 1) * WARP_SIZE
+    WGMMA_PREFILL_THREADS == (CONSUMER_WARPS + 4) * WARP_SIZE
         && TILE_Q_BLOCKS == 2
         && BLOCK_Q == 64
         && BLOCK_KV == 64
         && TILE_Q == 128
         && WGMMA_BOX_COLUMNS == 64
+        && WGMMA_STEP_BLOCKS == 2
         && S_TILES == 8
 );
 
+/// Scores of a step for a warp's 16 rows: per block of the step, 8 accumulators of 8 keys.
+type StepScores = [[FragC; S_TILES]; WGMMA_STEP_BLOCKS as usize];
+
 /// Where the tiles and barriers live (shared-window addresses from a 1024-byte aligned base):
-/// the query tile (query block `g`'s 64 rows at `q(g)`), the stages (K then V tile), the
-/// barriers. A 64-row tile of `D` columns is `D / 64` boxes (columns `64 b ..` in box `b`).
+/// the query tile (query block `g`'s 64 rows at `q(g)`, its `D / 64` column boxes
+/// [`BOX_BYTES`] apart), the stages (a K then a V tile of a step: per 64 columns a
+/// [`STEP_BOX_BYTES`] group holding block 0's box then block 1's), the barriers.
 #[derive(Clone, Copy)]
 struct Smem<const D: usize> {
     base: u32,
@@ -81,6 +102,8 @@ struct Smem<const D: usize> {
 impl<const D: usize> Smem<D> {
     /// Bytes of one 64-row tile of `D` columns.
     const TILE_BYTES: u32 = (D as u32 / WGMMA_BOX_COLUMNS) * BOX_BYTES;
+    /// Bytes of a step's K (or V) tile.
+    const STEP_BYTES: u32 = WGMMA_STEP_BLOCKS * Self::TILE_BYTES;
 
     /// The layout in this block's dynamic shared memory.
     #[inline(always)]
@@ -100,20 +123,20 @@ impl<const D: usize> Smem<D> {
     /// The K tile of `stage`.
     #[inline(always)]
     fn k(&self, stage: u32) -> u32 {
-        self.base + (TILE_Q_BLOCKS + 2 * stage) * Self::TILE_BYTES
+        self.base + TILE_Q_BLOCKS * Self::TILE_BYTES + 2 * stage * Self::STEP_BYTES
     }
 
     /// The V tile of `stage`.
     #[inline(always)]
     fn v(&self, stage: u32) -> u32 {
-        self.k(stage) + Self::TILE_BYTES
+        self.k(stage) + Self::STEP_BYTES
     }
 
     /// The barriers: the query tile's, then per stage its full one, then per stage its empty
     /// one.
     #[inline(always)]
     fn barrier(&self, i: u32) -> u32 {
-        self.base + (TILE_Q_BLOCKS + 2 * STAGES) * Self::TILE_BYTES + 8 * i
+        self.base + TILE_Q_BLOCKS * Self::TILE_BYTES + 2 * STAGES * Self::STEP_BYTES + 8 * i
     }
 
     #[inline(always)]
@@ -132,27 +155,42 @@ impl<const D: usize> Smem<D> {
     }
 }
 
-// The layout fits what the host sizes.
-const _: () = {
-    let end = 1024 + (2 + 2 * STAGES) * Smem::<128>::TILE_BYTES + 8 * (1 + 2 * STAGES);
-    assert!(wgmma_prefill_smem_bytes(128) == end);
-    let end = 1024 + (2 + 2 * STAGES) * Smem::<64>::TILE_BYTES + 8 * (1 + 2 * STAGES);
-    assert!(wgmma_prefill_smem_bytes(64) == end);
-};
-
-/// The descriptor of the K-major operand at `tile` (64 rows of `D` columns, [`Smem`]'s boxes)
-/// for columns `16 kk .. 16 kk + 16`: box `kk / 4`, 32 bytes per step inside the 128-byte rows.
-#[inline(always)]
-fn k_major(tile: u32, kk: usize) -> SmemDesc {
-    let kk = kk as u32;
-    SmemDesc::swizzled_128b(tile + (kk / 4) * BOX_BYTES + (kk % 4) * 32, 16, ATOM_BYTES)
+/// The end of [`Smem`]'s layout: query tile `q` bytes per block, stage `step` bytes per tile.
+const fn layout_end(q: u32, step: u32) -> u32 {
+    1024 + TILE_Q_BLOCKS * q + 2 * STAGES * step + 8 * (1 + 2 * STAGES)
 }
 
-/// The descriptor of the V tile at `tile` as the MN-major `B` of `P V` for keys
-/// `16 kk .. 16 kk + 16`: two 8-row atoms per step, the 64-column boxes [`BOX_BYTES`] apart.
+// The layout fits what the host sizes.
+const _: () = {
+    let (q128, step128) = (Smem::<128>::TILE_BYTES, Smem::<128>::STEP_BYTES);
+    assert!(wgmma_prefill_smem_bytes(128) == layout_end(q128, step128));
+    let (q64, step64) = (Smem::<64>::TILE_BYTES, Smem::<64>::STEP_BYTES);
+    assert!(wgmma_prefill_smem_bytes(64) == layout_end(q64, step64));
+};
+
+/// The descriptor of a K-major operand at `tile` (rows of `D` columns, column groups of 64
+/// `group_bytes` apart) for columns `16 kk .. 16 kk + 16`: group `kk / 4`, 32 bytes per step
+/// inside the 128-byte rows.
+#[inline(always)]
+fn k_major(tile: u32, group_bytes: u32, kk: usize) -> SmemDesc {
+    let kk = kk as u32;
+    SmemDesc::swizzled_128b(
+        tile + (kk / 4) * group_bytes + (kk % 4) * 32,
+        16,
+        ATOM_BYTES,
+    )
+}
+
+/// The descriptor of a step's V tile at `tile` as the MN-major `B` of `P V` for the step's keys
+/// `16 kk .. 16 kk + 16`: two 8-row atoms per step, the 64-column groups [`STEP_BOX_BYTES`]
+/// apart.
 #[inline(always)]
 fn v_operand(tile: u32, kk: usize) -> SmemDesc {
-    SmemDesc::swizzled_128b(tile + kk as u32 * 2 * ATOM_BYTES, BOX_BYTES, ATOM_BYTES)
+    SmemDesc::swizzled_128b(
+        tile + kk as u32 * 2 * ATOM_BYTES,
+        STEP_BOX_BYTES,
+        ATOM_BYTES,
+    )
 }
 
 /// The tensor maps of `q`, `k`, `v` (generic addresses of kernel parameters).
@@ -166,7 +204,18 @@ pub struct Maps {
     pub v: *const u8,
 }
 
-/// The producer: the query tile, then every block of the walk into its stage.
+/// The blocks of step `j` of `span`: the walk's blocks `2j` and `2j + 1`, the second `None`
+/// past the walk's end.
+#[inline(always)]
+fn step_blocks(span: &TileSpan, j: u32) -> [Option<u32>; 2] {
+    let i = WGMMA_STEP_BLOCKS * j;
+    [
+        Some(span.kv_block(i)),
+        (i + 1 < span.len()).then(|| span.kv_block(i + 1)),
+    ]
+}
+
+/// The producer: the query tile, then every step of the walk into its stage.
 ///
 /// # Safety
 /// One thread of the block; the barriers are initialized; `maps` describe the launch's tensors.
@@ -202,65 +251,62 @@ unsafe fn produce<const D: usize>(
             g += 1;
         }
     }
-    let mut i = 0;
-    while i < span.len() {
-        let stage = i % STAGES;
-        if i >= STAGES {
-            // Block `i - STAGES`, the stage's previous tenant, is done in every consumer warp:
-            // phase `i / STAGES - 1` of the empty barrier.
+    let steps = span.len().div_ceil(WGMMA_STEP_BLOCKS);
+    let mut j = 0;
+    while j < steps {
+        let stage = j % STAGES;
+        if j >= STAGES {
+            // Step `j - STAGES`, the stage's previous tenant, is done in every consumer warp:
+            // phase `j / STAGES - 1` of the empty barrier.
             // SAFETY: initialized; that phase is the current one or the one before.
-            unsafe { mbarrier_wait_parity(smem.empty(stage), (i / STAGES + 1) % 2) };
+            unsafe { mbarrier_wait_parity(smem.empty(stage), (j / STAGES + 1) % 2) };
         }
-        let row = (kv_row0 + span.kv_block(i) * BLOCK_KV) as i32;
-        // SAFETY: the stage's full barrier's phase `i / STAGES` expects this arrival (its
+        let blocks = step_blocks(&span, j);
+        // SAFETY: the stage's full barrier's phase `j / STAGES` expects this arrival (its
         // previous phase completed before the empty barrier's did); the K and V boxes land in
-        // the stage's tiles, nobody reads them before that phase completes.
+        // the stage's tiles, nobody reads them before that phase completes. An absent block's
+        // boxes are read from rows `-64 .. 0`, outside the tensor: zeros, all bytes counted.
         unsafe {
-            mbarrier_arrive_expect_tx(smem.full(stage), 2 * Smem::<D>::TILE_BYTES);
-            let mut b = 0;
-            while b < boxes {
-                let col = (b * WGMMA_BOX_COLUMNS) as i32;
-                let bar = smem.full(stage);
-                tensor_copy_3d(
-                    smem.k(stage) + b * BOX_BYTES,
-                    maps.k,
-                    col,
-                    kv_head as i32,
-                    row,
-                    bar,
-                );
-                tensor_copy_3d(
-                    smem.v(stage) + b * BOX_BYTES,
-                    maps.v,
-                    col,
-                    kv_head as i32,
-                    row,
-                    bar,
-                );
-                b += 1;
-            }
+            mbarrier_arrive_expect_tx(smem.full(stage), 2 * Smem::<D>::STEP_BYTES);
+            let bar = smem.full(stage);
+            crate::unroll8!(h in 0..WGMMA_STEP_BLOCKS as usize => {
+                let row = match blocks[h] {
+                    Some(kv_block) => (kv_row0 + kv_block * BLOCK_KV) as i32,
+                    None => -(BLOCK_KV as i32),
+                };
+                let mut b = 0;
+                while b < boxes {
+                    let col = (b * WGMMA_BOX_COLUMNS) as i32;
+                    let at = b * STEP_BOX_BYTES + h as u32 * BOX_BYTES;
+                    tensor_copy_3d(smem.k(stage) + at, maps.k, col, kv_head as i32, row, bar);
+                    tensor_copy_3d(smem.v(stage) + at, maps.v, col, kv_head as i32, row, bar);
+                    b += 1;
+                }
+            });
         }
-        i += 1;
+        j += 1;
     }
 }
 
-/// Zeroes rows `valid .. 64` of the V tile at `tile` (generic-proxy stores, then ordered before
-/// the warpgroup's products): one warpgroup, 16-byte stores.
+/// Zeroes rows `valid .. 64` of the V block at `block` (a step's V tile plus the block's box
+/// offset: its column boxes [`STEP_BOX_BYTES`] apart), generic-proxy stores then ordered before
+/// the warpgroup's products: one warpgroup, 16-byte stores.
 ///
 /// # Safety
 /// The whole warpgroup `g` (threads `128 g ..`) calls it, after the tile landed and before its
 /// products read it; nobody else reads the tile meanwhile.
 #[inline(always)]
-unsafe fn zero_v_rows<const D: usize>(tile: u32, valid: u32, thread_in_group: u32, g: u32) {
+unsafe fn zero_v_rows<const D: usize>(block: u32, valid: u32, thread_in_group: u32, g: u32) {
     let chunks_per_row = D as u32 / 8;
     let chunks = (BLOCK_KV - valid) * chunks_per_row;
     let mut c = thread_in_group;
     while c < chunks {
         let (row, chunk) = (valid + c / chunks_per_row, c % chunks_per_row);
         let (b, within) = (chunk / 8, chunk % 8);
-        // SAFETY: row < 64, box < D / 64: inside the tile; whole 16-byte chunks of the row (the
+        let at = block + b * STEP_BOX_BYTES + row * 128 + within * 16;
+        // SAFETY: row < 64, box < D / 64: inside the block; whole 16-byte chunks of the row (the
         // swizzle only permutes a row's chunks, so every chunk of the row is zeroed).
-        unsafe { st_shared_v4_u32(tile + b * BOX_BYTES + row * 128 + within * 16, [0; 4]) };
+        unsafe { st_shared_v4_u32(at, [0; 4]) };
         c += 128;
     }
     fence_proxy_async_shared();
@@ -289,7 +335,7 @@ unsafe fn release(empty: u32, lane: u32) {
     }
 }
 
-/// `O += P V` for this warpgroup: `P` the four 16-key `A` fragments of a block, V the block's
+/// `O += P V` for this warpgroup: `P` the eight 16-key `A` fragments of a step, V the step's
 /// tile at `v_tile` (issued, not waited for).
 ///
 /// # Safety
@@ -298,23 +344,55 @@ unsafe fn release(empty: u32, lane: u32) {
 #[inline(always)]
 unsafe fn accumulate_pv<E: WgmmaElement, const D: usize>(
     o: &mut [FragC; MAX_O_TILES],
-    p: &[FragA<E>; 4],
+    p: &[FragA<E>; 8],
     v_tile: u32,
 ) {
     // SAFETY: forwarded; the casts view the first `D / 8` accumulators (the ones in use).
     unsafe {
         if D == 128 {
             let acc = &mut *(o as *mut [FragC; MAX_O_TILES]).cast::<[FragC; 16]>();
-            crate::unroll8!(kk in 0..4 => {
+            crate::unroll8!(kk in 0..8 => {
                 mma_64xn_rs::<E, 16>(acc, &p[kk], v_operand(v_tile, kk));
             });
         } else {
             let acc = &mut *(o as *mut [FragC; MAX_O_TILES]).cast::<[FragC; 8]>();
-            crate::unroll8!(kk in 0..4 => {
+            crate::unroll8!(kk in 0..8 => {
                 mma_64xn_rs::<E, 8>(acc, &p[kk], v_operand(v_tile, kk));
             });
         }
     }
+}
+
+/// `S = Q Kᵀ` for this warpgroup's query block (its tile at `q_tile`) and a step's 128 keys
+/// (the K tile at `k_tile`), issued and waited for.
+///
+/// # Safety
+/// The whole warpgroup; the tiles landed.
+#[inline(always)]
+unsafe fn scores<E: WgmmaElement, const D: usize>(q_tile: u32, k_tile: u32) -> StepScores {
+    let mut s: StepScores = [[FragC::default(); S_TILES]; 2];
+    // The step's two blocks as one 64x128 accumulator (arrays of arrays have no padding).
+    // SAFETY: the same 16 `FragC`s.
+    let acc = unsafe { &mut *(&mut s as *mut StepScores).cast::<[FragC; 16]>() };
+    // Every accumulator defined before the products start (ptxas serializes products whose
+    // accumulators a plain instruction writes between them).
+    fence_operands(acc);
+    // SAFETY: forwarded.
+    unsafe {
+        fence();
+        crate::unroll8!(kk in 0..k_steps(D) => {
+            mma_64x128_ss::<E>(
+                acc,
+                k_major(q_tile, BOX_BYTES, kk),
+                k_major(k_tile, STEP_BOX_BYTES, kk),
+                kk > 0,
+            );
+        });
+        commit_group();
+        wait_group::<0>();
+    }
+    fence_operands(acc);
+    s
 }
 
 /// The kernel body (see the module docs).
@@ -368,8 +446,10 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
     // SAFETY: every thread of the block, once.
     unsafe { sync_threads() };
 
-    if warp == CONSUMER_WARPS {
-        if lane == 0 {
+    if warp >= CONSUMER_WARPS {
+        // SAFETY: the whole producer warpgroup, once; the copies need far fewer registers.
+        unsafe { release_registers::<PRODUCER_REGISTERS>() };
+        if warp == CONSUMER_WARPS && lane == 0 {
             // The tile's row 0 is position `q_first`, row `q_row + q_first - q_first_of_item`
             // of `q` (negative for a chunk's tile that starts in the cached prefix: those rows
             // land as zeros).
@@ -382,6 +462,9 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
         return;
     }
 
+    // SAFETY: the whole consumer warpgroup, once; with the producer's release the block's
+    // registers suffice (the constants' assertion).
+    unsafe { claim_registers::<CONSUMER_REGISTERS>() };
     // A consumer warp: warpgroup `g`, query block `g` of the tile, rows `16 w ..` of it.
     let (g, w) = (warp / 4, warp % 4);
     let my_q_block = item.q_block + g;
@@ -392,57 +475,47 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
     // SAFETY: phase 0 of the query barrier counts the query tile.
     unsafe { mbarrier_wait_parity(smem.q_full(), 0) };
 
-    let mut i = 0;
-    while i < span.len() {
-        let stage = i % STAGES;
-        let kv_block = span.kv_block(i);
-        // SAFETY: block `i` is phase `i / STAGES` of its stage's full barrier.
-        unsafe { mbarrier_wait_parity(smem.full(stage), (i / STAGES) % 2) };
-        if visitor.visits(&span, kv_block) {
-            let mut s = [FragC::default(); S_TILES];
-            // Every accumulator defined before the products start (ptxas serializes products
-            // whose accumulators a plain instruction writes between them).
-            fence_operands(&mut s);
-            // SAFETY: the whole warpgroup (the visit is uniform in it); the tiles landed.
-            unsafe {
-                fence();
-                crate::unroll8!(kk in 0..k_steps(D) => {
-                    mma_64x64_ss::<E>(
-                        &mut s,
-                        k_major(smem.q(g), kk),
-                        k_major(smem.k(stage), kk),
-                        kk > 0,
-                    );
-                });
-                commit_group();
-                wait_group::<0>();
-            }
-            fence_operands(&mut s);
-            if window.needs_mask(my_q_block, kv_block, seq_len) {
-                mask::apply(
-                    &mut s,
-                    window,
-                    opaque_u32(q_first_warp),
-                    kv_block * BLOCK_KV,
-                    lane,
-                );
-            }
+    let steps = span.len().div_ceil(WGMMA_STEP_BLOCKS);
+    let mut j = 0;
+    while j < steps {
+        let stage = j % STAGES;
+        let blocks = step_blocks(&span, j);
+        let visits = blocks.map(|b| b.is_some_and(|kv_block| visitor.visits(&span, kv_block)));
+        // SAFETY: step `j` is phase `j / STAGES` of its stage's full barrier.
+        unsafe { mbarrier_wait_parity(smem.full(stage), (j / STAGES) % 2) };
+        if visits[0] || visits[1] {
+            // SAFETY: the whole warpgroup (the visits are uniform in it); the tiles landed.
+            let mut s = unsafe { scores::<E, D>(smem.q(g), smem.k(stage)) };
+            crate::unroll8!(h in 0..2 => {
+                let kv_block = blocks[h].unwrap_or(0);
+                if !visits[h] {
+                    s[h] = [FragC { regs: [f32::NEG_INFINITY; 4] }; S_TILES];
+                } else if window.needs_mask(my_q_block, kv_block, seq_len) {
+                    let (q_first, k_first) = (opaque_u32(q_first_warp), kv_block * BLOCK_KV);
+                    mask::apply(&mut s[h], window, q_first, k_first, lane);
+                }
+            });
             // SAFETY: the whole warp.
-            let corrections = unsafe { softmax.update::<true>(&mut s, &mut o, n_tiles(D)) };
+            let corrections = unsafe { softmax.update::<true, 2>(&mut s, &mut o, n_tiles(D)) };
             let mut acc = [o];
             // SAFETY: the whole warp.
             unsafe { rescale_unless_settled(&mut acc, &[corrections], n_tiles(D)) };
             o = acc[0];
-            let valid = seq_len - kv_block * BLOCK_KV;
-            if valid < BLOCK_KV {
-                // SAFETY: the whole warpgroup (uniform), the tile landed; only this warpgroup
-                // visits the sequence's last block.
-                unsafe { zero_v_rows::<D>(smem.v(stage), valid, 32 * w + lane, g) };
-            }
-            // `P` as `A` fragments, all four packed before the products (a register written
+            crate::unroll8!(h in 0..2 => {
+                let valid = seq_len - blocks[h].unwrap_or(0) * BLOCK_KV;
+                if visits[h] && valid < BLOCK_KV {
+                    let block = smem.v(stage) + h as u32 * BOX_BYTES;
+                    // SAFETY: the whole warpgroup (uniform), the tile landed; only this
+                    // warpgroup visits the sequence's last block.
+                    unsafe { zero_v_rows::<D>(block, valid, 32 * w + lane, g) };
+                }
+            });
+            // `P` as `A` fragments, all eight packed before the products (a register written
             // between two products would make ptxas fence them apart).
-            let p_frags: [FragA<E>; 4] =
-                core::array::from_fn(|kk| p_fragment::<E, 16>(&s[2 * kk], &s[2 * kk + 1]));
+            let p_frags: [FragA<E>; 8] = core::array::from_fn(|kk| {
+                let (h, n) = (kk / 4, 2 * (kk % 4));
+                p_fragment::<E, 16>(&s[h][n], &s[h][n + 1])
+            });
             fence_operands(&mut o);
             // SAFETY: the whole warpgroup; V landed (and its tail rows are zero).
             unsafe {
@@ -453,10 +526,10 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
             }
             fence_operands(&mut o);
         }
-        // SAFETY: the whole warp; it waited for this block's full phase, so it is not a phase
+        // SAFETY: the whole warp; it waited for this step's full phase, so it is not a phase
         // ahead, and its products that read the stage are done.
         unsafe { release(smem.empty(stage), lane) };
-        i += 1;
+        j += 1;
     }
 
     // O / l for the rows that have queries.
