@@ -145,7 +145,7 @@ pub const WGMMA_PREFILL_THREADS: u32 = 384;
 pub const WGMMA_STEP_BLOCKS: u32 = 2;
 /// Steps in the Hopper prefill kernels' ring (each stage a K and a V tile of
 /// [`WGMMA_STEP_BLOCKS`] blocks).
-pub const WGMMA_PREFILL_STAGES: u32 = 2;
+pub const WGMMA_PREFILL_STAGES: u32 = 3;
 /// Columns of one tensor-map box of the Hopper prefill kernels (128 bytes: the swizzle's
 /// width); a tile of `D` columns is `D / 64` boxes of 64 rows.
 pub const WGMMA_BOX_COLUMNS: u32 = 64;

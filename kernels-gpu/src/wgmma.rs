@@ -117,6 +117,18 @@ pub fn fence_operands<const N: usize>(acc: &mut [FragC; N]) {
     });
 }
 
+/// [`fence_operands`] for `A` fragments that products read from registers: pinned here, their
+/// registers stay theirs (unread by anything else, unwritten) until this point.
+#[inline(always)]
+pub fn fence_fragments<E, const N: usize>(a: &mut [FragA<E>; N]) {
+    crate::unroll16!(t in 0..N => {
+        crate::unroll8!(i in 0..4 => {
+            // SAFETY: no instruction; only the register's liveness is constrained.
+            unsafe { asm!("/* {0} */", inout(reg32) a[t].regs[i], options(nomem, nostack)) };
+        });
+    });
+}
+
 /// Element types of the `wgmma` products here.
 pub trait WgmmaElement: MmaElement {
     /// `acc (64x128) = A * B (+ acc if accumulate)`, both from shared memory, both K-major.

@@ -323,6 +323,16 @@ impl TileSpan {
         self.len
     }
 
+    /// The position in the walk of `kv_block`, a block of the walk (inverse of [`Self::kv_block`]).
+    #[inline(always)]
+    pub fn position(&self, kv_block: u32) -> u32 {
+        if kv_block < self.sink_end {
+            kv_block
+        } else {
+            kv_block - self.gap
+        }
+    }
+
     /// The KV block at position `i < len` of the walk (ascending in `i`).
     #[inline(always)]
     pub fn kv_block(&self, i: u32) -> u32 {

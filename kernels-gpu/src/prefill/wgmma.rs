@@ -36,7 +36,7 @@ use lserve_abi::prefill::{
     WGMMA_STEP_BLOCKS,
 };
 
-use super::block_iter::{TileSpan, Window};
+use super::block_iter::{SpanVisitor, TileSpan, Window};
 use super::mask;
 use super::softmax::{rescale_unless_settled, RowSoftmax};
 use super::tiles::{MAX_O_TILES, S_TILES};
@@ -53,8 +53,8 @@ use crate::tile::fragments::{k_steps, n_tiles, p_fragment};
 use crate::tile::SoftmaxState;
 use crate::warp::shfl_idx_u32;
 use crate::wgmma::{
-    claim_registers, commit_group, fence, fence_operands, mma_64x128_ss, mma_64xn_rs,
-    release_registers, wait_group, SmemDesc, WgmmaElement,
+    claim_registers, commit_group, fence, fence_fragments, fence_operands, mma_64x128_ss,
+    mma_64xn_rs, release_registers, wait_group, SmemDesc, WgmmaElement,
 };
 
 /// Consumer warps (two warpgroups); the producer warpgroup is the four after them.
@@ -363,17 +363,20 @@ unsafe fn accumulate_pv<E: WgmmaElement, const D: usize>(
     }
 }
 
-/// `S = Q Kᵀ` for this warpgroup's query block (its tile at `q_tile`) and a step's 128 keys
-/// (the K tile at `k_tile`), issued and waited for.
+/// Issues `S = Q Kᵀ` into `s` for this warpgroup's query block (its tile at `q_tile`) and a
+/// step's 128 keys (the K tile at `k_tile`), as one committed group (not waited for).
 ///
 /// # Safety
-/// The whole warpgroup; the tiles landed.
+/// The whole warpgroup; the tiles landed; `s` is read only after a wait covers the group.
 #[inline(always)]
-unsafe fn scores<E: WgmmaElement, const D: usize>(q_tile: u32, k_tile: u32) -> StepScores {
-    let mut s: StepScores = [[FragC::default(); S_TILES]; 2];
+unsafe fn issue_scores<E: WgmmaElement, const D: usize>(
+    s: &mut StepScores,
+    q_tile: u32,
+    k_tile: u32,
+) {
     // The step's two blocks as one 64x128 accumulator (arrays of arrays have no padding).
     // SAFETY: the same 16 `FragC`s.
-    let acc = unsafe { &mut *(&mut s as *mut StepScores).cast::<[FragC; 16]>() };
+    let acc = unsafe { &mut *(s as *mut StepScores).cast::<[FragC; 16]>() };
     // Every accumulator defined before the products start (ptxas serializes products whose
     // accumulators a plain instruction writes between them).
     fence_operands(acc);
@@ -389,10 +392,115 @@ unsafe fn scores<E: WgmmaElement, const D: usize>(q_tile: u32, k_tile: u32) -> S
             );
         });
         commit_group();
-        wait_group::<0>();
     }
-    fence_operands(acc);
-    s
+}
+
+/// Issues `O += P V` for this warpgroup (`P` the step's eight 16-key `A` fragments, V the
+/// step's tile at `v_tile`) as one committed group (not waited for).
+///
+/// # Safety
+/// The whole warpgroup; V landed (its tail rows zeroed); `o` and `p` are neither read nor
+/// written before a wait covers the group.
+#[inline(always)]
+unsafe fn issue_pv<E: WgmmaElement, const D: usize>(
+    o: &mut [FragC; MAX_O_TILES],
+    p: &mut [FragA<E>; 8],
+    v_tile: u32,
+) {
+    fence_operands(o);
+    fence_fragments(p);
+    // SAFETY: forwarded.
+    unsafe {
+        fence();
+        accumulate_pv::<E, D>(o, p, v_tile);
+        commit_group();
+    }
+}
+
+/// [`fence_operands`] for both blocks of a step's scores.
+#[inline(always)]
+fn fence_operands_step(s: &mut StepScores) {
+    fence_operands(&mut s[0]);
+    fence_operands(&mut s[1]);
+}
+
+/// Where one step's scores come from: its blocks and which of them this warpgroup visits.
+#[derive(Clone, Copy)]
+struct Step {
+    stage: u32,
+    blocks: [Option<u32>; 2],
+    visits: [bool; 2],
+}
+
+impl Step {
+    #[inline(always)]
+    fn new(span: &TileSpan, visitor: &SpanVisitor, j: u32) -> Self {
+        let blocks = step_blocks(span, j);
+        Self {
+            stage: j % STAGES,
+            blocks,
+            visits: blocks.map(|b| b.is_some_and(|kv_block| visitor.visits(span, kv_block))),
+        }
+    }
+}
+
+/// One consumer warp's rows: their query block, first position and softmax.
+struct Rows {
+    q_block: u32,
+    q_first: u32,
+    seq_len: u32,
+    window: Window,
+    lane: u32,
+}
+
+impl Rows {
+    /// The masks of a step's scores: `-inf` for a block this warpgroup does not visit, element
+    /// masks for a visited block that needs them.
+    #[inline(always)]
+    fn mask(&self, s: &mut StepScores, step: &Step) {
+        crate::unroll8!(h in 0..2 => {
+            let kv_block = step.blocks[h].unwrap_or(0);
+            if !step.visits[h] {
+                s[h] = [FragC { regs: [f32::NEG_INFINITY; 4] }; S_TILES];
+            } else if self.window.needs_mask(self.q_block, kv_block, self.seq_len) {
+                let (q_first, k_first) = (opaque_u32(self.q_first), kv_block * BLOCK_KV);
+                mask::apply(&mut s[h], self.window, q_first, k_first, self.lane);
+            }
+        });
+    }
+}
+
+/// Zeroes the V rows past the sequence's end in a step's visited blocks (only the sequence's
+/// last block has them, and only the last query block's warpgroup visits it).
+///
+/// # Safety
+/// The whole warpgroup `g`; the step's tiles landed; no product reads its V meanwhile.
+#[inline(always)]
+unsafe fn zero_tails<const D: usize>(
+    smem: &Smem<D>,
+    step: &Step,
+    seq_len: u32,
+    thread_in_group: u32,
+    g: u32,
+) {
+    crate::unroll8!(h in 0..2 => {
+        let valid = seq_len - step.blocks[h].unwrap_or(0) * BLOCK_KV;
+        if step.visits[h] && valid < BLOCK_KV {
+            let block = smem.v(step.stage) + h as u32 * BOX_BYTES;
+            // SAFETY: forwarded (uniform in the warpgroup).
+            unsafe { zero_v_rows::<D>(block, valid, thread_in_group, g) };
+        }
+    });
+}
+
+/// `P` as `A` fragments, all eight packed before the products (a register written between two
+/// products would make ptxas fence them apart).
+#[inline(always)]
+fn p_fragments<E: WgmmaElement>(s: &StepScores) -> [FragA<E>; 8] {
+    core::array::from_fn(|kk| {
+        let (h, n) = (kk / 4, 2 * (kk % 4));
+        p_fragment::<E, 16>(&s[h][n], &s[h][n + 1])
+    })
 }
 
 /// The kernel body (see the module docs).
@@ -475,60 +583,96 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
     // SAFETY: phase 0 of the query barrier counts the query tile.
     unsafe { mbarrier_wait_parity(smem.q_full(), 0) };
 
+    let rows = Rows {
+        q_block: my_q_block,
+        q_first: q_first_warp,
+        seq_len,
+        window,
+        lane,
+    };
+    let thread_in_group = 32 * w + lane;
     let steps = span.len().div_ceil(WGMMA_STEP_BLOCKS);
-    let mut j = 0;
-    while j < steps {
-        let stage = j % STAGES;
-        let blocks = step_blocks(&span, j);
-        let visits = blocks.map(|b| b.is_some_and(|kv_block| visitor.visits(&span, kv_block)));
+    // This warpgroup's steps: up to the one holding its diagonal (none for a query block past
+    // the sequence's end). Every step before it holds a block it visits.
+    let mine = if g < tile_blocks {
+        span.position(my_q_block) / WGMMA_STEP_BLOCKS + 1
+    } else {
+        0
+    };
+    let wait_full = |j: u32| {
         // SAFETY: step `j` is phase `j / STAGES` of its stage's full barrier.
-        unsafe { mbarrier_wait_parity(smem.full(stage), (j / STAGES) % 2) };
-        if visits[0] || visits[1] {
-            // SAFETY: the whole warpgroup (the visits are uniform in it); the tiles landed.
-            let mut s = unsafe { scores::<E, D>(smem.q(g), smem.k(stage)) };
-            crate::unroll8!(h in 0..2 => {
-                let kv_block = blocks[h].unwrap_or(0);
-                if !visits[h] {
-                    s[h] = [FragC { regs: [f32::NEG_INFINITY; 4] }; S_TILES];
-                } else if window.needs_mask(my_q_block, kv_block, seq_len) {
-                    let (q_first, k_first) = (opaque_u32(q_first_warp), kv_block * BLOCK_KV);
-                    mask::apply(&mut s[h], window, q_first, k_first, lane);
-                }
-            });
-            // SAFETY: the whole warp.
+        unsafe { mbarrier_wait_parity(smem.full(j % STAGES), (j / STAGES) % 2) }
+    };
+    if mine > 0 {
+        // Step 0: its scores and probabilities.
+        let first = Step::new(&span, &visitor, 0);
+        wait_full(0);
+        let mut s: StepScores = [[FragC::default(); S_TILES]; 2];
+        // SAFETY: the whole warpgroup; the tiles landed.
+        unsafe {
+            issue_scores::<E, D>(&mut s, smem.q(g), smem.k(0));
+            wait_group::<0>();
+        }
+        fence_operands_step(&mut s);
+        rows.mask(&mut s, &first);
+        // `O` is zero: no correction to apply.
+        // SAFETY: the whole warp.
+        unsafe { softmax.update::<true, 2>(&mut s, &mut o, n_tiles(D)) };
+        // SAFETY: the whole warpgroup; step 0's tiles landed, no product reads them.
+        unsafe { zero_tails(&smem, &first, seq_len, thread_in_group, g) };
+        let mut p = p_fragments::<E>(&s);
+        let mut prev = first;
+        // Step `j`'s `S` and step `j - 1`'s `P V` in flight together; step `j`'s softmax while
+        // `P V` runs.
+        let mut j = 1;
+        while j < mine {
+            let step = Step::new(&span, &visitor, j);
+            wait_full(j);
+            let mut s: StepScores = [[FragC::default(); S_TILES]; 2];
+            // SAFETY: the whole warpgroup; step `j`'s tiles and step `j - 1`'s V landed (its
+            // tail rows zeroed).
+            unsafe {
+                issue_scores::<E, D>(&mut s, smem.q(g), smem.k(step.stage));
+                issue_pv::<E, D>(&mut o, &mut p, smem.v(prev.stage));
+                wait_group::<1>();
+            }
+            fence_operands_step(&mut s);
+            rows.mask(&mut s, &step);
+            // SAFETY: the whole warp (`o` is not touched: the corrections are returned).
             let corrections = unsafe { softmax.update::<true, 2>(&mut s, &mut o, n_tiles(D)) };
+            // SAFETY: the whole warpgroup; step `j`'s V is not read by the product in flight.
+            unsafe { zero_tails(&smem, &step, seq_len, thread_in_group, g) };
+            // SAFETY: the whole warpgroup.
+            unsafe { wait_group::<0>() };
+            fence_operands(&mut o);
+            fence_fragments(&mut p);
             let mut acc = [o];
             // SAFETY: the whole warp.
             unsafe { rescale_unless_settled(&mut acc, &[corrections], n_tiles(D)) };
             o = acc[0];
-            crate::unroll8!(h in 0..2 => {
-                let valid = seq_len - blocks[h].unwrap_or(0) * BLOCK_KV;
-                if visits[h] && valid < BLOCK_KV {
-                    let block = smem.v(stage) + h as u32 * BOX_BYTES;
-                    // SAFETY: the whole warpgroup (uniform), the tile landed; only this
-                    // warpgroup visits the sequence's last block.
-                    unsafe { zero_v_rows::<D>(block, valid, 32 * w + lane, g) };
-                }
-            });
-            // `P` as `A` fragments, all eight packed before the products (a register written
-            // between two products would make ptxas fence them apart).
-            let p_frags: [FragA<E>; 8] = core::array::from_fn(|kk| {
-                let (h, n) = (kk / 4, 2 * (kk % 4));
-                p_fragment::<E, 16>(&s[h][n], &s[h][n + 1])
-            });
-            fence_operands(&mut o);
-            // SAFETY: the whole warpgroup; V landed (and its tail rows are zero).
-            unsafe {
-                fence();
-                accumulate_pv::<E, D>(&mut o, &p_frags, smem.v(stage));
-                commit_group();
-                wait_group::<0>();
-            }
-            fence_operands(&mut o);
+            // SAFETY: the whole warp; it waited for step `j - 1`'s full phase, and its products
+            // that read the stage are done.
+            unsafe { release(smem.empty(prev.stage), lane) };
+            p = p_fragments::<E>(&s);
+            prev = step;
+            j += 1;
         }
-        // SAFETY: the whole warp; it waited for this step's full phase, so it is not a phase
-        // ahead, and its products that read the stage are done.
-        unsafe { release(smem.empty(stage), lane) };
+        // SAFETY: the whole warpgroup; the last step's V landed (its tail rows zeroed).
+        unsafe {
+            issue_pv::<E, D>(&mut o, &mut p, smem.v(prev.stage));
+            wait_group::<0>();
+        }
+        fence_operands(&mut o);
+        // SAFETY: as in the loop.
+        unsafe { release(smem.empty(prev.stage), lane) };
+    }
+    // The steps after this warpgroup's: waited for and released, so every phase gets every
+    // consumer warp's arrival.
+    let mut j = mine;
+    while j < steps {
+        wait_full(j);
+        // SAFETY: the whole warp; it waited for this step's full phase.
+        unsafe { release(smem.empty(j % STAGES), lane) };
         j += 1;
     }
 
