@@ -8,21 +8,23 @@
 //! share a step), 128 keys, so `S` is one `64 x 128` product per `k16`.
 //!
 //! Block `(x, h)`, [`WGMMA_PREFILL_THREADS`] threads:
-//! - **warp 8, the producer** (one lane): copies the query tile (two 64-row blocks of `D`
-//!   columns, `D / 64` boxes each) once, then, per step, waits until its stage of the
+//! - **warps 8-11, the producer warpgroup**, give their registers to the consumers
+//!   ([`release_registers`]); one thread of warp 8 copies the query tile (two 64-row blocks of
+//!   `D` columns, `D / 64` boxes each) once, then, per step, waits until its stage of the
 //!   [`STAGES`]-deep ring is free (the stage's *empty* barrier: every consumer warp arrived) and
 //!   copies the step's two K and V blocks into it, counted in bytes on the stage's *full*
 //!   barrier. A walk of odd length ends in a step whose second block is absent: its boxes are
 //!   copied from row `-64`, wholly outside the tensor, so they land as zeros.
-//! - **warpgroup `g` = warps `4g .. 4g + 4`, a consumer**, owns query block `g` of the tile (64
-//!   rows, 16 per warp): per step it waits for the stage's full barrier; if its query block
-//!   visits either block, `S = Q Kᵀ` (`D / 16` products `m64n128k16`, both operands in shared
-//!   memory), per block element masks where needed ([`mask::apply`]) or all `-inf` for a block
-//!   it does not visit, the online softmax over both blocks in registers ([`RowSoftmax`], the
-//!   accumulators hold `mma.sync`'s fragment layout), and `O += P V` (8 products `m64nDk16`,
-//!   `P` from registers, V read transposed); then each warp arrives on the stage's empty
-//!   barrier. A warp waits for every step, visited or not, so no warp arrives twice in one
-//!   phase.
+//! - **warpgroup `g` = warps `4g .. 4g + 4`, a consumer** ([`claim_registers`]), owns query
+//!   block `g` of the tile (64 rows, 16 per warp). Its steps run through the one holding its
+//!   diagonal, pipelined: `S_j = Q K_jᵀ` (`D / 16` products `m64n128k16`, both operands in shared
+//!   memory) is issued together with `O += P_{j-1} V_{j-1}` (8 products `m64nDk16`, `P` from
+//!   registers, V read transposed); once `S_j` is in, its masks (per block [`mask::apply`] where
+//!   needed, all `-inf` for a block the warpgroup does not visit) and the online softmax over
+//!   both blocks ([`RowSoftmax`]; the accumulators hold `mma.sync`'s fragment layout) run while
+//!   `P V` does; then `O` is rescaled, step `j - 1`'s stage released (one arrival per warp on
+//!   its empty barrier) and `P_j` packed. The steps after its own it waits for and releases, so
+//!   no warp arrives twice in one phase.
 //! - The output `O / l` is written from the registers, as in the `mma.sync` kernel.
 //!
 //! The two consumer warpgroups share the tensor cores: while one runs its softmax the other's
