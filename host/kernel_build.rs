@@ -21,10 +21,8 @@ pub const TEST_ARCH: &str = "sm_90";
 /// emits; rustc's NVPTX back end has no attribute for it): entry-name prefix, threads per block.
 /// Without it the driver's compiler may give a kernel more registers than its block can hold
 /// (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES` at launch).
-pub const LAUNCH_BOUNDS: [(&str, u32); 1] = [(
-    "prefill_wgmma_attention_",
-    lserve_abi::prefill::WGMMA_PREFILL_THREADS,
-)];
+pub const LAUNCH_BOUNDS: [(&str, u32); 1] =
+    [("prefill_wgmma_", lserve_abi::prefill::WGMMA_PREFILL_THREADS)];
 
 /// `ptx` with a `.maxntid` directive on every entry that [`LAUNCH_BOUNDS`] names (between its
 /// parameter list and its body); the rest unchanged. An entry that states one already keeps it.

@@ -404,12 +404,14 @@ fn both_kernels_all_shapes() {
     }
 }
 
-/// On a device whose default module is sm_90a (compute capability 9.0) launches without masks
-/// and without the log-sum-exp take the `wgmma` kernel, and an sm_90 context (the `mma.sync`
-/// kernel) on the same inputs gives the same attention: each within the tolerance of the
-/// reference, and within twice that of each other. Ragged lengths not multiples of the
-/// tiles, a one-token sequence, streaming and dense heads, MHA and GQA, both head dims and
-/// element types. Elsewhere (no sm_90a module) only the default kernel runs.
+/// On a device whose default module is sm_90a (compute capability 9.0) launches take the
+/// `wgmma` kernels (without caller masks the one of 128-query tiles, with them the masked one),
+/// and an sm_90 context (the `mma.sync` kernels) on the same inputs gives the same attention:
+/// each within the tolerance of the reference, and within twice that of each other. Ragged
+/// lengths not multiples of the tiles, a one-token sequence, streaming and dense heads, MHA and
+/// GQA, both head dims and element types, without masks and with a random one (walks of odd
+/// and even length, steps whose two blocks are far apart). Elsewhere (no sm_90a module) only
+/// the default kernels run.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn wgmma_and_mma_sync_kernels_agree() {
@@ -425,11 +427,15 @@ fn wgmma_and_mma_sync_kernels_agree() {
         .ptx()
         .has_wgmma()
         .then(|| GpuContext::with_ptx_arch(0, "sm_90").unwrap());
-    for (head_dim, group, f16_data) in [
-        (128, 4, false),
-        (64, 1, true),
-        (128, 3, true),
-        (64, 2, false),
+    for (head_dim, group, f16_data, mask_density) in [
+        (128, 4, false, None),
+        (64, 1, true, None),
+        (128, 3, true, None),
+        (64, 2, false, None),
+        (128, 4, false, Some(0.4)),
+        (64, 1, true, Some(0.4)),
+        (128, 3, true, Some(0.7)),
+        (64, 2, false, Some(0.7)),
     ] {
         let case = Case {
             head_dim,
@@ -439,7 +445,7 @@ fn wgmma_and_mma_sync_kernels_agree() {
             streaming: vec![false, true],
             sink: 64,
             local: 200,
-            mask_density: None,
+            mask_density,
             f16: f16_data,
             seed: 21,
         };
@@ -449,7 +455,7 @@ fn wgmma_and_mma_sync_kernels_agree() {
             fn outputs<E: DeviceElement>(a: &GpuContext, b: &GpuContext, case: &Case) -> f64 {
                 let x = inputs::<E>(case);
                 let (cu, kinds) = (case.cu_seqlens(), case.kinds());
-                let args = args(case, &cu, &kinds, None);
+                let args = args(case, &cu, &kinds, x.masks.as_deref());
                 let (oa, ob) = (run_gpu(a, &args, &x), run_gpu(b, &args, &x));
                 let want: Vec<f64> = ob.iter().map(|e| e.to_f32() as f64).collect();
                 worst_head_error(&oa, &want, case.q_heads(), case.head_dim)
@@ -457,7 +463,10 @@ fn wgmma_and_mma_sync_kernels_agree() {
                     .0
             }
             let err = f16_or_bf16!(f16_data, outputs(&gpu, other, &case));
-            eprintln!("D {head_dim}, group {group}, f16 {f16_data}: wgmma vs mma.sync {err:.3e}");
+            eprintln!(
+                "D {head_dim}, group {group}, f16 {f16_data}, mask {mask_density:?}: \
+                 wgmma vs mma.sync {err:.3e}"
+            );
             assert!(err < 2e-2, "wgmma against mma.sync: {err:.3e}");
         }
     }

@@ -135,10 +135,12 @@ pub struct PrefillArgs {
     pub lse: crate::ptr::GlobalPtrMut<f32>,
 }
 
-/// Threads per block of the Hopper prefill kernels (`prefill_wgmma_attention_*`, sm_90): two
-/// consumer warpgroups of 64 query rows each (warps 0-7: `wgmma` products, softmax, output) and
-/// a producer warpgroup (warps 8-11, which give their registers to the consumers; one thread of
-/// warp 8 issues the tensor-map copies of Q, K and V).
+/// Threads per block of the Hopper prefill kernels (`prefill_wgmma_*`, sm_90): two consumer
+/// warpgroups (warps 0-7: `wgmma` products, softmax, output) and a producer warpgroup (warps
+/// 8-11, which give their registers to the consumers; one thread of warp 8 issues the
+/// tensor-map copies of Q, K and V). In `prefill_wgmma_attention_*` each consumer warpgroup owns
+/// one query block of a [`TILE_Q`]-row tile; in `prefill_wgmma_masked_attention_*` both share
+/// one query block and take turns at its steps.
 pub const WGMMA_PREFILL_THREADS: u32 = 384;
 /// KV blocks per step of the Hopper prefill kernels: `S = Q Kᵀ` of a step spans two blocks of
 /// the walk ([`BLOCK_KV`] keys each, not necessarily adjacent), 128 keys.
@@ -149,21 +151,30 @@ pub const WGMMA_PREFILL_STAGES: u32 = 3;
 /// Columns of one tensor-map box of the Hopper prefill kernels (128 bytes: the swizzle's
 /// width); a tile of `D` columns is `D / 64` boxes of 64 rows.
 pub const WGMMA_BOX_COLUMNS: u32 = 64;
+/// `mbarrier`s of the Hopper prefill kernels: one for the query tile, a *full* one per stage
+/// and consumer warpgroup, an *empty* one per stage, and the two of the masked kernel's merge
+/// (one warpgroup's products done, the other's part written).
+pub const WGMMA_PREFILL_BARRIERS: u32 = 3 + 3 * WGMMA_PREFILL_STAGES;
+/// Words of the Hopper prefill kernels' step headers: the walk's length, then per stage the
+/// step's two KV blocks (what the producer found in a caller mask), padded to 8 bytes.
+pub const WGMMA_PREFILL_HEADER_WORDS: u32 = 2 + 2 * WGMMA_PREFILL_STAGES;
 
-/// Shared memory of the Hopper prefill kernel for head dimension `head_dim`, in bytes: 1024
+/// Shared memory of the Hopper prefill kernels for head dimension `head_dim`, in bytes: 1024
 /// bytes of slack to align the tiles to the swizzle's 1024-byte atoms, the query tile
-/// ([`TILE_Q`] rows), [`WGMMA_PREFILL_STAGES`] K and V tiles of a step, then the `mbarrier`s
-/// (one for the query tile, a full and an empty one per stage, 8 bytes each).
+/// ([`TILE_Q`] rows), [`WGMMA_PREFILL_STAGES`] K and V tiles of a step, the `mbarrier`s
+/// ([`WGMMA_PREFILL_BARRIERS`], 8 bytes each), then the step headers
+/// ([`WGMMA_PREFILL_HEADER_WORDS`]).
 pub const fn wgmma_prefill_smem_bytes(head_dim: u32) -> u32 {
     1024 + (TILE_Q + 2 * WGMMA_PREFILL_STAGES * WGMMA_STEP_BLOCKS * BLOCK_KV) * head_dim * 2
-        + 8 * (1 + 2 * WGMMA_PREFILL_STAGES)
+        + 8 * WGMMA_PREFILL_BARRIERS
+        + 4 * WGMMA_PREFILL_HEADER_WORDS
 }
 
 /// Bytes of one encoded tensor map (CUDA's `CUtensorMap`, 64-byte aligned).
 pub const PREFILL_TENSOR_MAP_BYTES: usize = 128;
 
-/// The one argument of a Hopper prefill launch (`prefill_wgmma_attention_*`): the arguments of
-/// the `mma.sync` kernels (the same schedule and outputs; `q`, `k`, `v` are read through the
+/// The one argument of a Hopper prefill launch (`prefill_wgmma_*`): the arguments of the
+/// `mma.sync` kernels (the same schedules, masks and outputs; `q`, `k`, `v` are read through the
 /// maps) and the tensor maps of `q`, `k` and `v`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -67,6 +67,22 @@ pub unsafe fn mbarrier_arrive_expect_tx(bar: u32, bytes: u32) {
     }
 }
 
+/// Raises the transaction count of `bar`'s current phase by `bytes`, without arriving: the
+/// phase then completes when its arrivals are in and `bytes` more bytes of bulk copies have
+/// landed on it.
+///
+/// # Safety
+/// `bar` is an initialized barrier whose current phase still expects an arrival from this
+/// thread (made after this call); `bytes < 2^20`.
+#[inline(always)]
+pub unsafe fn mbarrier_expect_tx(bar: u32, bytes: u32) {
+    // SAFETY: forwarded.
+    unsafe {
+        asm!("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [{0}], {1};",
+             in(reg32) bar, in(reg32) bytes, options(nostack));
+    }
+}
+
 /// Waits until the phase of `bar` with parity `parity` (0 for phases 0, 2, ...; 1 for 1, 3, ...)
 /// has completed. Acquire: the bytes the phase counted are visible to this thread afterwards.
 ///

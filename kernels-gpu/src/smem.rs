@@ -88,6 +88,17 @@ pub unsafe fn shared_increment_u32(addr: u32) {
     unsafe { asm!("red.shared.add.u32 [{0}], 1;", in(reg32) addr, options(nostack)) };
 }
 
+/// Stores `v` at shared-window address `addr` (`st.shared.u32`).
+///
+/// # Safety
+/// `addr` is 4-byte aligned and `addr..addr + 4` lies inside the block's shared memory; no other
+/// thread reads or writes those bytes concurrently (order with a barrier).
+#[inline(always)]
+pub unsafe fn st_shared_u32(addr: u32, v: u32) {
+    // SAFETY: the caller guarantees the address. Writes memory: no `nomem`.
+    unsafe { asm!("st.shared.u32 [{0}], {1};", in(reg32) addr, in(reg32) v, options(nostack)) };
+}
+
 /// Stores four consecutive `u32` at shared-window address `addr` (one `st.shared.v4`).
 ///
 /// # Safety

@@ -63,8 +63,9 @@ pub struct PrefillArgs<'a> {
     /// Softmax scale; `None` is `1 / sqrt(head_dim)`.
     pub softmax_scale: Option<f32>,
     /// Whether the plan's launches may write the log-sum-exp ([`PrefillPlan::run_with_lse`]).
-    /// Without caller masks such a plan takes the kernel of 64-query tiles (the 128-query one
-    /// has no register left for it; prefill DESIGN.md), with them the masked kernel as always.
+    /// On sm_90a every kernel can; elsewhere, without caller masks, such a plan takes the
+    /// `mma.sync` kernel of 64-query tiles (the 128-query one has no register left for it;
+    /// prefill DESIGN.md), with them the masked kernel as always.
     pub with_lse: bool,
     /// Per sequence, the leading positions that are keys only (a cached prefix before a chunk):
     /// sequence `b`'s queries are then its positions `prefix_lens[b]..len`, and `q` / `out` hold
@@ -76,15 +77,18 @@ pub struct PrefillArgs<'a> {
 
 /// A prefill batch's schedule on the device (see the module docs).
 ///
-/// On compute capability 9.0 (the sm_90a module) a plan without caller masks and without the
-/// log-sum-exp runs the `wgmma` kernel, which reads `q`, `k`, `v` through tensor maps that the
-/// plan keeps in a device buffer of its own and rewrites on the run's stream when a run's
-/// tensors or stream differ from the last run's: runs of one plan go to one stream at a time
-/// (or to streams the caller orders).
+/// On compute capability 9.0 (the sm_90a module) a plan runs the `wgmma` kernels (the one of
+/// 128-query tiles without caller masks, the one of 64-query tiles with them), which read `q`,
+/// `k`, `v` through tensor maps that the plan keeps in a device buffer of its own and rewrites
+/// on the run's stream when a run's tensors or stream differ from the last run's: runs of one
+/// plan go to one stream at a time (or to streams the caller orders).
 pub struct PrefillPlan {
     params: PrefillParams,
     /// The kernel the schedule was built for.
     kernel: Kernel,
+    /// Whether runs may write the log-sum-exp (made with [`PrefillArgs::with_lse`] or caller
+    /// masks).
+    writes_lse: bool,
     /// Rows of `q` / `out` (and of `lse`): `tokens` less the prefixes.
     q_tokens: usize,
     /// `[items]` [`PrefillWorkItem`]s as words.
@@ -127,16 +131,31 @@ enum Kernel {
     /// `prefill_wgmma_attention_*` (sm_90a module only): what [`Kernel::Attention`] computes,
     /// on Hopper's `wgmma` products with tensor-map copies; the same work items.
     Wgmma,
+    /// `prefill_wgmma_lse_attention_*` (sm_90a module only): what [`Kernel::Lse`] computes, on
+    /// the work items of [`Kernel::Attention`] (the `wgmma` kernel has the registers for it).
+    WgmmaLse,
+    /// `prefill_wgmma_masked_attention_*` (sm_90a module only): what [`Kernel::Masked`]
+    /// computes, on `wgmma` products; the same work items.
+    WgmmaMasked,
 }
 
 impl Kernel {
-    /// The kernel of a launch with or without caller masks and the log-sum-exp.
-    fn of(masked: bool, lse: bool) -> Self {
-        match (masked, lse) {
-            (true, _) => Kernel::Masked,
-            (false, true) => Kernel::Lse,
-            (false, false) => Kernel::Attention,
+    /// The kernel of a launch with or without caller masks and the log-sum-exp, in a module
+    /// with or without the `wgmma` kernels.
+    fn of(masked: bool, lse: bool, wgmma: bool) -> Self {
+        match (masked, lse, wgmma) {
+            (true, _, true) => Kernel::WgmmaMasked,
+            (false, true, true) => Kernel::WgmmaLse,
+            (false, false, true) => Kernel::Wgmma,
+            (true, _, false) => Kernel::Masked,
+            (false, true, false) => Kernel::Lse,
+            (false, false, false) => Kernel::Attention,
         }
+    }
+
+    /// Whether it is one of the `wgmma` kernels (tensor maps, [`WgmmaPrefillArgs`]).
+    fn is_wgmma(self) -> bool {
+        matches!(self, Kernel::Wgmma | Kernel::WgmmaLse | Kernel::WgmmaMasked)
     }
 
     /// The entry point for an element type and head dimension.
@@ -146,6 +165,8 @@ impl Kernel {
             Kernel::Lse => "lse_attention",
             Kernel::Masked => "masked_attention",
             Kernel::Wgmma => "wgmma_attention",
+            Kernel::WgmmaLse => "wgmma_lse_attention",
+            Kernel::WgmmaMasked => "wgmma_masked_attention",
         };
         format!("prefill_{kind}_{}_d{head_dim}", E::DTYPE.name())
     }
@@ -153,8 +174,8 @@ impl Kernel {
     /// Query blocks per work item.
     fn tile_q_blocks(self) -> u32 {
         match self {
-            Kernel::Attention | Kernel::Wgmma => TILE_Q_BLOCKS,
-            Kernel::Lse | Kernel::Masked => MASKED_TILE_Q_BLOCKS,
+            Kernel::Attention | Kernel::Wgmma | Kernel::WgmmaLse => TILE_Q_BLOCKS,
+            Kernel::Lse | Kernel::Masked | Kernel::WgmmaMasked => MASKED_TILE_Q_BLOCKS,
         }
     }
 }
@@ -270,8 +291,8 @@ impl PrefillArgs<'_> {
     }
 
     /// The kernel this launch takes.
-    fn kernel(&self) -> Kernel {
-        Kernel::of(self.block_masks.is_some(), self.with_lse)
+    fn kernel(&self, wgmma: bool) -> Kernel {
+        Kernel::of(self.block_masks.is_some(), self.with_lse, wgmma)
     }
 
     /// The sequence's first position with a query.
@@ -285,12 +306,11 @@ impl PrefillArgs<'_> {
         tokens - self.prefix_lens.map_or(0, |p| p.iter().sum())
     }
 
-    /// The work items, one per query tile of the kernel the launch uses ([`TILE_Q_BLOCKS`] query
-    /// blocks without masks, [`MASKED_TILE_Q_BLOCKS`] with; heaviest first: causal work grows
-    /// with the block index) that holds a query (tiles inside a cached prefix are left out), and
-    /// the concatenated mask words.
-    fn schedule(&self) -> Result<(Vec<u32>, Vec<u32>)> {
-        let tile_blocks = self.kernel().tile_q_blocks() as usize;
+    /// The work items, one per query tile of `kernel` ([`Kernel::tile_q_blocks`]; heaviest
+    /// first: causal work grows with the block index) that holds a query (tiles inside a cached
+    /// prefix are left out), and the concatenated mask words.
+    fn schedule(&self, kernel: Kernel) -> Result<(Vec<u32>, Vec<u32>)> {
+        let tile_blocks = kernel.tile_q_blocks() as usize;
         let mut items = Vec::new();
         let mut mask_words = Vec::new();
         let mut q_row = 0usize;
@@ -360,7 +380,9 @@ impl PrefillPlan {
     /// of the wrong shape; driver errors.
     pub fn new(gpu: &GpuContext, args: &PrefillArgs<'_>) -> Result<Self> {
         let tokens = args.validate()?;
-        let (items, mask_words) = args.schedule()?;
+        // The `wgmma` kernels where the loaded module has them.
+        let kernel = args.kernel(gpu.ptx().has_wgmma());
+        let (items, mask_words) = args.schedule(kernel)?;
         let head_map: Vec<u32> = args
             .kinds
             .iter()
@@ -385,12 +407,7 @@ impl PrefillPlan {
             strides: TokenStrides::packed(args.q_heads as u32, args.kv_heads as u32),
         };
         let stream = gpu.stream();
-        // The `wgmma` kernel where the loaded module has it (same work items as `Attention`).
-        let kernel = match args.kernel() {
-            Kernel::Attention if gpu.ptx().has_wgmma() => Kernel::Wgmma,
-            k => k,
-        };
-        let maps = if kernel == Kernel::Wgmma {
+        let maps = if kernel.is_wgmma() {
             // 64-byte aligned: device allocations are 256-byte aligned.
             let buffer = stream.alloc_zeros::<u8>(3 * PREFILL_TENSOR_MAP_BYTES)?;
             Some(std::sync::Mutex::new(TensorMaps {
@@ -403,6 +420,7 @@ impl PrefillPlan {
         Ok(Self {
             params,
             kernel,
+            writes_lse: args.with_lse || args.block_masks.is_some(),
             maps,
             q_tokens: args.query_rows(),
             items: stream.clone_htod(&items)?,
@@ -490,7 +508,7 @@ impl PrefillPlan {
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
-        if !(self.kernel == Kernel::Masked || self.kernel == Kernel::Lse) {
+        if !self.writes_lse {
             return Err(invalid(
                 "lse",
                 "the plan was made without `with_lse`: its kernel does not write the log-sum-exp",
@@ -532,8 +550,8 @@ impl PrefillPlan {
             strides,
             ..self.params
         };
-        if self.kernel == Kernel::Wgmma {
-            return self.launch_wgmma(gpu, p, q, k, v, out);
+        if self.kernel.is_wgmma() {
+            return self.launch_wgmma(gpu, p, q, k, v, out, lse);
         }
         // The schedule was built for this kernel (`has_mask` set for the masked one).
         let smem = prefill_smem_bytes(d as u32, self.kernel.tile_q_blocks());
@@ -593,7 +611,7 @@ impl PrefillPlan {
         }
     }
 
-    /// [`launch`](Self::launch) of the `wgmma` kernel: the tensor maps of `q`, `k`, `v` are
+    /// [`launch`](Self::launch) of a `wgmma` kernel: the tensor maps of `q`, `k`, `v` are
     /// encoded and copied to the plan's buffer (stream-ordered) unless they describe these
     /// tensors already.
     #[allow(clippy::too_many_arguments)]
@@ -605,6 +623,7 @@ impl PrefillPlan {
         k: &Tokens<'_, E>,
         v: &Tokens<'_, E>,
         out: &mut TokensMut<'_, E>,
+        lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<()> {
         let d = self.head_dim;
         let stream = gpu.stream();
@@ -648,13 +667,14 @@ impl PrefillPlan {
         };
         let mut launch = Launch::new(gpu, &f);
         let args = WgmmaPrefillArgs {
-            base: self.kernel_args(&mut launch, p, q, k, v, out, None),
+            base: self.kernel_args(&mut launch, p, q, k, v, out, lse),
             maps: launch.read(&maps.buffer),
         };
-        // SAFETY: `args` is the argument struct of `prefill_wgmma_attention_{bf16,f16}_d{64,128}`
-        // (in the loaded sm_90a module: the plan chose this kernel only there), of the buffers
-        // registered above; the plan and tensors were validated as for `launch` (the same work
-        // items: tiles of `TILE_Q_BLOCKS` query blocks); the maps in `maps.buffer` describe
+        // SAFETY: `args` is the argument struct of
+        // `prefill_wgmma_{,lse_,masked_}attention_{bf16,f16}_d{64,128}` (in the loaded sm_90a module:
+        // the plan chose these kernels only there), of the buffers registered above; the plan,
+        // tensors, masks and `lse` were validated as for `launch` (the work items are tiles of
+        // the kernel's query blocks, `Kernel::tile_q_blocks`); the maps in `maps.buffer` describe
         // these `q` (`query_rows` rows), `k`, `v` (`tokens` rows) at these strides, written on
         // this stream before the launch; the grid is `(items, q_heads)`, the block and shared
         // memory are what the kernel is written for.

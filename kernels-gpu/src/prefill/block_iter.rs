@@ -246,6 +246,26 @@ impl<const N: usize> TileBlocks<N> {
     }
 }
 
+impl TileBlocks<1> {
+    /// The number of blocks the walk yields from here, counted a word at a time (a popcount per
+    /// word of the walk, the words skipped as [`Iterator::next`] skips them).
+    ///
+    /// # Safety
+    /// As [`Self::new`] (the words of the mask rows it reads).
+    #[inline(always)]
+    pub unsafe fn count_blocks(mut self) -> u32 {
+        let last_word = self.sets[0].q_block / 32;
+        let mut count = self.bits[0].count_ones();
+        while self.word < last_word {
+            let next = self.sets[0].next_word(self.word).min(last_word);
+            // SAFETY: `next <= last_word`.
+            unsafe { self.load_word(next) };
+            count += self.bits[0].count_ones();
+        }
+        count
+    }
+}
+
 impl<const N: usize> Iterator for TileBlocks<N> {
     type Item = TileBlock<N>;
 

@@ -31,8 +31,10 @@
 //! The loop body is the same for every head, block and mask: what differs is only which blocks
 //! the walk yields, which warps skip one, and whether the block needs element masks.
 //!
-//! On sm_90a, `wgmma` computes what `prefill_attention_*` does with Hopper's warpgroup
-//! products, tensor-map copies and a producer warp (`prefill_wgmma_attention_*`).
+//! On sm_90a, [`wgmma`] computes what `prefill_attention_*` and `prefill_lse_attention_*` do
+//! with Hopper's warpgroup products, tensor-map copies and a producer warpgroup
+//! (`prefill_wgmma_attention_*`, `prefill_wgmma_lse_attention_*`), and [`wgmma_masked`] what `prefill_masked_attention_*` does
+//! (`prefill_wgmma_masked_attention_*`).
 
 pub mod block_iter;
 pub mod mask;
@@ -40,6 +42,8 @@ pub mod softmax;
 pub mod tiles;
 #[cfg(target_feature = "sm_90a")]
 pub mod wgmma;
+#[cfg(target_feature = "sm_90a")]
+pub mod wgmma_masked;
 
 use lserve_abi::prefill::{
     PrefillArgs, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, MASKED_TILE_Q_BLOCKS,
@@ -498,14 +502,16 @@ prefill_kernels! {
     prefill_masked_attention_f16_d128: BlockMask, F16, 128, rows 1, lse true;
 }
 
-/// Declares one Hopper prefill entry point per (element type, head dim) (`wgmma::`, sm_90a).
+/// Declares one Hopper prefill entry point per (kernel, element type, head dim) (sm_90a):
+/// `wgmma::prefill_wgmma_attention` or `wgmma_masked::prefill_wgmma_masked_attention`.
 #[cfg(target_feature = "sm_90a")]
 macro_rules! wgmma_prefill_kernels {
-    ($($name:ident: $elem:ty, $d:literal;)*) => {$(
-        /// Hopper prefill attention entry point (see `wgmma`'s module docs).
+    ($($name:ident: $kind:ident, $elem:ty, $d:literal;)*) => {$(
+        /// Hopper prefill attention entry point (see the `wgmma` and `wgmma_masked` module
+        /// docs).
         ///
         /// # Safety
-        /// As `wgmma::prefill_wgmma_attention`'s: launched by `lserve`'s host launcher only.
+        /// As the body's: launched by `lserve`'s host launcher only.
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $name(a: lserve_abi::prefill::WgmmaPrefillArgs) {
             let map = |i: usize| {
@@ -513,25 +519,49 @@ macro_rules! wgmma_prefill_kernels {
                 unsafe { a.maps.get().add(i * lserve_abi::prefill::PREFILL_TENSOR_MAP_BYTES) }
             };
             let maps = wgmma::Maps { q: map(0), k: map(1), v: map(2) };
+            let b = &a.base;
             // SAFETY: forwarded launch contract.
-            unsafe {
-                wgmma::prefill_wgmma_attention::<$elem, $d>(
-                    &a.base.params,
-                    a.base.items.get(),
-                    a.base.head_map.get(),
-                    maps,
-                    a.base.out.get(),
-                )
-            }
+            unsafe { wgmma_prefill_kernels!(@call $kind, $elem, $d, b, maps) }
         }
     )*};
+    (@call unmasked, $elem:ty, $d:literal, $b:ident, $maps:ident) => {
+        wgmma::prefill_wgmma_attention::<$elem, $d, false>(
+            &$b.params, $b.items.get(), $b.head_map.get(), $maps, $b.out.get(), $b.lse.get(),
+        )
+    };
+    (@call lse, $elem:ty, $d:literal, $b:ident, $maps:ident) => {
+        wgmma::prefill_wgmma_attention::<$elem, $d, true>(
+            &$b.params, $b.items.get(), $b.head_map.get(), $maps, $b.out.get(), $b.lse.get(),
+        )
+    };
+    (@call masked, $elem:ty, $d:literal, $b:ident, $maps:ident) => {
+        wgmma_masked::prefill_wgmma_masked_attention::<$elem, $d>(
+            &$b.params,
+            $b.items.get(),
+            $b.head_map.get(),
+            $b.mask.get(),
+            $maps,
+            $b.out.get(),
+            $b.lse.get(),
+        )
+    };
 }
 
-// Launches without caller masks and without the log-sum-exp, on sm_90a.
+// On sm_90a: launches without caller masks, tiles of `TILE_Q_BLOCKS` query blocks (without and
+// with the log-sum-exp); launches with them, tiles of one query block (the log-sum-exp where
+// the launch gives a buffer for it).
 #[cfg(target_feature = "sm_90a")]
 wgmma_prefill_kernels! {
-    prefill_wgmma_attention_bf16_d64: Bf16, 64;
-    prefill_wgmma_attention_bf16_d128: Bf16, 128;
-    prefill_wgmma_attention_f16_d64: F16, 64;
-    prefill_wgmma_attention_f16_d128: F16, 128;
+    prefill_wgmma_attention_bf16_d64: unmasked, Bf16, 64;
+    prefill_wgmma_attention_bf16_d128: unmasked, Bf16, 128;
+    prefill_wgmma_attention_f16_d64: unmasked, F16, 64;
+    prefill_wgmma_attention_f16_d128: unmasked, F16, 128;
+    prefill_wgmma_lse_attention_bf16_d64: lse, Bf16, 64;
+    prefill_wgmma_lse_attention_bf16_d128: lse, Bf16, 128;
+    prefill_wgmma_lse_attention_f16_d64: lse, F16, 64;
+    prefill_wgmma_lse_attention_f16_d128: lse, F16, 128;
+    prefill_wgmma_masked_attention_bf16_d64: masked, Bf16, 64;
+    prefill_wgmma_masked_attention_bf16_d128: masked, Bf16, 128;
+    prefill_wgmma_masked_attention_f16_d64: masked, F16, 64;
+    prefill_wgmma_masked_attention_f16_d128: masked, F16, 128;
 }

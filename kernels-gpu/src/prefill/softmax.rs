@@ -144,6 +144,13 @@ impl RowSoftmax {
         corrections
     }
 
+    /// Both rows' states as they stand, with this lane's share of each denominator (for a
+    /// merge with another part of the rows' keys; [`SoftmaxState::quad_total`] after it).
+    #[inline(always)]
+    pub fn lane_states(&self) -> [SoftmaxState; 2] {
+        self.rows
+    }
+
     /// Both rows' final states, the quad's denominator shares summed. Every row saw its
     /// diagonal key, so `l >= 1`.
     ///

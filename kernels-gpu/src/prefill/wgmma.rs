@@ -34,8 +34,8 @@
 
 use lserve_abi::prefill::{
     wgmma_prefill_smem_bytes, PrefillParams, PrefillWorkItem, BLOCK_KV, BLOCK_Q, TILE_Q,
-    TILE_Q_BLOCKS, WGMMA_BOX_COLUMNS, WGMMA_PREFILL_STAGES as STAGES, WGMMA_PREFILL_THREADS,
-    WGMMA_STEP_BLOCKS,
+    TILE_Q_BLOCKS, WGMMA_BOX_COLUMNS, WGMMA_PREFILL_BARRIERS, WGMMA_PREFILL_HEADER_WORDS,
+    WGMMA_PREFILL_STAGES as STAGES, WGMMA_PREFILL_THREADS, WGMMA_STEP_BLOCKS,
 };
 
 use super::block_iter::{SpanVisitor, TileSpan, Window};
@@ -60,13 +60,13 @@ use crate::wgmma::{
 };
 
 /// Consumer warps (two warpgroups); the producer warpgroup is the four after them.
-const CONSUMER_WARPS: u32 = 8;
+pub(super) const CONSUMER_WARPS: u32 = 8;
 /// Registers per thread of the consumer warpgroups and of the producer warpgroup after the
 /// reallocation ([`claim_registers`], [`release_registers`]): the block is launched with
 /// `65536 / 384 = 168` per thread (the register file, rounded down to a multiple of 8), and
 /// `2 · 128 · 232 + 128 · 40 = 384 · 168`.
-const CONSUMER_REGISTERS: u32 = 232;
-const PRODUCER_REGISTERS: u32 = 40;
+pub(super) const CONSUMER_REGISTERS: u32 = 232;
+pub(super) const PRODUCER_REGISTERS: u32 = 40;
 const _: () =
     assert!(2 * 128 * CONSUMER_REGISTERS + 128 * PRODUCER_REGISTERS == WGMMA_PREFILL_THREADS * 168);
 /// Bytes of one tensor-map box: 64 rows of 128 bytes, the swizzle's atoms (8 rows, 1024 bytes)
@@ -90,26 +90,27 @@ const _: () = assert!(
 );
 
 /// Scores of a step for a warp's 16 rows: per block of the step, 8 accumulators of 8 keys.
-type StepScores = [[FragC; S_TILES]; WGMMA_STEP_BLOCKS as usize];
+pub(super) type StepScores = [[FragC; S_TILES]; WGMMA_STEP_BLOCKS as usize];
 
 /// Where the tiles and barriers live (shared-window addresses from a 1024-byte aligned base):
 /// the query tile (query block `g`'s 64 rows at `q(g)`, its `D / 64` column boxes
 /// [`BOX_BYTES`] apart), the stages (a K then a V tile of a step: per 64 columns a
-/// [`STEP_BOX_BYTES`] group holding block 0's box then block 1's), the barriers.
+/// [`STEP_BOX_BYTES`] group holding block 0's box then block 1's), the barriers, the step
+/// headers.
 #[derive(Clone, Copy)]
-struct Smem<const D: usize> {
+pub(super) struct Smem<const D: usize> {
     base: u32,
 }
 
 impl<const D: usize> Smem<D> {
     /// Bytes of one 64-row tile of `D` columns.
-    const TILE_BYTES: u32 = (D as u32 / WGMMA_BOX_COLUMNS) * BOX_BYTES;
+    pub(super) const TILE_BYTES: u32 = (D as u32 / WGMMA_BOX_COLUMNS) * BOX_BYTES;
     /// Bytes of a step's K (or V) tile.
     const STEP_BYTES: u32 = WGMMA_STEP_BLOCKS * Self::TILE_BYTES;
 
     /// The layout in this block's dynamic shared memory.
     #[inline(always)]
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         let raw = shared_addr(dynamic_smem::<u8>(0));
         Self {
             base: (raw + ATOM_BYTES - 1) & !(ATOM_BYTES - 1),
@@ -118,49 +119,70 @@ impl<const D: usize> Smem<D> {
 
     /// Query block `g`'s rows of the query tile.
     #[inline(always)]
-    fn q(&self, g: u32) -> u32 {
+    pub(super) fn q(&self, g: u32) -> u32 {
         self.base + g * Self::TILE_BYTES
     }
 
     /// The K tile of `stage`.
     #[inline(always)]
-    fn k(&self, stage: u32) -> u32 {
+    pub(super) fn k(&self, stage: u32) -> u32 {
         self.base + TILE_Q_BLOCKS * Self::TILE_BYTES + 2 * stage * Self::STEP_BYTES
     }
 
     /// The V tile of `stage`.
     #[inline(always)]
-    fn v(&self, stage: u32) -> u32 {
+    pub(super) fn v(&self, stage: u32) -> u32 {
         self.k(stage) + Self::STEP_BYTES
     }
 
-    /// The barriers: the query tile's, then per stage its full one, then per stage its empty
-    /// one.
+    /// The barriers: the query tile's, then per consumer set (`set` 0 and 1) and stage a full
+    /// one, then per stage an empty one.
     #[inline(always)]
     fn barrier(&self, i: u32) -> u32 {
         self.base + TILE_Q_BLOCKS * Self::TILE_BYTES + 2 * STAGES * Self::STEP_BYTES + 8 * i
     }
 
     #[inline(always)]
-    fn q_full(&self) -> u32 {
+    pub(super) fn q_full(&self) -> u32 {
         self.barrier(0)
     }
 
+    /// The full barrier of `stage` for the consumers of set `set` (the unmasked kernel's two
+    /// warpgroups wait on set 0 together; the masked kernel's warpgroup `g` on set `g`).
     #[inline(always)]
-    fn full(&self, stage: u32) -> u32 {
-        self.barrier(1 + stage)
+    pub(super) fn full(&self, set: u32, stage: u32) -> u32 {
+        self.barrier(1 + set * STAGES + stage)
     }
 
     #[inline(always)]
-    fn empty(&self, stage: u32) -> u32 {
-        self.barrier(1 + STAGES + stage)
+    pub(super) fn empty(&self, stage: u32) -> u32 {
+        self.barrier(1 + 2 * STAGES + stage)
+    }
+
+    /// The masked kernel's merge barriers: `merge(0)` completes when warpgroup 0's products
+    /// are all done, `merge(1)` when warpgroup 1's part is written (each one arrival per thread
+    /// of the warpgroup).
+    #[inline(always)]
+    pub(super) fn merge(&self, i: u32) -> u32 {
+        self.barrier(1 + 3 * STAGES + i)
+    }
+
+    /// Word `i` of the step headers (after the barriers): word 0 the walk's length, words
+    /// `2 + 2 s`, `3 + 2 s` the KV blocks of the step in stage `s`.
+    #[inline(always)]
+    pub(super) fn header(&self, i: u32) -> u32 {
+        self.barrier(WGMMA_PREFILL_BARRIERS) + 4 * i
     }
 }
 
 /// The end of [`Smem`]'s layout: query tile `q` bytes per block, stage `step` bytes per tile.
 const fn layout_end(q: u32, step: u32) -> u32 {
-    1024 + TILE_Q_BLOCKS * q + 2 * STAGES * step + 8 * (1 + 2 * STAGES)
+    1024 + TILE_Q_BLOCKS * q
+        + 2 * STAGES * step
+        + 8 * WGMMA_PREFILL_BARRIERS
+        + 4 * WGMMA_PREFILL_HEADER_WORDS
 }
+const _: () = assert!(WGMMA_PREFILL_BARRIERS == 3 + 3 * STAGES);
 
 // The layout fits what the host sizes.
 const _: () = {
@@ -209,7 +231,7 @@ pub struct Maps {
 /// The blocks of step `j` of `span`: the walk's blocks `2j` and `2j + 1`, the second `None`
 /// past the walk's end.
 #[inline(always)]
-fn step_blocks(span: &TileSpan, j: u32) -> [Option<u32>; 2] {
+pub(super) fn step_blocks(span: &TileSpan, j: u32) -> [Option<u32>; 2] {
     let i = WGMMA_STEP_BLOCKS * j;
     [
         Some(span.kv_block(i)),
@@ -231,25 +253,12 @@ unsafe fn produce<const D: usize>(
     kv_row0: u32,
     kv_head: u32,
 ) {
-    let boxes = D as u32 / WGMMA_BOX_COLUMNS;
-    // SAFETY: the query barrier's phase 0 expects this arrival and the tile's bytes; each box
-    // lands in its own 1024-byte aligned 8 KiB of the query tile.
+    // SAFETY: the query barrier's phase 0 expects this arrival and the tile's bytes.
     unsafe {
         mbarrier_arrive_expect_tx(smem.q_full(), TILE_Q_BLOCKS * Smem::<D>::TILE_BYTES);
         let mut g = 0;
         while g < TILE_Q_BLOCKS {
-            let mut b = 0;
-            while b < boxes {
-                tensor_copy_3d(
-                    smem.q(g) + b * BOX_BYTES,
-                    maps.q,
-                    (b * WGMMA_BOX_COLUMNS) as i32,
-                    head as i32,
-                    q_row0 + (g * BLOCK_Q) as i32,
-                    smem.q_full(),
-                );
-                b += 1;
-            }
+            copy_query_block(smem, maps, g, q_row0 + (g * BLOCK_Q) as i32, head);
             g += 1;
         }
     }
@@ -263,30 +272,92 @@ unsafe fn produce<const D: usize>(
             // SAFETY: initialized; that phase is the current one or the one before.
             unsafe { mbarrier_wait_parity(smem.empty(stage), (j / STAGES + 1) % 2) };
         }
-        let blocks = step_blocks(&span, j);
         // SAFETY: the stage's full barrier's phase `j / STAGES` expects this arrival (its
-        // previous phase completed before the empty barrier's did); the K and V boxes land in
-        // the stage's tiles, nobody reads them before that phase completes. An absent block's
-        // boxes are read from rows `-64 .. 0`, outside the tensor: zeros, all bytes counted.
+        // previous phase completed before the empty barrier's did); nobody reads the stage's
+        // tiles before that phase completes.
         unsafe {
-            mbarrier_arrive_expect_tx(smem.full(stage), 2 * Smem::<D>::STEP_BYTES);
-            let bar = smem.full(stage);
-            crate::unroll8!(h in 0..WGMMA_STEP_BLOCKS as usize => {
-                let row = match blocks[h] {
-                    Some(kv_block) => (kv_row0 + kv_block * BLOCK_KV) as i32,
-                    None => -(BLOCK_KV as i32),
-                };
-                let mut b = 0;
-                while b < boxes {
-                    let col = (b * WGMMA_BOX_COLUMNS) as i32;
-                    let at = b * STEP_BOX_BYTES + h as u32 * BOX_BYTES;
-                    tensor_copy_3d(smem.k(stage) + at, maps.k, col, kv_head as i32, row, bar);
-                    tensor_copy_3d(smem.v(stage) + at, maps.v, col, kv_head as i32, row, bar);
-                    b += 1;
-                }
-            });
-        }
+            let full = smem.full(0, stage);
+            copy_step(
+                smem,
+                maps,
+                stage,
+                step_blocks(&span, j),
+                full,
+                kv_row0,
+                kv_head,
+            )
+        };
         j += 1;
+    }
+}
+
+/// Copies the K and V boxes of a step's `blocks` into `stage`, counted on the barrier `full`
+/// (one arrival with the step's bytes). An absent block's boxes are read from rows `-64 .. 0`,
+/// outside the tensor: zeros, all bytes counted.
+///
+/// # Safety
+/// One thread; `full`'s current phase expects this arrival and nobody reads the stage's tiles
+/// until it completes; `maps` describe the launch's `k` and `v`, whose rows `kv_row0 + 64 b ..`
+/// hold the blocks `b`.
+#[inline(always)]
+pub(super) unsafe fn copy_step<const D: usize>(
+    smem: Smem<D>,
+    maps: Maps,
+    stage: u32,
+    blocks: [Option<u32>; 2],
+    full: u32,
+    kv_row0: u32,
+    kv_head: u32,
+) {
+    let boxes = D as u32 / WGMMA_BOX_COLUMNS;
+    // SAFETY: forwarded; the boxes land in the stage's tiles.
+    unsafe {
+        mbarrier_arrive_expect_tx(full, 2 * Smem::<D>::STEP_BYTES);
+        crate::unroll8!(h in 0..WGMMA_STEP_BLOCKS as usize => {
+            let row = match blocks[h] {
+                Some(kv_block) => (kv_row0 + kv_block * BLOCK_KV) as i32,
+                None => -(BLOCK_KV as i32),
+            };
+            let mut b = 0;
+            while b < boxes {
+                let col = (b * WGMMA_BOX_COLUMNS) as i32;
+                let at = b * STEP_BOX_BYTES + h as u32 * BOX_BYTES;
+                tensor_copy_3d(smem.k(stage) + at, maps.k, col, kv_head as i32, row, full);
+                tensor_copy_3d(smem.v(stage) + at, maps.v, col, kv_head as i32, row, full);
+                b += 1;
+            }
+        });
+    }
+}
+
+/// Copies query block `g`'s tile (its `D / 64` boxes from row `q_row0`; rows outside the tensor
+/// land as zeros), counted on the query barrier.
+///
+/// # Safety
+/// One thread; the query barrier's current phase expects these bytes (a preceding
+/// `mbarrier_arrive_expect_tx`); `maps.q` describes the launch's `q`.
+#[inline(always)]
+pub(super) unsafe fn copy_query_block<const D: usize>(
+    smem: Smem<D>,
+    maps: Maps,
+    g: u32,
+    q_row0: i32,
+    head: u32,
+) {
+    let mut b = 0;
+    while b < D as u32 / WGMMA_BOX_COLUMNS {
+        // SAFETY: forwarded; each box lands in its own 1024-byte aligned 8 KiB of the tile.
+        unsafe {
+            tensor_copy_3d(
+                smem.q(g) + b * BOX_BYTES,
+                maps.q,
+                (b * WGMMA_BOX_COLUMNS) as i32,
+                head as i32,
+                q_row0,
+                smem.q_full(),
+            )
+        };
+        b += 1;
     }
 }
 
@@ -327,7 +398,7 @@ unsafe fn zero_v_rows<const D: usize>(block: u32, valid: u32, thread_in_group: u
 /// # Safety
 /// The whole warp; the stage's current phase of `empty` still expects this warp's arrival.
 #[inline(always)]
-unsafe fn release(empty: u32, lane: u32) {
+pub(super) unsafe fn release(empty: u32, lane: u32) {
     // SAFETY: forwarded.
     unsafe {
         sync_warp();
@@ -371,7 +442,7 @@ unsafe fn accumulate_pv<E: WgmmaElement, const D: usize>(
 /// # Safety
 /// The whole warpgroup; the tiles landed; `s` is read only after a wait covers the group.
 #[inline(always)]
-unsafe fn issue_scores<E: WgmmaElement, const D: usize>(
+pub(super) unsafe fn issue_scores<E: WgmmaElement, const D: usize>(
     s: &mut StepScores,
     q_tile: u32,
     k_tile: u32,
@@ -404,7 +475,7 @@ unsafe fn issue_scores<E: WgmmaElement, const D: usize>(
 /// The whole warpgroup; V landed (its tail rows zeroed); `o` and `p` are neither read nor
 /// written before a wait covers the group.
 #[inline(always)]
-unsafe fn issue_pv<E: WgmmaElement, const D: usize>(
+pub(super) unsafe fn issue_pv<E: WgmmaElement, const D: usize>(
     o: &mut [FragC; MAX_O_TILES],
     p: &mut [FragA<E>; 8],
     v_tile: u32,
@@ -421,17 +492,17 @@ unsafe fn issue_pv<E: WgmmaElement, const D: usize>(
 
 /// [`fence_operands`] for both blocks of a step's scores.
 #[inline(always)]
-fn fence_operands_step(s: &mut StepScores) {
+pub(super) fn fence_operands_step(s: &mut StepScores) {
     fence_operands(&mut s[0]);
     fence_operands(&mut s[1]);
 }
 
 /// Where one step's scores come from: its blocks and which of them this warpgroup visits.
 #[derive(Clone, Copy)]
-struct Step {
-    stage: u32,
-    blocks: [Option<u32>; 2],
-    visits: [bool; 2],
+pub(super) struct Step {
+    pub(super) stage: u32,
+    pub(super) blocks: [Option<u32>; 2],
+    pub(super) visits: [bool; 2],
 }
 
 impl Step {
@@ -446,20 +517,20 @@ impl Step {
     }
 }
 
-/// One consumer warp's rows: their query block, first position and softmax.
-struct Rows {
-    q_block: u32,
-    q_first: u32,
-    seq_len: u32,
-    window: Window,
-    lane: u32,
+/// One consumer warp's rows: their query block, first position and pattern.
+pub(super) struct Rows {
+    pub(super) q_block: u32,
+    pub(super) q_first: u32,
+    pub(super) seq_len: u32,
+    pub(super) window: Window,
+    pub(super) lane: u32,
 }
 
 impl Rows {
     /// The masks of a step's scores: `-inf` for a block this warpgroup does not visit, element
     /// masks for a visited block that needs them.
     #[inline(always)]
-    fn mask(&self, s: &mut StepScores, step: &Step) {
+    pub(super) fn mask(&self, s: &mut StepScores, step: &Step) {
         crate::unroll8!(h in 0..2 => {
             let kv_block = step.blocks[h].unwrap_or(0);
             if !step.visits[h] {
@@ -478,7 +549,7 @@ impl Rows {
 /// # Safety
 /// The whole warpgroup `g`; the step's tiles landed; no product reads its V meanwhile.
 #[inline(always)]
-unsafe fn zero_tails<const D: usize>(
+pub(super) unsafe fn zero_tails<const D: usize>(
     smem: &Smem<D>,
     step: &Step,
     seq_len: u32,
@@ -498,7 +569,7 @@ unsafe fn zero_tails<const D: usize>(
 /// `P` as `A` fragments, all eight packed before the products (a register written between two
 /// products would make ptxas fence them apart).
 #[inline(always)]
-fn p_fragments<E: WgmmaElement>(s: &StepScores) -> [FragA<E>; 8] {
+pub(super) fn p_fragments<E: WgmmaElement>(s: &StepScores) -> [FragA<E>; 8] {
     core::array::from_fn(|kk| {
         let (h, n) = (kk / 4, 2 * (kk % 4));
         p_fragment::<E, 16>(&s[h][n], &s[h][n + 1])
@@ -512,14 +583,16 @@ fn p_fragments<E: WgmmaElement>(s: &StepScores) -> [FragA<E>; 8] {
 /// `wgmma_prefill_smem_bytes(D)` bytes of dynamic shared memory; `items` as for
 /// [`super::prefill_attention`] (tiles of [`TILE_Q_BLOCKS`] query blocks); `maps` the tensor
 /// maps of `q` (`(D, q_heads, query rows)`), `k` and `v` (`(D, kv_heads, tokens)`) with boxes
-/// `(64, 1, 64)` and the 128-byte swizzle; `out` holds the query rows (16-byte aligned).
+/// `(64, 1, 64)` and the 128-byte swizzle; `out` holds the query rows (16-byte aligned); with
+/// `LSE`, `lse` (unless null) `[query rows][q_heads]` f32 (without, it is not read).
 #[inline(always)]
-pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
+pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize, const LSE: bool>(
     p: &PrefillParams,
     items: *const PrefillWorkItem,
     head_map: *const u32,
     maps: Maps,
     out: *mut u16,
+    lse: *mut f32,
 ) {
     // SAFETY: the whole warp is here; warp-uniform from lane 0.
     let warp = unsafe { shfl_idx_u32(warp_in_block(), 0) };
@@ -540,21 +613,8 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
     let span = TileSpan::new(window, item.q_block, tile_blocks);
     let smem = Smem::<D>::new();
 
-    if warp == CONSUMER_WARPS && lane == 0 {
-        // SAFETY: this block's barrier words, unused until the barrier below.
-        unsafe {
-            mbarrier_init(smem.q_full(), 1);
-            let mut s = 0;
-            while s < STAGES {
-                mbarrier_init(smem.full(s), 1);
-                mbarrier_init(smem.empty(s), CONSUMER_WARPS);
-                s += 1;
-            }
-        }
-        fence_mbarrier_init();
-    }
-    // SAFETY: every thread of the block, once.
-    unsafe { sync_threads() };
+    // SAFETY: every thread of the block, once; both warpgroups release every stage.
+    unsafe { init_barriers(&smem, warp, lane, 1, CONSUMER_WARPS) };
 
     if warp >= CONSUMER_WARPS {
         // SAFETY: the whole producer warpgroup, once; the copies need far fewer registers.
@@ -603,7 +663,7 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
     };
     let wait_full = |j: u32| {
         // SAFETY: step `j` is phase `j / STAGES` of its stage's full barrier.
-        unsafe { mbarrier_wait_parity(smem.full(j % STAGES), (j / STAGES) % 2) }
+        unsafe { mbarrier_wait_parity(smem.full(0, j % STAGES), (j / STAGES) % 2) }
     };
     if mine > 0 {
         // Step 0: its scores and probabilities.
@@ -678,15 +738,94 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
         j += 1;
     }
 
-    // O / l for the rows that have queries.
+    // SAFETY: the whole warp; the rows' keys are all in `o` and `softmax`; the item is the
+    // block's (with the log-sum-exp read again: the D 128 kernel spills 20 bytes if its pointer
+    // and the item stay live across the loop).
+    unsafe {
+        let totals = softmax.totals();
+        let (item, lse) = if LSE {
+            (reread_item(items), lse)
+        } else {
+            (item, core::ptr::null_mut())
+        };
+        write_rows::<E, D>(p, &item, head, q_first_warp, &o, totals, out, lse, lane)
+    };
+}
+
+/// Initializes the barriers (one thread of the producer warp: the query tile's, `sets` full
+/// barriers per stage with one arrival each, the empty ones with `empty_arrivals`, the merge
+/// barriers with a warpgroup's threads), then a block-wide barrier.
+///
+/// # Safety
+/// Every thread of the block, once, before any barrier is used.
+#[inline(always)]
+pub(super) unsafe fn init_barriers<const D: usize>(
+    smem: &Smem<D>,
+    warp: u32,
+    lane: u32,
+    sets: u32,
+    empty_arrivals: u32,
+) {
+    if warp == CONSUMER_WARPS && lane == 0 {
+        // SAFETY: this block's barrier words, unused until the barrier below.
+        unsafe {
+            mbarrier_init(smem.q_full(), 1);
+            let mut s = 0;
+            while s < STAGES {
+                let mut set = 0;
+                while set < sets {
+                    mbarrier_init(smem.full(set, s), 1);
+                    set += 1;
+                }
+                mbarrier_init(smem.empty(s), empty_arrivals);
+                s += 1;
+            }
+            mbarrier_init(smem.merge(0), 128);
+            mbarrier_init(smem.merge(1), 128);
+        }
+        fence_mbarrier_init();
+    }
+    // SAFETY: forwarded.
+    unsafe { sync_threads() };
+}
+
+/// The block's work item read again from memory, opaque to LLVM (for the epilogue of a kernel
+/// whose registers are short: nothing derived from the first read is kept live across the loop).
+///
+/// # Safety
+/// `items` holds the block's item.
+#[inline(always)]
+pub(super) unsafe fn reread_item(items: *const PrefillWorkItem) -> PrefillWorkItem {
+    // SAFETY: forwarded.
+    unsafe { core::ptr::read_volatile(items.add(block_idx_x() as usize)) }
+}
+
+/// Writes `O / l` of this warp's rows that have queries (16 rows from position `q_first_warp`
+/// of `item`'s sequence, `totals` their final softmax states) to `out`, and their log-sum-exp
+/// to `lse` unless it is null (after every output, one lane per row).
+///
+/// # Safety
+/// The whole warp; `out` holds the launch's query rows (`[rows][q_heads][D]` at the output
+/// stride), `lse` (if not null) `[rows][q_heads]` f32.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn write_rows<E: WgmmaElement, const D: usize>(
+    p: &PrefillParams,
+    item: &PrefillWorkItem,
+    head: u32,
+    q_first_warp: u32,
+    o: &[FragC; MAX_O_TILES],
+    totals: [SoftmaxState; 2],
+    out: *mut u16,
+    lse: *mut f32,
+    lane: u32,
+) {
     let out_stride = opaque_u32(p.strides.out) as usize * D;
     let row_offset = item.q_row.wrapping_sub(item.q_first);
     let (group, quad) = (lane / 4, lane % 4);
-    // SAFETY: the whole warp.
-    let totals: [SoftmaxState; 2] = unsafe { softmax.totals() };
     crate::unroll8!(half in 0..2 => {
         let row = q_first_warp + group + 8 * half as u32;
-        if row >= item.q_first && row < seq_len {
+        if row >= item.q_first && row < item.seq_len {
             let out_row = row.wrapping_add(row_offset) as usize;
             let inv = 1.0 / totals[half].l;
             let base = out_row * out_stride + head as usize * D;
@@ -698,6 +837,20 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize>(
                     crate::global::store_u32(out.add(base + 8 * n + 2 * quad as usize).cast::<u32>(), pair)
                 };
             });
+        }
+    });
+    if lse.is_null() || quad != 0 {
+        return;
+    }
+    crate::unroll8!(half in 0..2 => {
+        let row = q_first_warp + group + 8 * half as u32;
+        if row >= item.q_first && row < item.seq_len {
+            let out_row = row.wrapping_add(row_offset) as usize;
+            // SAFETY: `lse` holds `[query rows][q_heads]` f32 (launch contract).
+            unsafe {
+                lse.add(out_row * p.q_heads as usize + head as usize)
+                    .write(totals[half].natural_lse())
+            };
         }
     });
 }
