@@ -86,9 +86,6 @@ pub struct PrefillPlan {
     params: PrefillParams,
     /// The kernel the schedule was built for.
     kernel: Kernel,
-    /// Whether runs may write the log-sum-exp (made with [`PrefillArgs::with_lse`] or caller
-    /// masks).
-    writes_lse: bool,
     /// Rows of `q` / `out` (and of `lse`): `tokens` less the prefixes.
     q_tokens: usize,
     /// `[items]` [`PrefillWorkItem`]s as words.
@@ -151,6 +148,12 @@ impl Kernel {
             (false, true, false) => Kernel::Lse,
             (false, false, false) => Kernel::Attention,
         }
+    }
+
+    /// Whether it writes the log-sum-exp where a launch gives a buffer for it (the kernels of
+    /// plans made with [`PrefillArgs::with_lse`] or caller masks).
+    fn writes_lse(self) -> bool {
+        !matches!(self, Kernel::Attention | Kernel::Wgmma)
     }
 
     /// Whether it is one of the `wgmma` kernels (tensor maps, [`WgmmaPrefillArgs`]).
@@ -420,7 +423,6 @@ impl PrefillPlan {
         Ok(Self {
             params,
             kernel,
-            writes_lse: args.with_lse || args.block_masks.is_some(),
             maps,
             q_tokens: args.query_rows(),
             items: stream.clone_htod(&items)?,
@@ -508,7 +510,7 @@ impl PrefillPlan {
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
-        if !self.writes_lse {
+        if !self.kernel.writes_lse() {
             return Err(invalid(
                 "lse",
                 "the plan was made without `with_lse`: its kernel does not write the log-sum-exp",

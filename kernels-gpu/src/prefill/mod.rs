@@ -33,8 +33,8 @@
 //!
 //! On sm_90a, [`wgmma`] computes what `prefill_attention_*` and `prefill_lse_attention_*` do
 //! with Hopper's warpgroup products, tensor-map copies and a producer warpgroup
-//! (`prefill_wgmma_attention_*`, `prefill_wgmma_lse_attention_*`), and [`wgmma_masked`] what `prefill_masked_attention_*` does
-//! (`prefill_wgmma_masked_attention_*`).
+//! (`prefill_wgmma_attention_*`, `prefill_wgmma_lse_attention_*`), and [`wgmma_masked`] what
+//! `prefill_masked_attention_*` does (`prefill_wgmma_masked_attention_*`).
 
 pub mod block_iter;
 pub mod mask;
@@ -525,12 +525,13 @@ macro_rules! wgmma_prefill_kernels {
         }
     )*};
     (@call unmasked, $elem:ty, $d:literal, $b:ident, $maps:ident) => {
-        wgmma::prefill_wgmma_attention::<$elem, $d, false>(
-            &$b.params, $b.items.get(), $b.head_map.get(), $maps, $b.out.get(), $b.lse.get(),
-        )
+        wgmma_prefill_kernels!(@dense false, $elem, $d, $b, $maps)
     };
     (@call lse, $elem:ty, $d:literal, $b:ident, $maps:ident) => {
-        wgmma::prefill_wgmma_attention::<$elem, $d, true>(
+        wgmma_prefill_kernels!(@dense true, $elem, $d, $b, $maps)
+    };
+    (@dense $lse:literal, $elem:ty, $d:literal, $b:ident, $maps:ident) => {
+        wgmma::prefill_wgmma_attention::<$elem, $d, $lse>(
             &$b.params, $b.items.get(), $b.head_map.get(), $maps, $b.out.get(), $b.lse.get(),
         )
     };

@@ -228,6 +228,59 @@ pub struct Maps {
     pub v: *const u8,
 }
 
+/// What both Hopper prefill kernels read first: the warp index, the lane, the block's query head and
+/// its KV head, its work item, and the KV head's pattern.
+///
+/// The warp index is broadcast from lane 0: ptxas then knows it is warp-uniform and keeps it
+/// and what derives from it (the warp's rows, query block and walk bounds) in uniform registers
+/// beside the per-thread ones (CUTLASS's `canonical_warp_idx_sync` does the same). The lane is
+/// taken `% WARP_SIZE`, which gives LLVM its range (the `%laneid` read is opaque to it): the
+/// lane-derived parts of fragment addresses then fold with the per-step offsets into immediates
+/// rather than into loop-invariant registers, which ptxas would spend on issuing fragment loads
+/// further ahead of their products.
+#[derive(Clone, Copy)]
+pub(super) struct BlockWork {
+    pub(super) warp: u32,
+    pub(super) lane: u32,
+    pub(super) head: u32,
+    pub(super) kv_head: u32,
+    pub(super) item: PrefillWorkItem,
+    pub(super) window: Window,
+}
+
+impl BlockWork {
+    /// # Safety
+    /// The whole warp, before any divergence; the grid is `(items, q_heads)` and `head_map`
+    /// holds an entry per KV head of `p` (the host checks both).
+    #[inline(always)]
+    pub(super) unsafe fn load(
+        p: &PrefillParams,
+        items: *const PrefillWorkItem,
+        head_map: *const u32,
+    ) -> Self {
+        let lane = lane() % WARP_SIZE;
+        // SAFETY: the whole warp is here.
+        let warp = unsafe { shfl_idx_u32(warp_in_block(), 0) };
+        let head = block_idx_y();
+        let kv_head = head / p.group;
+        // SAFETY: `block_idx_x < items`, `kv_head < kv_heads` by the grid and the host's checks.
+        let (item, entry) = unsafe {
+            (
+                items.add(block_idx_x() as usize).read(),
+                head_map.add(kv_head as usize).read(),
+            )
+        };
+        Self {
+            warp,
+            lane,
+            head,
+            kv_head,
+            item,
+            window: Window::of_head(entry, p.sink_tokens, p.local_tokens),
+        }
+    }
+}
+
 /// The blocks of step `j` of `span`: the walk's blocks `2j` and `2j + 1`, the second `None`
 /// past the walk's end.
 #[inline(always)]
@@ -594,19 +647,15 @@ pub unsafe fn prefill_wgmma_attention<E: WgmmaElement, const D: usize, const LSE
     out: *mut u16,
     lse: *mut f32,
 ) {
-    // SAFETY: the whole warp is here; warp-uniform from lane 0.
-    let warp = unsafe { shfl_idx_u32(warp_in_block(), 0) };
-    let lane = lane() % WARP_SIZE;
-    let head = block_idx_y();
-    let kv_head = head / p.group;
-    // SAFETY: `block_idx_x < items`, `kv_head < kv_heads` (grid, host checks).
-    let (item, entry) = unsafe {
-        (
-            items.add(block_idx_x() as usize).read(),
-            head_map.add(kv_head as usize).read(),
-        )
-    };
-    let window = Window::of_head(entry, p.sink_tokens, p.local_tokens);
+    // SAFETY: the whole warp is here; grid and `head_map` as this function's contract.
+    let BlockWork {
+        warp,
+        lane,
+        head,
+        kv_head,
+        item,
+        window,
+    } = unsafe { BlockWork::load(p, items, head_map) };
     let seq_len = item.seq_len;
     let q_first = item.q_block * BLOCK_Q;
     let tile_blocks = (seq_len.div_ceil(BLOCK_Q) - item.q_block).min(TILE_Q_BLOCKS);

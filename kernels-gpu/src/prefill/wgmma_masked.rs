@@ -32,18 +32,17 @@ use lserve_abi::prefill::{
     mask_words_per_row, PrefillParams, PrefillWorkItem, BLOCK_Q, WGMMA_PREFILL_STAGES as STAGES,
 };
 
-use super::block_iter::{TileBlocks, TileMask, Window};
+use super::block_iter::{TileBlocks, TileMask};
 use super::softmax::{rescale_unless_settled, RowSoftmax};
 use super::tiles::{MAX_O_TILES, S_TILES};
 use super::wgmma::{
     copy_query_block, copy_step, fence_operands_step, init_barriers, issue_pv, issue_scores,
-    p_fragments, release, reread_item, write_rows, zero_tails, Maps, Rows, Smem, Step, StepScores,
-    CONSUMER_REGISTERS, CONSUMER_WARPS, PRODUCER_REGISTERS,
+    p_fragments, release, reread_item, write_rows, zero_tails, BlockWork, Maps, Rows, Smem, Step,
+    StepScores, CONSUMER_REGISTERS, CONSUMER_WARPS, PRODUCER_REGISTERS,
 };
 use crate::bulk_copy::{mbarrier_arrive, mbarrier_expect_tx, mbarrier_wait_parity};
 use crate::mma::FragC;
 use crate::smem::{ld_shared_u32, ld_shared_v4_u32, st_shared_u32, st_shared_v4_u32};
-use crate::thread::{block_idx_x, block_idx_y, lane, warp_in_block, WARP_SIZE};
 use crate::tile::fragments::n_tiles;
 use crate::tile::SoftmaxState;
 use crate::warp::shfl_idx_u32;
@@ -210,19 +209,15 @@ pub unsafe fn prefill_wgmma_masked_attention<E: WgmmaElement, const D: usize>(
     out: *mut u16,
     lse: *mut f32,
 ) {
-    // SAFETY: the whole warp is here; warp-uniform from lane 0.
-    let warp = unsafe { shfl_idx_u32(warp_in_block(), 0) };
-    let lane = lane() % WARP_SIZE;
-    let head = block_idx_y();
-    let kv_head = head / p.group;
-    // SAFETY: `block_idx_x < items`, `kv_head < kv_heads` (grid, host checks).
-    let (item, entry) = unsafe {
-        (
-            items.add(block_idx_x() as usize).read(),
-            head_map.add(kv_head as usize).read(),
-        )
-    };
-    let window = Window::of_head(entry, p.sink_tokens, p.local_tokens);
+    // SAFETY: the whole warp is here; grid and `head_map` as this function's contract.
+    let BlockWork {
+        warp,
+        lane,
+        head,
+        kv_head,
+        item,
+        window,
+    } = unsafe { BlockWork::load(p, items, head_map) };
     let seq_len = item.seq_len;
     let q_first = item.q_block * BLOCK_Q;
     let smem = Smem::<D>::new();
