@@ -6,6 +6,7 @@
 //! Nothing is made up: a case the logs do not hold shows as "not measured" (or "skipped" with
 //! the bench's reason), and is left out of the plots.
 
+pub mod fidelity;
 pub mod parse;
 pub mod plot;
 
@@ -295,7 +296,9 @@ impl Report<'_> {
             title: format!("batch {b}"),
             x_desc: "context (tokens)".into(),
             y_desc: "time per layer (µs, log)".into(),
+            log_x: true,
             log_y: true,
+            y_min: None,
             x_span: self.x_span(),
             series: vec![
                 s("dense (attention/dense)", 0, "attention/dense"),
@@ -331,7 +334,9 @@ impl Report<'_> {
             title: "dense / LServe".into(),
             x_desc: "context (tokens)".into(),
             y_desc: "speedup (x, log)".into(),
+            log_x: true,
             log_y: true,
+            y_min: None,
             x_span: self.x_span(),
             series: vec![
                 line("Llama-3-8B b1", 3, "attention/dense", "step/lserve", 1),
@@ -375,7 +380,9 @@ impl Report<'_> {
             title: format!("batch {b}"),
             x_desc: "context (tokens)".into(),
             y_desc: "time per layer (µs, log)".into(),
+            log_x: true,
             log_y: true,
+            y_min: None,
             x_span: self.x_span(),
             series: vec![
                 s("selector reuse 1", 4, "selector/reuse1"),
@@ -417,7 +424,9 @@ impl Report<'_> {
             title: "dense causal prefill, batch 1".into(),
             x_desc: "prompt (tokens)".into(),
             y_desc: "TFLOP/s".into(),
+            log_x: true,
             log_y: false,
+            y_min: None,
             x_span: lens.iter().map(|&l| l as f64).collect(),
             series: vec![
                 Series::new("ours (prefill/dense)", ours, 3),
@@ -462,7 +471,9 @@ impl Report<'_> {
             title: format!("batch {b}"),
             x_desc: "context (tokens)".into(),
             y_desc: "GB/s".into(),
+            log_x: true,
             log_y: false,
+            y_min: None,
             x_span: self.x_span(),
             series: vec![
                 Series::new("dense (attention/dense)", ours("attention/dense"), 0),

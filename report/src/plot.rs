@@ -1,4 +1,4 @@
-//! Line charts against the context length (log2 axis) as PNGs, drawn with plotters' bitmap back
+//! Line charts against the context length (log2 axis) or a linear axis as PNGs, drawn with plotters' bitmap back
 //! end into memory, encoded with the `png` crate; text with the embedded DejaVu Sans (a subset)
 //! through ab_glyph (no system fonts, no fontconfig).
 
@@ -63,9 +63,14 @@ impl Series {
 
 pub struct Panel {
     pub title: String,
+    /// A log2 x axis labelled in tokens (`4K`, `256K`) when true; a linear one otherwise.
+    pub log_x: bool,
     pub x_desc: String,
     pub y_desc: String,
     pub log_y: bool,
+    /// The bottom of a linear y axis [default: 0, or below the lowest value when one is
+    /// negative].
+    pub y_min: Option<f64>,
     /// The x values the axis spans (the cases' contexts), measured or not.
     pub x_span: Vec<f64>,
     pub series: Vec<Series>,
@@ -118,10 +123,14 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
 where
     DB::ErrorType: 'static,
 {
-    let log2 = |x: f64| x.log2();
-    let xs: Vec<f64> = p.x_span.iter().copied().map(log2).collect();
+    let xs: Vec<f64> = p.x_span.iter().map(|&x| p.x_coord(x)).collect();
     let (x_lo, x_hi) = bounds(&xs).unwrap_or((12.0, 18.0));
-    let x_range = (x_lo - 0.3)..(x_hi + 0.3);
+    let pad = if p.log_x {
+        0.3
+    } else {
+        (x_hi - x_lo).max(1.0) * 0.03
+    };
+    let x_range = (x_lo - pad)..(x_hi + pad);
     let ys: Vec<f64> = p
         .series
         .iter()
@@ -135,8 +144,27 @@ where
         let range = (y_lo / 1.6)..(y_hi * 1.6);
         draw_in(area, p, x_range, range.log_scale(), measured)
     } else {
-        let range = 0.0..(y_hi * 1.15).max(1e-9);
+        let lo = p
+            .y_min
+            .unwrap_or(if y_lo < 0.0 { y_lo * 1.15 } else { 0.0 });
+        let hi = if y_hi > lo {
+            y_hi + (y_hi - lo) * 0.15
+        } else {
+            lo + 1e-9
+        };
+        let range = lo..hi;
         draw_in(area, p, x_range, range, measured)
+    }
+}
+
+impl Panel {
+    /// Where `x` sits on the chart's axis.
+    fn x_coord(&self, x: f64) -> f64 {
+        if self.log_x {
+            x.log2()
+        } else {
+            x
+        }
     }
 }
 
@@ -199,16 +227,24 @@ where
         .y_label_area_size(70)
         .build_cartesian_2d::<RangedCoordf64, Y>(x_range.into(), y_range)
         .map_err(err)?;
+    let log_x = p.log_x;
     let whole = |v: &f64| {
-        if (v - v.round()).abs() < 1e-6 {
+        if (v - v.round()).abs() >= 1e-6 {
+            String::new()
+        } else if log_x {
             tokens_label(2f64.powf(v.round()))
         } else {
-            String::new()
+            format!("{}", v.round())
         }
+    };
+    let x_labels = if log_x {
+        ((x1 - x0).ceil() as usize + 1).max(2)
+    } else {
+        16
     };
     chart
         .configure_mesh()
-        .x_labels(((x1 - x0).ceil() as usize + 1).max(2))
+        .x_labels(x_labels)
         .x_label_formatter(&whole)
         .y_labels(14)
         .y_label_formatter(&|v| number_label(*v))
@@ -220,7 +256,7 @@ where
         .draw()
         .map_err(err)?;
     for s in &p.series {
-        let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, y)| (x.log2(), y)).collect();
+        let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, y)| (p.x_coord(x), y)).collect();
         let color = s.color;
         let style = color.stroke_width(2);
         let legend = move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 22, y)], style);
