@@ -171,9 +171,11 @@ impl Setting {
         mean(self.nll.iter().map(|&(_, n)| n))
     }
 
-    /// The mean over layers of `f` (NaN without layer rows or where `f` is NaN).
+    /// The mean of `f` over the layers where it is a number (a layer whose KV heads all
+    /// stream has no dense-head mass, one without streaming heads no streaming-head mass); NaN
+    /// when there is none.
     pub fn layer_mean(&self, f: impl Fn(&LayerRow) -> f64) -> f64 {
-        mean(self.layers.iter().map(f))
+        mean(self.layers.iter().map(f).filter(|x| !x.is_nan()))
     }
 }
 
@@ -371,7 +373,8 @@ fn settings_table(md: &mut String, all: &[Setting]) {
     md.push_str(
         "## Settings\n\nΔNLL: the setting's NLL minus dense's, token by token over the evaluated \
          tokens, mean ± standard error of the mean. Mass: the dense softmax mass on the tokens \
-         attended (mean over layers and probed steps; dense heads and streaming heads apart). \
+         attended (mean over probed steps, then over the layers that have such heads; dense \
+         heads and streaming heads apart). \
          Rel. error: the layer's attention output against dense attention on the same inputs.\n\n\
          | run | setting | mean NLL | ΔNLL vs dense | ΔNLL / dense NLL | mass (dense heads) | \
          mass (streaming heads) | rel. error |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",

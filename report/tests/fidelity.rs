@@ -67,3 +67,26 @@ fn a_missing_run_is_an_error_naming_it() {
     .unwrap_err();
     assert!(err.contains("no-such-run/nll.tsv"), "{err}");
 }
+
+/// `docs/fidelity/REPORT.md` is what the generator makes of the runs committed beside it
+/// (`docs/fidelity/data/`): regenerate it after changing either
+/// (`cargo run -p lserve-report --bin lserve-fidelity-report -- --run docs/fidelity/data/8k-s0
+/// --run docs/fidelity/data/8k-s05 --out docs/fidelity --layer-budget 1024`).
+#[test]
+fn the_committed_fidelity_report_is_current() {
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/fidelity");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fidelity-committed");
+    let _ = fs::remove_dir_all(&out);
+    let w = generate(&Options {
+        runs: vec![docs.join("data/8k-s0"), docs.join("data/8k-s05")],
+        out,
+        layer_budget: Some(1024),
+    })
+    .unwrap();
+    let made = fs::read_to_string(&w.markdown).unwrap();
+    let committed = fs::read_to_string(docs.join("REPORT.md")).unwrap();
+    assert!(
+        made == committed,
+        "docs/fidelity/REPORT.md is stale; regenerate it"
+    );
+}
