@@ -1,6 +1,6 @@
-//! Line charts against the context length (log2 axis) or a linear axis as PNGs, drawn with plotters' bitmap back
-//! end into memory, encoded with the `png` crate; text with the embedded DejaVu Sans (a subset)
-//! through ab_glyph (no system fonts, no fontconfig).
+//! Line charts against the context length (log2 axis) or a linear axis as PNGs, drawn with
+//! plotters' bitmap back end into memory, encoded with the `png` crate; text with the embedded
+//! DejaVu Sans (a subset) through ab_glyph (no system fonts, no fontconfig).
 
 use std::fs::File;
 use std::io::BufWriter;
@@ -261,11 +261,17 @@ where
         let style = color.stroke_width(2);
         let legend = move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 22, y)], style);
         if s.dashed {
+            // The legend's sample dashed too: two strokes with a gap.
+            let dashes = move |(x, y): (i32, i32)| {
+                EmptyElement::at((x, y))
+                    + PathElement::new(vec![(0, 0), (9, 0)], style)
+                    + PathElement::new(vec![(14, 0), (22, 0)], style)
+            };
             chart
                 .draw_series(DashedLineSeries::new(pts.clone(), 8, 5, style))
                 .map_err(err)?
                 .label(s.label.as_str())
-                .legend(legend);
+                .legend(dashes);
         } else {
             chart
                 .draw_series(LineSeries::new(pts.clone(), style))
