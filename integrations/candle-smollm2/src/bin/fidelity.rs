@@ -32,6 +32,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use clap::Parser;
 use lserve::config::GqaAggregation;
 use lserve::head_pattern::Calibration;
 use lserve_candle_smollm2::engine::{calibrate, geometry, prefill, Heads, Selection, Setting};
@@ -39,16 +40,39 @@ use lserve_candle_smollm2::eval::{by_pattern, evaluate, mean, Outcome, Window};
 use lserve_candle_smollm2::model::Llama;
 use lserve_candle_smollm2::{default_gguf_path, tokenizer, DEFAULT_TEXT};
 
+/// Teacher-forced NLL of a text's last tokens under each attention setting (module docs).
+#[derive(Parser)]
 struct Args {
-    gguf: PathBuf,
+    /// The GGUF [default: where scripts/fetch_smollm2.sh puts it].
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    /// The text whose last `--eval` tokens are scored.
+    #[arg(long, default_value = DEFAULT_TEXT)]
     text: PathBuf,
+    /// Prompt tokens before the evaluated ones (at most what the text has before them).
+    #[arg(long, default_value_t = 4096)]
     context: usize,
+    /// Evaluated tokens: the text's last ones, each one decode step.
+    #[arg(long, default_value_t = 256)]
     eval: usize,
+    /// Comma-separated settings (module docs: dense, stream:F, flat:B[:F], flat32:, flat64:,
+    /// lserve:B:C[:F], logical:B:C[:F], each optionally +mean and @HEADS).
+    #[arg(long, value_delimiter = ',', value_parser = parse_setting, default_value = "dense")]
     settings: Vec<Setting>,
-    probe_every: usize,
+    /// Probe every K-th decode step against dense attention.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    probe_every: u64,
+    /// Where report.md and the TSVs go (nothing written without it).
+    #[arg(long)]
     out: Option<PathBuf>,
+    /// The calibration text (for @calib and @calib-out settings; another text than --text).
+    #[arg(long)]
     calib_text: Option<PathBuf>,
+    /// The calibration text's first tokens used.
+    #[arg(long, default_value_t = 2048)]
     calib_tokens: usize,
+    /// Every K-th position past the sinks and local window is scored.
+    #[arg(long, default_value_t = 8)]
     calib_stride: usize,
 }
 
@@ -133,56 +157,16 @@ fn parse_setting(full: &str) -> Result<Setting> {
     })
 }
 
-fn parse_args() -> Result<Args> {
-    let mut args = Args {
-        gguf: default_gguf_path().context("no HOME: give --gguf")?,
-        text: PathBuf::from(DEFAULT_TEXT),
-        context: 4096,
-        eval: 256,
-        settings: Vec::new(),
-        probe_every: 4,
-        out: None,
-        calib_text: None,
-        calib_tokens: 2048,
-        calib_stride: 8,
-    };
-    let mut settings = "dense".to_string();
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--gguf" => args.gguf = value()?.into(),
-            "--text" => args.text = value()?.into(),
-            "--context" => args.context = value()?.parse().context("--context")?,
-            "--eval" => args.eval = value()?.parse().context("--eval")?,
-            "--settings" => settings = value()?,
-            "--probe-every" => args.probe_every = value()?.parse().context("--probe-every")?,
-            "--out" => args.out = Some(value()?.into()),
-            "--calib-text" => args.calib_text = Some(value()?.into()),
-            "--calib-tokens" => args.calib_tokens = value()?.parse().context("--calib-tokens")?,
-            "--calib-stride" => args.calib_stride = value()?.parse().context("--calib-stride")?,
-            "--help" | "-h" => {
-                println!("see the module documentation of src/bin/fidelity.rs");
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument {other}"),
-        }
-    }
-    args.settings = settings
-        .split(',')
-        .map(parse_setting)
-        .collect::<Result<_>>()?;
-    if args.probe_every == 0 {
-        bail!("--probe-every must be >= 1");
-    }
-    Ok(args)
-}
-
 fn main() -> Result<()> {
-    let args = parse_args()?;
+    let args = Args::parse();
+    let probe_every = args.probe_every as usize;
     let t0 = Instant::now();
+    let gguf = match &args.gguf {
+        Some(p) => p.clone(),
+        None => default_gguf_path().context("no HOME: give --gguf")?,
+    };
     let (model, content) =
-        Llama::load(&args.gguf).context("loading the model (run scripts/fetch_smollm2.sh?)")?;
+        Llama::load(&gguf).context("loading the model (run scripts/fetch_smollm2.sh?)")?;
     let tok = tokenizer::from_gguf(&content)?;
     let text = std::fs::read_to_string(&args.text)
         .with_context(|| format!("reading {}", args.text.display()))?;
@@ -245,7 +229,7 @@ fn main() -> Result<()> {
         eprintln!("{line}");
         prefill_lines.push(line);
         for setting in settings {
-            let o = evaluate(&model, setting, pattern, &pre, &window, args.probe_every)?;
+            let o = evaluate(&model, setting, pattern, &pre, &window, probe_every)?;
             eprintln!(
                 "{:<24} mean NLL {:.4} over {} tokens; {:.1}s (candle {:.1}s, lserve {:.1}s)",
                 setting.name(),
