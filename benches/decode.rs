@@ -11,9 +11,10 @@
 //!   the graph's divided by the layers. (One layer replayed alone would keep its few MB of
 //!   selected pages in the 50 MB L2 from one replay to the next, and would count the once-per-step
 //!   advance once per layer.)
-//! - `step/lserve`: both sparsities, timed the same way; `step/lserve_int8` the same over an
-//!   INT8 cache (the append quantizes, the coded attention reads codes; statistics bf16);
-//!   `step/lserve_q8` and `step/lserve_int8_q8` select from 8-bit statistics
+//! - `step/lserve`: both sparsities, timed the same way; `step/lserve_int8`, `step/lserve_int4`
+//!   the same over an INT8 or INT4 cache (the append quantizes, the coded attention reads codes;
+//!   statistics bf16); `step/lserve_q8`, `step/lserve_int8_q8` and `step/lserve_int4_q8` select
+//!   from 8-bit statistics
 //!   (`StatsFormat::DEVICE_INT8`: the append codes them, the selector reads only them);
 //!   `step/lserve_logical` selects 16-token logical pages (`SelectionUnit::LogicalPage`: 256 of
 //!   them for the 4096-token budget) inside the 64-token pages;
@@ -25,7 +26,8 @@
 //!   batch written into the cache, with the incremental `kmin`/`kmax` update), every head dense
 //!   (each KV head updates its statistics), the token at position `context - 1` (inside a
 //!   logical page, as 15 of 16 steps are: the update reads and writes the statistics);
-//!   `kv/append_int8` the same into an INT8 cache (the rows quantized as they are written);
+//!   `kv/append_int8`, `kv/append_int4` the same into an INT8 or INT4 cache (the rows quantized
+//!   as they are written);
 //!   `kv/append_q8` into a bf16 cache that keeps 8-bit statistics (the page's codes rewritten);
 //! - `kv/pool`: key-statistics pooling over the whole context (`pool_key_stats` of `0..context`,
 //!   every head dense), batch 1 only;
@@ -33,8 +35,9 @@
 //!   layer of Llama-2-7B geometry (MHA: Hq = Hkv = 32, D 128), batch 1 only: the LServe paper's
 //!   ~51x at 256K is an A100 layer of this geometry. With 4 query heads per KV head (Llama-3-8B)
 //!   dense decode reads 4x fewer bytes, while the step's fixed costs stay;
-//! - `attention/dense_int8`: `attention/dense` over a cache of INT8 codes per token-head (132
-//!   bytes a row instead of 256; `DeviceKvCache::new_coded`), random codes and scales;
+//! - `attention/dense_int8`, `attention/dense_int4`: `attention/dense` over a cache of INT8 or
+//!   INT4 codes per token-head (132 or 68 bytes a row instead of 256;
+//!   `DeviceKvCache::new_coded`), random codes and scales; `_f16`: with f16 queries;
 //! - `copy`: a device-to-device copy, the bandwidth ceiling, in the same run.
 //!
 //! Each is captured in a CUDA graph (as an engine runs a decode step) and timed with CUDA
@@ -128,11 +131,11 @@ fn step_layers(batch: usize) -> usize {
     }
 }
 
-/// What a bench case's cache stores: K/V in bf16 or INT8 codes, statistics 16-bit or 8-bit.
+/// What a bench case's cache stores: K/V in bf16 or INT8/INT4 codes, statistics 16-bit or 8-bit.
 #[derive(Clone, Copy)]
 struct Store {
-    /// K/V as INT8 codes per token-head.
-    int8: bool,
+    /// K/V as integer codes per token-head of these bits (bf16 without).
+    codes: Option<CodeBits>,
     /// 8-bit statistics (`StatsFormat::DEVICE_INT8`).
     q8: bool,
     /// Logical pages selected (`SelectionUnit::LogicalPage`), not physical ones.
@@ -140,33 +143,43 @@ struct Store {
 }
 
 const BF16: Store = Store {
-    int8: false,
+    codes: None,
     q8: false,
     logical: false,
 };
 const INT8: Store = Store {
-    int8: true,
+    codes: Some(CodeBits::Int8),
     q8: false,
     logical: false,
 };
 const Q8: Store = Store {
-    int8: false,
+    codes: None,
     q8: true,
     logical: false,
 };
 const INT8_Q8: Store = Store {
-    int8: true,
+    codes: Some(CodeBits::Int8),
+    q8: true,
+    logical: false,
+};
+const INT4: Store = Store {
+    codes: Some(CodeBits::Int4),
+    q8: false,
+    logical: false,
+};
+const INT4_Q8: Store = Store {
+    codes: Some(CodeBits::Int4),
     q8: true,
     logical: false,
 };
 const LOGICAL: Store = Store {
-    int8: false,
+    codes: None,
     q8: false,
     logical: true,
 };
 
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
-/// the statistics pooled from it (`store.int8`: an INT8 cache of random codes, words and
+/// the statistics pooled from it (`store.codes`: an INT8 or INT4 cache of random codes, words and
 /// statistics, `DeviceKvCache::fill_random`; `store.q8`: 8-bit statistics beside them, coded by
 /// the pooling, random with INT8). With `planned`, the last token is left for the step's plan to
 /// reserve (`DecodeStep::plan`, as an engine's step does).
@@ -183,7 +196,10 @@ fn bench_case(
     reuse: usize,
     store: Store,
 ) -> lserve::Result<Bench> {
-    let coded = store.int8;
+    let format = store
+        .codes
+        .map(|bits| IntFormat::new(bits, QuantGroup::TokenHead));
+    let coded = format.is_some();
     let g = ModelGeometry::new(layers, model.hq, model.hkv, D)?;
     let pattern = if streaming {
         HeadPattern::interleaved(g, 0.5)?
@@ -218,11 +234,9 @@ fn bench_case(
     for &s in &seqs {
         mgr.reserve(s, cached)?;
     }
-    let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
-    let mut cache = if coded {
-        DeviceKvCache::<bf16>::new_coded(gpu, &mgr, int8)?
-    } else {
-        DeviceKvCache::<bf16>::new(gpu, &mgr)?
+    let mut cache = match format {
+        Some(format) => DeviceKvCache::<bf16>::new_coded(gpu, &mgr, format)?,
+        None => DeviceKvCache::<bf16>::new(gpu, &mgr)?,
     };
     cache.fill_random(gpu, 17)?;
     let ranges: Vec<_> = seqs.iter().map(|&s| (s, 0..cached)).collect();
@@ -263,7 +277,10 @@ fn bench_case(
         config,
         pattern,
         len,
-        kv_row_bytes: if coded { int8.row_bytes(D)? } else { ROW_BYTES },
+        kv_row_bytes: match format {
+            Some(format) => format.row_bytes(D)?,
+            None => ROW_BYTES,
+        },
     })
 }
 
@@ -334,14 +351,16 @@ impl Bench {
     }
 }
 
-/// `attention/dense_int8`: `attention/dense` (Llama-3-8B, every head dense, one layer) over a
-/// cache of INT8 codes per token-head (`DeviceKvCache::new_coded`, random codes and scales);
-/// throughput is the code rows and their `(scale, minimum)` words read, plus q and out.
+/// `attention/dense_int8`, `attention/dense_int4`: `attention/dense` (Llama-3-8B, every head
+/// dense, one layer) over a cache of `bits` codes per token-head (`DeviceKvCache::new_coded`,
+/// random codes and scales); throughput is the code rows and their `(scale, minimum)` words
+/// read, plus q and out.
 fn coded_dense<E: DeviceElement>(
     c: &mut Criterion,
     gpu: &GpuContext,
     batch: usize,
     len: usize,
+    bits: CodeBits,
     id: BenchmarkId,
 ) -> lserve::Result<()> {
     let model = LLAMA3_8B;
@@ -365,8 +384,8 @@ fn coded_dense<E: DeviceElement>(
     for &s in &seqs {
         mgr.reserve(s, len)?;
     }
-    let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
-    let mut cache = DeviceKvCache::<E>::new_coded(gpu, &mgr, int8)?;
+    let format = IntFormat::new(bits, QuantGroup::TokenHead);
+    let mut cache = DeviceKvCache::<E>::new_coded(gpu, &mgr, format)?;
     cache.fill_random(gpu, 17)?;
     let mut b = DecodeBatch::new(gpu, batch)?;
     b.set(gpu, &mgr, &mut cache, &seqs)?;
@@ -377,7 +396,7 @@ fn coded_dense<E: DeviceElement>(
     let mut ws = DecodeWorkspace::new(gpu, batch, model.hkv, model.hq / model.hkv, D)?;
     let plan = DecodePlan::new(gpu, &cache, &b, &ws)?;
     stream.synchronize()?;
-    let row = 2 * int8.row_bytes(D)?;
+    let row = 2 * format.row_bytes(D)?;
     let bytes = (batch * (model.hkv * len * row + 2 * model.hq * ROW_BYTES)) as u64;
     bench_captured(c, gpu, "attention", id, bytes, 1, || {
         plan.run(gpu, &cache, 0, &q, &mut out, &mut ws)
@@ -493,6 +512,18 @@ fn decode(c: &mut Criterion) {
                     LOGICAL,
                 ),
                 (l3, "step", "lserve_int8", true, true, 4, true, true, INT8),
+                (l3, "step", "lserve_int4", true, true, 4, true, true, INT4),
+                (
+                    l3,
+                    "step",
+                    "lserve_int4_q8",
+                    true,
+                    true,
+                    4,
+                    true,
+                    true,
+                    INT4_Q8,
+                ),
                 (
                     l3,
                     "step",
@@ -653,18 +684,27 @@ fn decode(c: &mut Criterion) {
                 bench_replays(c, &gpu, group_name, id(name), bytes, layers, graph_for);
             }
 
-            // Dense attention over an INT8 coded cache, beside `attention/dense`.
-            if selected(&case("attention", "dense_int8")) {
-                if let Err(e) = coded_dense::<bf16>(c, &gpu, batch, context + 1, id("dense_int8")) {
-                    println!("attention/dense_int8 b{batch}/{context}: skipped ({e})");
+            // Dense attention over INT8 and INT4 coded caches, beside `attention/dense`, with
+            // bf16 and f16 queries (the f16 kernels' code conversion is one `prmt` or `lop3` and
+            // one `sub.f16x2` or `fma.rn.f16x2` per pair; the bf16 INT8 kernel's two `prmt`, two
+            // subtractions and a `prmt`).
+            for (name, bits, f16) in [
+                ("dense_int8", CodeBits::Int8, false),
+                ("dense_int8_f16", CodeBits::Int8, true),
+                ("dense_int4", CodeBits::Int4, false),
+                ("dense_int4_f16", CodeBits::Int4, true),
+            ] {
+                if !selected(&case("attention", name)) {
+                    continue;
                 }
-            }
-            // The same with f16 queries (the f16 kernel's code conversion is one `prmt` and one
-            // `sub.f16x2` per pair, bf16's two `prmt`, two subtractions and a `prmt`).
-            if selected(&case("attention", "dense_int8_f16")) {
-                let name = id("dense_int8_f16");
-                if let Err(e) = coded_dense::<half::f16>(c, &gpu, batch, context + 1, name) {
-                    println!("attention/dense_int8_f16 b{batch}/{context}: skipped ({e})");
+                let len = context + 1;
+                let result = if f16 {
+                    coded_dense::<half::f16>(c, &gpu, batch, len, bits, id(name))
+                } else {
+                    coded_dense::<bf16>(c, &gpu, batch, len, bits, id(name))
+                };
+                if let Err(e) = result {
+                    println!("attention/{name} b{batch}/{context}: skipped ({e})");
                 }
             }
 
@@ -680,7 +720,12 @@ fn decode(c: &mut Criterion) {
             // steps do with logical pages of 16).
             // `kv/append_int8`: the same into an INT8 cache (each row quantized as it is
             // written: the codes and the word are the same on every replay too).
-            for (name, coded) in [("append", BF16), ("append_int8", INT8), ("append_q8", Q8)] {
+            for (name, coded) in [
+                ("append", BF16),
+                ("append_int8", INT8),
+                ("append_int4", INT4),
+                ("append_q8", Q8),
+            ] {
                 if !selected(&case("kv", name)) {
                     continue;
                 }

@@ -16,7 +16,7 @@
 mod common;
 
 use common::{
-    assert_coded_layer, check_selection, entry_units, f16_or_bf16, gpu, head_pattern, int8,
+    assert_coded_layer, check_selection, entry_units, f16_or_bf16, gpu, head_pattern, int4, int8,
     random_vec, tolerance, worst_row_error,
 };
 use half::{bf16, f16};
@@ -534,9 +534,9 @@ fn run_steps<E: DeviceElement>(
                     "step {step}: the device cache differs from the reference's after append"
                 );
             }
-            Some(_) => {
+            Some(format) => {
                 let got = read_coded_layer(gpu, &cache, 0).unwrap();
-                assert_coded_layer(&got, &p.host, 0)
+                assert_coded_layer(&got, &p.host, 0, format)
                     .map_err(|e| TestCaseError::fail(format!("step {step}: {e}")))?;
                 let state = download_selection(gpu, &cache, 0).unwrap();
                 gpu_tables
@@ -679,8 +679,8 @@ fn reused_selections_follow_new_pages_without_the_selector() {
     run_steps::<bf16>(&gpu, &case, false, 1, AppendLaunch::Fused, MAX_SPLITS, None).unwrap();
 }
 
-/// Whole decode steps over an integer-coded cache (`run_steps` with `coded`): the append kernel
-/// quantizes each step's token (the only placement a coded cache takes: `Auto` and `Separate`),
+/// Whole decode steps over an integer-coded cache, INT8 and INT4 (`run_steps` with `coded`): the
+/// append kernel quantizes each step's token (the only placement a coded cache takes: `Auto` and `Separate`),
 /// the selector runs on the statistics of the unquantized keys, the coded attention reads the
 /// selection; with reuse, pages opened between selections, `dynamic_min_len` crossed, eagerly and
 /// as captured graphs, bf16 and f16, and a batch of 8 long sequences with 4 KV heads.
@@ -707,36 +707,38 @@ fn coded_decode_steps_match_reference() {
         logical: false,
         seed: 17,
     };
-    for graph in [false, true] {
-        for append in [AppendLaunch::Auto, AppendLaunch::Separate] {
-            run_steps::<bf16>(&gpu, &case, graph, 0, append, MAX_SPLITS, Some(int8())).unwrap();
+    for format in [int8(), int4()] {
+        for graph in [false, true] {
+            for append in [AppendLaunch::Auto, AppendLaunch::Separate] {
+                run_steps::<bf16>(&gpu, &case, graph, 0, append, MAX_SPLITS, Some(format)).unwrap();
+            }
         }
+        let f16_case = Case {
+            f16: true,
+            ..case.clone()
+        };
+        run_steps::<f16>(
+            &gpu,
+            &f16_case,
+            false,
+            1,
+            AppendLaunch::Auto,
+            MAX_SPLITS,
+            Some(format),
+        )
+        .unwrap();
+        let long = case.clone().eight_long_sequences(18);
+        run_steps::<bf16>(
+            &gpu,
+            &long,
+            false,
+            0,
+            AppendLaunch::Auto,
+            MAX_SPLITS,
+            Some(format),
+        )
+        .unwrap();
     }
-    let f16_case = Case {
-        f16: true,
-        ..case.clone()
-    };
-    run_steps::<f16>(
-        &gpu,
-        &f16_case,
-        false,
-        1,
-        AppendLaunch::Auto,
-        MAX_SPLITS,
-        Some(int8()),
-    )
-    .unwrap();
-    let long = case.eight_long_sequences(18);
-    run_steps::<bf16>(
-        &gpu,
-        &long,
-        false,
-        0,
-        AppendLaunch::Auto,
-        MAX_SPLITS,
-        Some(int8()),
-    )
-    .unwrap();
 }
 
 /// Whole decode steps that select 16-token logical pages inside 64-token physical pages
@@ -1104,11 +1106,16 @@ fn profiler_measures_every_length_and_finds_the_crossover() {
     eprintln!("{profile:#?}");
 }
 
-/// [`run_case`] over an INT8 coded copy of the cache: the GPU's `decode_attention_int8_*`
-/// against the reference's attention over the dequantized rows. Rows no token wrote are
-/// infinite, so their codes dequantize to NaN: a kernel that reads one fails.
+/// [`run_case`] over an INT8 and an INT4 coded copy of the cache: the GPU's
+/// `decode_attention_int{8,4}_*` against the reference's attention over the dequantized rows.
+/// Rows no token wrote are infinite, so their codes dequantize to NaN: a kernel that reads one
+/// fails.
 fn run_coded_case<E: DeviceElement>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
-    run_case_with_splits::<E>(gpu, case, MAX_SPLITS, Some(int8()))
+    for format in [int8(), int4()] {
+        run_case_with_splits::<E>(gpu, case, MAX_SPLITS, Some(format))
+            .map_err(|e| TestCaseError::fail(format!("{format}: {e}")))?;
+    }
+    Ok(())
 }
 
 proptest! {
@@ -1122,8 +1129,8 @@ proptest! {
     }
 }
 
-/// The coded kernels over a 20,000-token dense head (a long split per warp) and a streaming
-/// head, bf16 and f16.
+/// The coded kernels (INT8 and INT4) over a 20,000-token dense head (a long split per warp) and
+/// a streaming head, bf16 and f16.
 #[test]
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn coded_decode_attention_over_a_long_sequence() {
@@ -1193,7 +1200,7 @@ fn coded_caches_refuse_what_they_do_not_serve() {
     format_error(cache.download(&gpu, &mut host, &mut tables));
     // Formats and head dimensions without kernels.
     for format in [
-        IntFormat::new(CodeBits::Int4, QuantGroup::TokenHead),
+        IntFormat::new(CodeBits::Int4, QuantGroup::Channels(32)),
         IntFormat::new(CodeBits::Int8, QuantGroup::Channels(32)),
     ] {
         format_error(DeviceKvCache::<bf16>::new_coded(&gpu, &p.mgr, format).map(|_| ()));

@@ -17,7 +17,7 @@
 mod common;
 
 use common::{
-    assert_coded_layer, assert_stat_codes, f16_or_bf16, gpu, head_pattern, int8, layer_arrays,
+    assert_coded_layer, assert_stat_codes, f16_or_bf16, gpu, head_pattern, int4, int8, layer_arrays,
 };
 use half::{bf16, f16};
 use lserve::config::SparsityConfig;
@@ -30,7 +30,7 @@ use lserve::gpu::{
 use lserve::head_pattern::{HeadKind, HeadPattern};
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager, SeqId, StreamingStore};
-use lserve::quant::StatsFormat;
+use lserve::quant::{IntFormat, StatsFormat};
 use lserve::reference::kv_write::{pool_key_stats as ref_pool, update_key_stats, write_tokens};
 use lserve::LserveError;
 use proptest::prelude::*;
@@ -531,7 +531,11 @@ fn coded_case(case: &Case) -> Case {
 /// `append_case` on a coded cache: each step's tokens go through `append_kv` into a cache
 /// uploaded with the poisoned destinations quantized; the layer must then hold the reference's
 /// cache quantized row by row, and its statistics those of the unquantized keys.
-fn coded_append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+fn coded_append_case<E: Bits>(
+    gpu: &GpuContext,
+    case: &Case,
+    format: IntFormat,
+) -> Result<(), TestCaseError> {
     let case = &coded_case(case);
     let mut s = Setup::<E>::new(case, case.steps);
     let row = case.kinds[0].len() * case.head_dim;
@@ -554,7 +558,7 @@ fn coded_append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
         let k_dev = gpu.stream().clone_htod(&k).unwrap();
         let v_dev = gpu.stream().clone_htod(&v).unwrap();
         let index = IndexTables::for_manager(&s.mgr).unwrap();
-        let mut dev = DeviceKvCache::upload_coded(gpu, &s.mgr, &uploaded, &index, int8()).unwrap();
+        let mut dev = DeviceKvCache::upload_coded(gpu, &s.mgr, &uploaded, &index, format).unwrap();
         batch.set(gpu, &s.mgr, &mut dev, &subset).unwrap();
         append_kv(gpu, &mut dev, case.layer, &batch, &k_dev, &v_dev).unwrap();
         for (b, &seq) in subset.iter().enumerate() {
@@ -565,7 +569,7 @@ fn coded_append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
             update_key_stats(&mut s.host, case.layer, &view, pos).unwrap();
         }
         let got = read_coded_layer(gpu, &dev, case.layer).unwrap();
-        assert_coded_layer(&got, &s.host, case.layer)
+        assert_coded_layer(&got, &s.host, case.layer, format)
             .and_then(|()| assert_stat_codes(gpu, &dev, &s.host, case.layer))
             .map_err(|e| TestCaseError::fail(format!("step {step}, batch {subset:?}: {e}")))?;
     }
@@ -576,14 +580,23 @@ fn coded_append_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestC
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn coded_append_matches_reference() {
     let gpu = gpu();
-    for_random_cases(|case| f16_or_bf16!(case.f16, coded_append_case(&gpu, case)));
+    for_random_cases(|case| {
+        for format in [int8(), int4()] {
+            f16_or_bf16!(case.f16, coded_append_case(&gpu, case, format))?;
+        }
+        Ok(())
+    });
 }
 
 /// `write_rows_case` on a coded cache: the grown ranges written by `write_kv_rows`, which
 /// quantizes the rows and computes the statistics from them (`pool_key_stats` is refused). The
 /// statistics of a logical page that begins before its range are not poisoned: the row write
 /// keeps its earlier tokens' bounds (the uploaded ones, the reference's).
-fn coded_write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), TestCaseError> {
+fn coded_write_rows_case<E: Bits>(
+    gpu: &GpuContext,
+    case: &Case,
+    format: IntFormat,
+) -> Result<(), TestCaseError> {
     let case = &coded_case(case);
     let grow_max = 2 * case.n_p + 5;
     let mut s = Setup::<E>::new(case, grow_max);
@@ -620,7 +633,7 @@ fn coded_write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), T
         gpu.stream().clone_htod(&v).unwrap(),
     );
     let index = IndexTables::for_manager(&s.mgr).unwrap();
-    let mut dev = DeviceKvCache::upload_coded(gpu, &s.mgr, &uploaded, &index, int8()).unwrap();
+    let mut dev = DeviceKvCache::upload_coded(gpu, &s.mgr, &uploaded, &index, format).unwrap();
     let device_plan = plan.upload(gpu, &s.mgr, &mut dev).unwrap();
     write_kv_rows(gpu, &mut dev, case.layer, &device_plan, &k_dev, &v_dev).unwrap();
     let refused = pool_key_stats(gpu, &mut dev, case.layer, &device_plan);
@@ -644,7 +657,7 @@ fn coded_write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), T
         .unwrap();
     }
     let got = read_coded_layer(gpu, &dev, case.layer).unwrap();
-    assert_coded_layer(&got, &s.host, case.layer)?;
+    assert_coded_layer(&got, &s.host, case.layer, format)?;
     assert_stat_codes(gpu, &dev, &s.host, case.layer)
 }
 
@@ -652,7 +665,12 @@ fn coded_write_rows_case<E: Bits>(gpu: &GpuContext, case: &Case) -> Result<(), T
 #[ignore = "needs a CUDA GPU (run the GPU bundle, or cargo test -- --ignored on a GPU machine)"]
 fn coded_write_rows_match_reference() {
     let gpu = gpu();
-    for_random_cases(|case| f16_or_bf16!(case.f16, coded_write_rows_case(&gpu, case)));
+    for_random_cases(|case| {
+        for format in [int8(), int4()] {
+            f16_or_bf16!(case.f16, coded_write_rows_case(&gpu, case, format))?;
+        }
+        Ok(())
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

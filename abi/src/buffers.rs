@@ -94,17 +94,18 @@ pub struct BatchPtrs {
     pub seq_slot: GlobalPtr<u32>,
 }
 
-/// A layer's K and V as integer codes (`lserve::quant`, INT8 per token-head): one byte per
-/// element, rows where a 16-bit cache keeps them (`PagedLayout::kv_row`,
-/// `StreamingLayout::kv_row`, one byte per element), and per row one 32-bit word `(s, m)`: the
-/// bf16 scale in bits 0..16, the bf16 minimum in bits 16..32 (element `c` is `fma(c, s, m)`).
-/// The word of the row at element offset `o` is word `o / head_dim`. The pointers are
-/// `GlobalPtrMut` because the write kernels (`kv_write`'s coded append and row write) take the
-/// same struct; the attention only reads through them.
+/// A layer's K and V as integer codes (`lserve::quant`, INT8 or INT4 per token-head): rows where
+/// a 16-bit cache keeps them (`PagedLayout::kv_row`, `StreamingLayout::kv_row`), at one byte per
+/// element for INT8 and half a byte for INT4 (the row at element offset `o` begins at byte `o`,
+/// or `o / 2`; INT4 channel `2i` in the low nibble of byte `i`, `2i + 1` in the high one), and
+/// per row one 32-bit word `(s, m)`: the bf16 scale in bits 0..16, the bf16 minimum in bits
+/// 16..32 (element `c` is `fma(c, s, m)`). The word of the row at element offset `o` is word
+/// `o / head_dim`. The pointers are `GlobalPtrMut` because the write kernels (`kv_write`'s coded
+/// append and row write) take the same struct; the attention only reads through them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CodedKvPtrs {
-    /// Dense pool K codes, `[capacity][dense_heads][page_tokens][D]` bytes.
+    /// Dense pool K codes, `[capacity][dense_heads][page_tokens][D]` codes.
     pub k_pool: GlobalPtrMut<u8>,
     /// Dense pool V codes, as `k_pool`.
     pub v_pool: GlobalPtrMut<u8>,
@@ -112,7 +113,7 @@ pub struct CodedKvPtrs {
     pub k_pool_words: GlobalPtrMut<u32>,
     /// Dense pool V row words, as `k_pool_words`.
     pub v_pool_words: GlobalPtrMut<u32>,
-    /// Streaming store K codes, `[slots][streaming_heads][sink + local][D]` bytes.
+    /// Streaming store K codes, `[slots][streaming_heads][sink + local][D]` codes.
     pub k_stream: GlobalPtrMut<u8>,
     /// Streaming store V codes, as `k_stream`.
     pub v_stream: GlobalPtrMut<u8>,

@@ -215,29 +215,42 @@ pub struct CombineArgs {
     pub lse: GlobalPtrMut<f32>,
 }
 
-/// Head dimension of the integer-coded decode kernels (`decode_attention_int8_*`): a code row is
-/// 128 bytes, eight 16-byte chunks.
+/// Head dimension of the integer-coded decode kernels (`decode_attention_int{8,4}_*`): a code
+/// row is 128 bytes (INT8) or 64 (INT4), eight or four 16-byte chunks.
 pub const CODED_HEAD_DIM: u32 = 128;
 
-/// Copy stages per warp of the integer-coded decode kernel (its tiles are about half the bytes
-/// of a 16-bit tile).
-pub const CODED_STAGES: u32 = 3;
+/// Copy stages per warp of the integer-coded decode kernel for `code_bits`-bit codes (8 or 4;
+/// its tiles are about a half or a quarter of the bytes of a 16-bit tile).
+pub const fn coded_stages(code_bits: u32) -> u32 {
+    if code_bits == 4 {
+        4
+    } else {
+        3
+    }
+}
 
 /// Blocks of the integer-coded decode kernel that fit on one SM (registers bound); the host sizes
 /// its splits with this.
 pub const CODED_BLOCKS_PER_SM: u32 = 3;
 
-/// Bytes of one warp stage of the integer-coded decode kernel for head dimension `head_dim`: the
-/// K and V code tiles (`DECODE_TILE_ROWS` rows of `head_dim` bytes), then their rows'
-/// `(scale, minimum)` words (4 bytes a row each).
-pub const fn coded_stage_bytes(head_dim: u32) -> u32 {
-    2 * DECODE_TILE_ROWS * head_dim + 2 * DECODE_TILE_ROWS * 4
+/// Bytes of one code row (one token, one KV head) of `code_bits`-bit codes: `head_dim` codes, two
+/// to a byte for INT4.
+pub const fn coded_row_bytes(head_dim: u32, code_bits: u32) -> u32 {
+    head_dim * code_bits / 8
 }
 
-/// Shared memory of the integer-coded decode kernel, in bytes: per warp, [`CODED_STAGES`]
+/// Bytes of one warp stage of the integer-coded decode kernel for head dimension `head_dim` and
+/// `code_bits`-bit codes: the K and V code tiles (`DECODE_TILE_ROWS` rows of
+/// [`coded_row_bytes`]), then their rows' `(scale, minimum)` words (4 bytes a row each).
+pub const fn coded_stage_bytes(head_dim: u32, code_bits: u32) -> u32 {
+    2 * DECODE_TILE_ROWS * coded_row_bytes(head_dim, code_bits) + 2 * DECODE_TILE_ROWS * 4
+}
+
+/// Shared memory of the integer-coded decode kernel, in bytes: per warp, [`coded_stages`]
 /// stages ([`coded_stage_bytes`]); the cross-warp merge at the end reuses them.
-pub const fn coded_decode_smem_bytes(head_dim: u32) -> u32 {
-    let stages = (DECODE_THREADS / 32) * CODED_STAGES * coded_stage_bytes(head_dim);
+pub const fn coded_decode_smem_bytes(head_dim: u32, code_bits: u32) -> u32 {
+    let stages =
+        (DECODE_THREADS / 32) * coded_stages(code_bits) * coded_stage_bytes(head_dim, code_bits);
     let merge = decode_merge_bytes(head_dim, MAX_GROUP);
     if stages > merge {
         stages
@@ -246,7 +259,7 @@ pub const fn coded_decode_smem_bytes(head_dim: u32) -> u32 {
     }
 }
 
-/// The one argument of an integer-coded decode attention launch (`decode_attention_int8_*`):
+/// The one argument of an integer-coded decode attention launch (`decode_attention_int{8,4}_*`):
 /// what a 16-bit launch takes ([`DecodeArgs`]; its cache's K/V pointers and tensor maps are not
 /// read) and the coded K/V. Same grid, threads and partial outputs; shared memory
 /// [`coded_decode_smem_bytes`].

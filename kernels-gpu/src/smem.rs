@@ -77,6 +77,23 @@ pub unsafe fn ld_shared_v4_u32(addr: u32) -> [u32; 4] {
     v
 }
 
+/// Two consecutive `u32` of shared memory at shared-window address `addr` (one `ld.shared.v2`).
+///
+/// # Safety
+/// `addr` is 8-byte aligned and `addr..addr + 8` lies inside the block's shared memory; no
+/// other thread writes those bytes concurrently (order with a barrier).
+#[inline(always)]
+pub unsafe fn ld_shared_v2_u32(addr: u32) -> [u32; 2] {
+    // SAFETY: the caller guarantees the address. Reads memory, so it stays ordered after earlier
+    // barriers and shared atomics (inline asm without `nomem`).
+    unsafe {
+        let (a, b): (u32, u32);
+        asm!("ld.shared.v2.u32 {{{0}, {1}}}, [{2}];",
+             out(reg32) a, out(reg32) b, in(reg32) addr, options(nostack, readonly));
+        [a, b]
+    }
+}
+
 /// Adds 1 to the shared `u32` at shared-window address `addr` (`red.shared.add`, atomic among
 /// the block's threads).
 ///

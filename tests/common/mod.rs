@@ -297,27 +297,35 @@ pub fn int8() -> IntFormat {
     IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead)
 }
 
-/// The codes and row words of `rows` (`[n][d]`) as the reference quantizes them.
-pub fn quantized<E: Element>(rows: &[E], d: usize) -> (Vec<u8>, Vec<u32>) {
+/// INT4 codes per token-head (the other format the device kernels read).
+pub fn int4() -> IntFormat {
+    IntFormat::new(CodeBits::Int4, QuantGroup::TokenHead)
+}
+
+/// The codes (in the cache's row layout: INT4 two to a byte) and row words of `rows` (`[n][d]`)
+/// as the reference quantizes them to `format` (one group per row).
+pub fn quantized<E: Element>(rows: &[E], d: usize, format: IntFormat) -> (Vec<u8>, Vec<u32>) {
     let x: Vec<f32> = rows.iter().map(|e| e.to_f32()).collect();
-    let q = quantize_rows(&x, d, int8()).unwrap();
+    let q = quantize_rows(&x, d, format).unwrap();
+    let code_bytes = format.code_bytes(d).unwrap();
     let codes = (0..q.rows())
-        .flat_map(|r| (0..d).map(move |c| (r, c)))
-        .map(|(r, c)| q.code(r, c))
+        .flat_map(|r| q.stored_row(r).into_iter().take(code_bytes))
         .collect();
     let words = (0..q.rows()).map(|r| q.params(r, 0).word()).collect();
     (codes, words)
 }
 
-/// Layer `layer` of a coded cache against `want` quantized row by row (codes and words, bit for
-/// bit) and its statistics against `want`'s (which the reference computed from the unquantized
-/// keys), naming the first difference.
+/// Layer `layer` of a coded cache against `want` quantized row by row to `format` (codes and
+/// words, bit for bit) and its statistics against `want`'s (which the reference computed from
+/// the unquantized keys), naming the first difference.
 pub fn assert_coded_layer<E: Element>(
     got: &CodedLayerContents<E>,
     want: &HostKvCache<E>,
     layer: usize,
+    format: IntFormat,
 ) -> Result<(), TestCaseError> {
     let d = want.pattern().geometry().head_dim();
+    let row = format.code_bytes(d).unwrap();
     let (dense, streaming) = (want.dense(layer).unwrap(), want.streaming(layer).unwrap());
     for (what, codes, words, rows) in [
         ("K pool", &got.pool.0, &got.pool.2, dense.k()),
@@ -325,7 +333,7 @@ pub fn assert_coded_layer<E: Element>(
         ("K stream", &got.stream.0, &got.stream.2, streaming.k()),
         ("V stream", &got.stream.1, &got.stream.3, streaming.v()),
     ] {
-        let (want_codes, want_words) = quantized(rows, d);
+        let (want_codes, want_words) = quantized(rows, d, format);
         if want_words.is_empty() {
             // An empty buffer is one element on the device (nothing addresses it).
             prop_assert!(codes.len() <= 1 && words.len() <= 1, "{what}: not empty");
@@ -333,15 +341,17 @@ pub fn assert_coded_layer<E: Element>(
         }
         prop_assert_eq!(codes.len(), want_codes.len());
         prop_assert_eq!(words.len(), want_words.len());
-        let differs =
-            |r: usize| words[r] != want_words[r] || codes[r * d..][..d] != want_codes[r * d..][..d];
+        let differs = |r: usize| {
+            words[r] != want_words[r] || codes[r * row..][..row] != want_codes[r * row..][..row]
+        };
         if let Some(r) = (0..want_words.len()).find(|&r| differs(r)) {
             return Err(TestCaseError::fail(format!(
-                "layer {layer} {what}: row {r} has word {:#010x} codes {:?}, want {:#010x} {:?}",
+                "layer {layer} {what} ({format}): row {r} has word {:#010x} codes {:?}, want \
+                 {:#010x} {:?}",
                 words[r],
-                &codes[r * d..][..d],
+                &codes[r * row..][..row],
                 want_words[r],
-                &want_codes[r * d..][..d],
+                &want_codes[r * row..][..row],
             )));
         }
     }

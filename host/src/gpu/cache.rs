@@ -75,8 +75,9 @@ pub struct DeviceLayer<E> {
     pub(crate) stat_codes: Option<StatCodesLayer>,
 }
 
-/// One layer's integer-coded K/V (`lserve_abi::decode::CodedKvPtrs`): INT8 codes, one byte per
-/// element where a 16-bit cache keeps its elements, and per row one `(scale, minimum)` word.
+/// One layer's integer-coded K/V (`lserve_abi::decode::CodedKvPtrs`): INT8 or INT4 codes where a
+/// 16-bit cache keeps its elements (one byte, or half a byte, per element), and per row one
+/// `(scale, minimum)` word.
 pub(crate) struct CodedLayer {
     k_pool: CudaSlice<u8>,
     v_pool: CudaSlice<u8>,
@@ -88,8 +89,9 @@ pub(crate) struct CodedLayer {
     v_stream_words: CudaSlice<u32>,
 }
 
-/// The codes and row words of `rows` (`[n][head_dim]`, a 16-bit buffer's elements) quantized to
-/// `format` by the reference (`reference::quant::quantize_rows`).
+/// The codes (in the row layout of `crate::quant`: INT4 two to a byte) and row words of `rows`
+/// (`[n][head_dim]`, a 16-bit buffer's elements) quantized to `format` (one group per row) by
+/// the reference (`reference::quant::quantize_rows`).
 fn quantize_buffer<E: Element>(
     rows: &[E],
     head_dim: usize,
@@ -98,30 +100,32 @@ fn quantize_buffer<E: Element>(
     let values: Vec<f32> = rows.iter().map(|x| x.to_f32()).collect();
     let q = quantize_rows(&values, head_dim, format)?;
     let n = q.rows();
+    let code_bytes = format.code_bytes(head_dim)?;
     let codes = (0..n)
-        .flat_map(|r| (0..head_dim).map(move |c| (r, c)))
-        .map(|(r, c)| q.code(r, c))
+        .flat_map(|r| q.stored_row(r).into_iter().take(code_bytes))
         .collect();
     let words = (0..n).map(|r| q.params(r, 0).word()).collect();
     Ok((codes, words))
 }
 
 impl CodedLayer {
-    /// Zeroed codes and words for a layer laid out as `paged` and `streaming`.
+    /// Zeroed codes and words of `format` for a layer laid out as `paged` and `streaming`.
     fn zeroed(
         stream: &Arc<CudaStream>,
         paged: &PagedLayout,
         streaming: &StreamingLayout,
+        format: IntFormat,
     ) -> Result<Self> {
         let d = paged.head_dim as usize;
         let (pool, store) = (paged.kv_elements(), streaming.kv_elements());
+        let bytes = |elements: usize| elements * format.bits.bits() as usize / 8;
         Ok(Self {
-            k_pool: zeros(stream, pool)?,
-            v_pool: zeros(stream, pool)?,
+            k_pool: zeros(stream, bytes(pool))?,
+            v_pool: zeros(stream, bytes(pool))?,
             k_pool_words: zeros(stream, pool / d)?,
             v_pool_words: zeros(stream, pool / d)?,
-            k_stream: zeros(stream, store)?,
-            v_stream: zeros(stream, store)?,
+            k_stream: zeros(stream, bytes(store))?,
+            v_stream: zeros(stream, bytes(store))?,
             k_stream_words: zeros(stream, store / d)?,
             v_stream_words: zeros(stream, store / d)?,
         })
@@ -226,17 +230,24 @@ impl CodedLayer {
     }
 }
 
-/// `InvalidArgument` unless the device kernels read `format` at `head_dim`: INT8 codes per
-/// token-head at head dimension 128 (`decode_attention_int8_*`). The other formats of
-/// [`crate::quant`] have a reference and no kernels yet.
+/// The formats the device kernels read: INT8 and INT4 codes per token-head
+/// (`decode_attention_int{8,4}_*`), at head dimension [`CODED_HEAD_DIM`].
+pub(crate) const DEVICE_KV_FORMATS: [IntFormat; 2] = [
+    IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead),
+    IntFormat::new(CodeBits::Int4, QuantGroup::TokenHead),
+];
+
+/// `InvalidArgument` unless the device kernels read `format` at `head_dim`
+/// ([`DEVICE_KV_FORMATS`] at head dimension 128). The other formats of [`crate::quant`] have a
+/// reference and no kernels yet.
 pub(crate) fn check_coded_format(format: IntFormat, head_dim: usize) -> Result<()> {
-    let int8 = IntFormat::new(CodeBits::Int8, QuantGroup::TokenHead);
-    if format != int8 || head_dim != CODED_HEAD_DIM as usize {
+    if !DEVICE_KV_FORMATS.contains(&format) || head_dim != CODED_HEAD_DIM as usize {
+        let [int8, int4] = DEVICE_KV_FORMATS;
         return Err(LserveError::InvalidArgument {
             what: "KV format",
             reason: format!(
-                "the device kernels read {int8} at head_dim {CODED_HEAD_DIM}, not {format} at \
-                 head_dim {head_dim}"
+                "the device kernels read {int8} or {int4} at head_dim {CODED_HEAD_DIM}, not \
+                 {format} at head_dim {head_dim}"
             ),
         });
     }
@@ -548,12 +559,13 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         Self::copied(gpu, manager, host, index, None)
     }
 
-    /// A zeroed cache as [`new`](Self::new) whose K and V are integer codes in `format`: INT8
-    /// per token-head at head dimension 128 (one byte per element and a bf16 scale and minimum
-    /// per row: 132 bytes a row instead of 256). The key statistics stay 16-bit. Such a cache is
-    /// read by [`DecodePlan`](super::DecodePlan) (`decode_attention_int8_*`) and the selector;
-    /// the operations that write K/V (append, prefill writes, statistics pooling) and the
-    /// appending plans refuse it with `InvalidArgument` before anything is enqueued.
+    /// A zeroed cache as [`new`](Self::new) whose K and V are integer codes in `format`: INT8 or
+    /// INT4 per token-head at head dimension 128 (a byte or half a byte per element and a bf16
+    /// scale and minimum per row: 132 or 68 bytes a row instead of 256). The key statistics stay
+    /// 16-bit (or 8-bit, as the manager's configuration says). Such a cache is read by
+    /// [`DecodePlan`](super::DecodePlan) (`decode_attention_int{8,4}_*`) and the selector, and
+    /// written by the quantizing append and row write (INT8); what reads or writes 16-bit K/V
+    /// refuses it with `InvalidArgument` before anything is enqueued.
     ///
     /// Errors: `InvalidArgument` for a format or head dimension without device kernels
     /// (`check_coded_format`); those of [`new`](Self::new).
@@ -752,8 +764,8 @@ impl<E: DeviceElement> DeviceKvCache<E> {
             };
             let codes = match (coded, &contents) {
                 (None, _) => None,
-                (Some(_), Contents::Zeroed { .. }) => {
-                    Some(CodedLayer::zeroed(stream, &paged, &streaming)?)
+                (Some(format), Contents::Zeroed { .. }) => {
+                    Some(CodedLayer::zeroed(stream, &paged, &streaming, format)?)
                 }
                 (Some(format), Contents::Host { host, .. }) => {
                     let (dense, stored) = (host.dense(layer)?, host.streaming(layer)?);

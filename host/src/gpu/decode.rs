@@ -224,9 +224,10 @@ impl AttentionKernels {
                 }
                 check_coded_format(format, d)?;
                 check_shape(d, geometry.group())?;
+                let bits = format.bits.bits();
                 (
-                    format!("decode_attention_int8_{}_d{d}", E::DTYPE.name()),
-                    coded_decode_smem_bytes(d as u32),
+                    format!("decode_attention_int{bits}_{}_d{d}", E::DTYPE.name()),
+                    coded_decode_smem_bytes(d as u32, bits),
                 )
             }
         };
@@ -313,7 +314,7 @@ impl<'b> DecodePlan<'b> {
     /// the cache cannot hold or a workspace sized for another geometry or a smaller batch.
     ///
     /// A coded cache ([`DeviceKvCache::new_coded`]) is attended by the integer-coded kernels
-    /// (`decode_attention_int8_*`, `kernels-gpu/src/decode/coded.rs`).
+    /// (`decode_attention_int{8,4}_*`, `kernels-gpu/src/decode/coded.rs`).
     pub fn new<E: DeviceElement>(
         gpu: &GpuContext,
         cache: &DeviceKvCache<E>,
@@ -981,9 +982,9 @@ fn launch_attention<E: DeviceElement>(
     let cfg = LaunchConfig {
         grid_dim: (splits, pairs as u32, 1),
         block_dim: (DECODE_THREADS, 1, 1),
-        shared_mem_bytes: match l.codes {
-            None => decode_smem_bytes(d as u32),
-            Some(_) => coded_decode_smem_bytes(d as u32),
+        shared_mem_bytes: match cache.format() {
+            KvFormat::Float(_) => decode_smem_bytes(d as u32),
+            KvFormat::Int(format) => coded_decode_smem_bytes(d as u32, format.bits.bits()),
         },
     };
     let mut launch = Launch::overlapped(gpu, &kernels.attention);
@@ -1008,9 +1009,10 @@ fn launch_attention<E: DeviceElement>(
             attn: args,
             codes: codes.ptrs(&mut launch),
         };
-        // SAFETY: `decode_attention_int8_*`'s argument struct, of the buffers registered above:
-        // as for the 16-bit kernel below (grid, workspace, batch, tables), with the codes and
-        // row words laid out as the layer's `paged` / `streaming` layouts at one byte per
+        // SAFETY: `decode_attention_int{8,4}_*`'s argument struct (the kernel of the cache's
+        // format, `AttentionKernels::look_up`), of the buffers registered above: as for the
+        // 16-bit kernel below (grid, workspace, batch, tables), with the codes and row words
+        // laid out as the layer's `paged` / `streaming` layouts at the format's bits per
         // element (`CodedLayer`, built from them) and the head dimension 128
         // (`check_coded_format`); the kernel reads neither the 16-bit K/V nor the tensor maps
         // and writes only the workspace.

@@ -132,7 +132,7 @@ pub struct AppendPlan<'b> {
     batch: &'b DecodeBatch,
     /// The append kernel for the cache's element type and format.
     function: CudaFunction,
-    /// Whether the cache is integer-coded (`append_kv_int8_*`).
+    /// Whether the cache is integer-coded (`append_kv_int{8,4}_*`).
     coded: bool,
     /// Blocks of the launch: one thread per chunk of the batch's `B * Hkv * D` elements.
     blocks: u32,
@@ -153,14 +153,9 @@ impl<'b> AppendPlan<'b> {
         let g = *cache.pattern().geometry();
         let chunks = batch.len() * g.kv_heads() * g.head_dim() / CHUNK_ELEMS as usize;
         let coded = matches!(cache.format(), KvFormat::Int(_));
-        let name = if coded {
-            kernel_of::<E>("append_kv_int8_bf16", "append_kv_int8_f16")
-        } else {
-            kernel_of::<E>("append_kv_bf16", "append_kv_f16")
-        };
         Ok(Self {
             batch,
-            function: gpu.function(name)?,
+            function: gpu.function(&kernel_for::<E>("append_kv", cache.format()))?,
             coded,
             blocks: blocks_for(chunks)?,
         })
@@ -259,7 +254,8 @@ impl<'b> AppendPlan<'b> {
         };
         if let Some(codes) = codes {
             let args = CodedAppendArgs { append, codes };
-            // SAFETY: `append_kv_int8_*`'s argument struct: the 16-bit append's (see below) and
+            // SAFETY: `append_kv_int{8,4}_*`'s argument struct (the kernel of the cache's
+            // format): the 16-bit append's (see below) and
             // the layer's coded buffers, laid out as its 16-bit ones would be (`CodedLayer`); the
             // kernel quantizes each row across its `D / 8` lanes, and the grid is whole rows.
             return unsafe { launch.launch(cfg, &args) };
@@ -621,7 +617,7 @@ pub fn write_kv_rows<'t, E: DeviceElement>(
     let (hkv, d) = (g.kv_heads(), g.head_dim());
     let host = &plan.plan;
     let kv = kv_stride(gpu, &k, &v, host.rows, hkv, d)?;
-    let (slots, max_pages) = (cache.slots, cache.max_pages);
+    let (slots, max_pages, format) = (cache.slots, cache.max_pages, cache.format());
     let (l, tables, _) = cache.layer_parts_mut(layer)?;
     host.check_cache(slots, max_pages, l)?;
     let chunks = host.max_tokens as usize * hkv * d / CHUNK_ELEMS as usize;
@@ -643,10 +639,7 @@ pub fn write_kv_rows<'t, E: DeviceElement>(
     };
     if l.codes.is_some() {
         let pool = coded_pool_launch(l, hkv, max_pages, host)?;
-        let f = gpu.function(kernel_of::<E>(
-            "write_kv_rows_int8_bf16",
-            "write_kv_rows_int8_f16",
-        ))?;
+        let f = gpu.function(&kernel_for::<E>("write_kv_rows", format))?;
         let pool_f = gpu.function(kernel_of::<E>(
             "pool_key_stats_rows_bf16",
             "pool_key_stats_rows_f16",
@@ -664,7 +657,8 @@ pub fn write_kv_rows<'t, E: DeviceElement>(
                 cache: cache_ptrs,
             };
             let args = CodedWriteRowsArgs { rows, codes };
-            // SAFETY: `write_kv_rows_int8_*`'s argument struct: the 16-bit row write's (see
+            // SAFETY: `write_kv_rows_int{8,4}_*`'s argument struct (the kernel of the cache's
+            // format): the 16-bit row write's (see
             // below) and the layer's coded buffers, laid out as its 16-bit ones would be
             // (`CodedLayer`); each row is quantized across its `D / 8` lanes, and the blocks
             // are whole rows (`KV_WRITE_THREADS` is a multiple of `D / 8`).
@@ -932,4 +926,14 @@ pub(crate) fn fill_random_bits<E: DeviceElement, T: cudarc::driver::DeviceRepr>(
     // `len / 8` chunks.
     unsafe { launch.launch(cfg, &args) }?;
     Ok(())
+}
+
+/// The name of write kernel `base` for element type `E` and a cache of `format`:
+/// `{base}_{dtype}` for a 16-bit cache, `{base}_int{bits}_{dtype}` for a coded one.
+fn kernel_for<E: DeviceElement>(base: &str, format: KvFormat) -> String {
+    let dtype = E::DTYPE.name();
+    match format {
+        KvFormat::Float(_) => format!("{base}_{dtype}"),
+        KvFormat::Int(f) => format!("{base}_int{}_{dtype}", f.bits.bits()),
+    }
 }

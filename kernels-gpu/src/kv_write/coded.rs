@@ -1,5 +1,5 @@
-//! Writing an integer-coded cache: K and V rows quantized to INT8 per token and head as they are
-//! written ([`Codes`], the store of the coded append and row write), and the statistics of the
+//! Writing an integer-coded cache: K and V rows quantized to INT8 or INT4 per token and head as
+//! they are written ([`Codes`], the store of the coded append and row write), and the statistics of the
 //! logical pages a prefill writes, pooled from its activation rows ([`pool_key_stats_rows`]): a
 //! coded cache keeps no 16-bit keys, and the statistics bound the unquantized keys.
 
@@ -20,17 +20,17 @@ use crate::pool_page::in_pool;
 use crate::thread::{block_idx_x, block_idx_y, block_idx_z, thread_idx_x};
 use lserve_abi::decode::{CODED_HEAD_DIM, HEAD_STREAMING};
 
-/// The store of a coded cache: each row quantized across its lanes
-/// ([`quantize_chunk`]), 8 code bytes per chunk, the row word written by the lane of chunk 0.
-/// Coded caches have rows of [`CODED_HEAD_DIM`] channels (the host makes no other), so the
-/// row's lanes and its word index are compile-time shifts.
+/// The store of a coded cache of `BITS`-bit codes (8 or 4): each row quantized across its lanes
+/// ([`quantize_chunk`]), 8 (or 4) code bytes per chunk, the row word written by the lane of
+/// chunk 0. Coded caches have rows of [`CODED_HEAD_DIM`] channels (the host makes no other), so
+/// the row's lanes and its word index are compile-time shifts.
 #[derive(Clone, Copy)]
-pub struct Codes<E> {
+pub struct Codes<E, const BITS: u32> {
     ptrs: CodedKvPtrs,
     elem: PhantomData<E>,
 }
 
-impl<E> Codes<E> {
+impl<E, const BITS: u32> Codes<E, BITS> {
     /// The store writing into `ptrs`.
     #[inline(always)]
     pub fn new(ptrs: CodedKvPtrs) -> Self {
@@ -54,7 +54,17 @@ unsafe fn store_codes(p: *mut u8, codes: [u32; 2]) {
     }
 }
 
-impl<E: Half16> KvStore for Codes<E> {
+/// Stores 4 code bytes at `p` with one 4-byte access.
+///
+/// # Safety
+/// `p` is 4-byte aligned and 4 writable bytes.
+#[inline(always)]
+unsafe fn store_code_word(p: *mut u8, codes: u32) {
+    // SAFETY: forwarded; a generic-address store of 4 aligned bytes.
+    unsafe { asm!("st.u32 [{0}], {1};", in(reg64) p, in(reg32) codes, options(nostack)) };
+}
+
+impl<E: Half16, const BITS: u32> KvStore for Codes<E, BITS> {
     #[inline(always)]
     unsafe fn write(
         &self,
@@ -83,16 +93,25 @@ impl<E: Half16> KvStore for Codes<E> {
         };
         let lanes = CODED_HEAD_DIM / CHUNK_ELEMS;
         // SAFETY: the row's lanes are here together (caller), `lanes` is `D / 8`.
-        let (k, v): (CodedChunk, CodedChunk) =
-            unsafe { (quantize_chunk::<E>(k, lanes), quantize_chunk::<E>(v, lanes)) };
+        let (k, v): (CodedChunk, CodedChunk) = unsafe {
+            (
+                quantize_chunk::<E, BITS>(k, lanes),
+                quantize_chunk::<E, BITS>(v, lanes),
+            )
+        };
         let at = chunk_at(row, chunk);
-        // SAFETY: code rows are `D` bytes where a 16-bit row has its `D` elements (`D` is
-        // `CODED_HEAD_DIM`), inside their
-        // buffer by the layout; `D % 8 == 0`, so a chunk's 8 bytes are 8-byte aligned; the row's
-        // word is word `row / D` of its word buffer.
+        // SAFETY: code rows are `D` codes where a 16-bit row has its `D` elements (`D` is
+        // `CODED_HEAD_DIM`), at `BITS / 8` bytes an element, inside their buffer by the layout;
+        // `D % 8 == 0`, so a chunk's 8 (INT4: 4) bytes are 8- (4-) byte aligned; the row's word
+        // is word `row / D` of its word buffer.
         unsafe {
-            store_codes(codes.0.add(at), k.codes);
-            store_codes(codes.1.add(at), v.codes);
+            if BITS == 4 {
+                store_code_word(codes.0.add(at / 2), k.codes[0]);
+                store_code_word(codes.1.add(at / 2), v.codes[0]);
+            } else {
+                store_codes(codes.0.add(at), k.codes);
+                store_codes(codes.1.add(at), v.codes);
+            }
             if chunk == 0 {
                 let w = row / CODED_HEAD_DIM as usize;
                 *words.0.add(w) = k.word;

@@ -119,30 +119,9 @@ kv_write_kernels!(
 
 /// Declares the entry points of an integer-coded cache for one element type of the activations.
 macro_rules! coded_kv_write_kernels {
-    ($elem:ty, $append:ident, $rows:ident, $pool:ident) => {
-        /// Appends one decode token per sequence to a coded cache (see [`append`] and
-        /// [`coded::Codes`]).
-        ///
-        /// # Safety
-        /// As [`append::append_kv`], and `a.codes` holds the coded layout of the same cache:
-        /// launched by `lserve`'s host launcher only.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $append(a: CodedAppendArgs) {
-            // SAFETY: forwarded launch contract.
-            unsafe { append::append_kv::<$elem, _>(&a.append, Codes::<$elem>::new(a.codes)) }
-        }
-
-        /// Writes the tokens of a ragged batch into a coded cache (see [`rows`] and
-        /// [`coded::Codes`]).
-        ///
-        /// # Safety
-        /// As [`rows::write_kv_rows`], and `a.codes` holds the coded layout of the same cache:
-        /// launched by `lserve`'s host launcher only.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $rows(a: CodedWriteRowsArgs) {
-            // SAFETY: forwarded launch contract.
-            unsafe { rows::write_kv_rows(&a.rows, Codes::<$elem>::new(a.codes)) }
-        }
+    ($elem:ty, $append:ident, $rows:ident, $append4:ident, $rows4:ident, $pool:ident) => {
+        coded_kv_write_kernels!(@codes $elem, 8, $append, $rows);
+        coded_kv_write_kernels!(@codes $elem, 4, $append4, $rows4);
 
         /// Pools `kmin`/`kmax` from activation rows (see [`coded::pool_key_stats_rows`]).
         ///
@@ -154,17 +133,48 @@ macro_rules! coded_kv_write_kernels {
             unsafe { coded::pool_key_stats_rows::<$elem>(&a) }
         }
     };
+    (@codes $elem:ty, $bits:literal, $append:ident, $rows:ident) => {
+        /// Appends one decode token per sequence to a coded cache (see [`append`] and
+        /// [`coded::Codes`]).
+        ///
+        /// # Safety
+        /// As [`append::append_kv`], and `a.codes` holds the coded layout of the same cache:
+        /// launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $append(a: CodedAppendArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe {
+                append::append_kv::<$elem, _>(&a.append, Codes::<$elem, $bits>::new(a.codes))
+            }
+        }
+
+        /// Writes the tokens of a ragged batch into a coded cache (see [`rows`] and
+        /// [`coded::Codes`]).
+        ///
+        /// # Safety
+        /// As [`rows::write_kv_rows`], and `a.codes` holds the coded layout of the same cache:
+        /// launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $rows(a: CodedWriteRowsArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe { rows::write_kv_rows(&a.rows, Codes::<$elem, $bits>::new(a.codes)) }
+        }
+    };
 }
 
 coded_kv_write_kernels!(
     Bf16,
     append_kv_int8_bf16,
     write_kv_rows_int8_bf16,
+    append_kv_int4_bf16,
+    write_kv_rows_int4_bf16,
     pool_key_stats_rows_bf16
 );
 coded_kv_write_kernels!(
     F16,
     append_kv_int8_f16,
     write_kv_rows_int8_f16,
+    append_kv_int4_f16,
+    write_kv_rows_int4_f16,
     pool_key_stats_rows_f16
 );
