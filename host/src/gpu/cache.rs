@@ -564,7 +564,7 @@ impl<E: DeviceElement> DeviceKvCache<E> {
     /// scale and minimum per row: 132 or 68 bytes a row instead of 256). The key statistics stay
     /// 16-bit (or 8-bit, as the manager's configuration says). Such a cache is read by
     /// [`DecodePlan`](super::DecodePlan) (`decode_attention_int{8,4}_*`) and the selector, and
-    /// written by the quantizing append and row write (INT8); what reads or writes 16-bit K/V
+    /// written by the quantizing append and row write; what reads or writes 16-bit K/V
     /// refuses it with `InvalidArgument` before anything is enqueued.
     ///
     /// Errors: `InvalidArgument` for a format or head dimension without device kernels
