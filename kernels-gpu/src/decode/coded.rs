@@ -42,6 +42,8 @@
 //! its tiles' 16-byte chunks out so that the eight lanes of each phase of its loads hit eight
 //! different chunks of a 128-byte line.
 
+use core::marker::PhantomData;
+
 use lserve_abi::decode::{
     coded_row_bytes, coded_stage_bytes, coded_stages, CodedDecodeArgs, CODED_HEAD_DIM,
     DECODE_TILE_ROWS,
@@ -324,34 +326,41 @@ fn tile_chunk<F: CodeFormat>(tile: u32, r: u32, c: u32) -> u32 {
     tile + r * F::ROW_BYTES + 16 * F::chunk_at(r, c)
 }
 
-/// One stage of a warp's ring: K codes, V codes, K row words, V row words.
-#[derive(Clone, Copy)]
-struct Stage {
+/// One stage of a warp's ring of format `F`: K codes, V codes, K row words, V row words.
+struct Stage<F> {
     base: u32,
-    /// Bytes of one code tile.
-    tile_bytes: u32,
+    format: PhantomData<F>,
 }
 
-impl Stage {
-    /// Warp `warp`'s stage `stage` of format `F`.
+impl<F> Clone for Stage<F> {
     #[inline(always)]
-    fn of<F: CodeFormat>(warp: u32, stage: u32) -> Self {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<F> Copy for Stage<F> {}
+
+impl<F: CodeFormat> Stage<F> {
+    /// Warp `warp`'s stage `stage`.
+    #[inline(always)]
+    fn of(warp: u32, stage: u32) -> Self {
         Self {
             base: shared_addr(dynamic_smem::<u8>(0)) + (warp * F::STAGES + stage) * F::STAGE_BYTES,
-            tile_bytes: F::TILE_BYTES,
+            format: PhantomData,
         }
     }
 
     /// The K code tile; the V tile follows it.
     #[inline(always)]
     fn codes(self, is_v: bool) -> u32 {
-        self.base + if is_v { self.tile_bytes } else { 0 }
+        self.base + if is_v { F::TILE_BYTES } else { 0 }
     }
 
     /// The 16 row words of the K (or V) tile.
     #[inline(always)]
     fn words(self, is_v: bool) -> u32 {
-        self.base + 2 * self.tile_bytes + if is_v { 4 * DECODE_TILE_ROWS } else { 0 }
+        self.base + 2 * F::TILE_BYTES + if is_v { 4 * DECODE_TILE_ROWS } else { 0 }
     }
 }
 
@@ -395,7 +404,7 @@ impl CodedRows {
     #[inline(always)]
     unsafe fn issue<F: CodeFormat>(
         self,
-        stage: Stage,
+        stage: Stage<F>,
         at: usize,
         offset_end: usize,
         valid_rows: u32,
@@ -551,7 +560,7 @@ unsafe fn load_queries<F: CodeFormat, E: MmaElement>(
 #[inline(always)]
 unsafe fn attend_tile<F: CodeFormat, E: MmaElement + CodeElement>(
     state: &mut CodedWarpState,
-    stage: Stage,
+    stage: Stage<F>,
     q: &Queries,
     valid: u32,
     scale_log2: f32,
@@ -721,7 +730,7 @@ unsafe fn decode_attention_coded<F: CodeFormat, E: MmaElement + CodeElement>(a: 
         // each wait).
         let issue = |j: u32, at: usize| unsafe {
             rows.issue::<F>(
-                Stage::of::<F>(warp, j % F::STAGES),
+                Stage::<F>::of(warp, j % F::STAGES),
                 at,
                 src.offset_end,
                 src.tile_rows(tile(j)),
@@ -760,7 +769,7 @@ unsafe fn decode_attention_coded<F: CodeFormat, E: MmaElement + CodeElement>(a: 
             unsafe {
                 attend_tile::<F, E>(
                     &mut state,
-                    Stage::of::<F>(warp, j % F::STAGES),
+                    Stage::<F>::of(warp, j % F::STAGES),
                     &q,
                     src.tile_rows(tile(j)),
                     p.scale_log2,
