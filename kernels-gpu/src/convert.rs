@@ -203,7 +203,11 @@ impl CodeElement for F16 {
 
     #[inline(always)]
     fn nibbles_hi(w: u32) -> u32 {
-        fma_f16x2((w & NIBBLES_HI) | F16_NIBBLE_MAGIC, F16_SIXTEENTH, F16_MINUS_72)
+        fma_f16x2(
+            (w & NIBBLES_HI) | F16_NIBBLE_MAGIC,
+            F16_SIXTEENTH,
+            F16_MINUS_72,
+        )
     }
 }
 

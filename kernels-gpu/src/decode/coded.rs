@@ -203,8 +203,18 @@ impl CodeFormat for Int8Codes {
         let lo_4c = byte_perm::<0x5140>(rows[1][w], rows[3][w]);
         let hi_4c = byte_perm::<0x7362>(rows[1][w], rows[3][w]);
         (
-            [E::codes_lo(lo_08), E::codes_hi(lo_08), E::codes_lo(lo_4c), E::codes_hi(lo_4c)],
-            [E::codes_lo(hi_08), E::codes_hi(hi_08), E::codes_lo(hi_4c), E::codes_hi(hi_4c)],
+            [
+                E::codes_lo(lo_08),
+                E::codes_hi(lo_08),
+                E::codes_lo(lo_4c),
+                E::codes_hi(lo_4c),
+            ],
+            [
+                E::codes_lo(hi_08),
+                E::codes_hi(hi_08),
+                E::codes_lo(hi_4c),
+                E::codes_hi(hi_4c),
+            ],
         )
     }
 }
