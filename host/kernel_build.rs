@@ -17,15 +17,33 @@ pub const ARCHES: [&str; 3] = ["sm_80", "sm_90", "sm_90a"];
 /// The architecture the test-kernel module is built for (the tests run on Hopper).
 pub const TEST_ARCH: &str = "sm_90";
 
-/// Kernels whose PTX states their block size (`.maxntid`, what CUDA C's `__launch_bounds__`
-/// emits; rustc's NVPTX back end has no attribute for it): entry-name prefix, threads per block.
-/// Without it the driver's compiler may give a kernel more registers than its block can hold
-/// (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES` at launch).
-pub const LAUNCH_BOUNDS: [(&str, u32); 1] =
-    [("prefill_wgmma_", lserve_abi::prefill::WGMMA_PREFILL_THREADS)];
+/// Kernels whose PTX states their launch bounds (`.maxntid`, and `.minnctapersm` where given:
+/// what CUDA C's `__launch_bounds__(threads, blocks)` emits; rustc's NVPTX back end has no
+/// attribute for it): entry-name prefix, threads per block, blocks that must fit an SM at once.
+/// Without the block size the driver's compiler may give a kernel more registers than its block
+/// can hold (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES` at launch); the block count caps the registers
+/// so that many blocks are resident (the scorer's occupancy: `kernels-gpu/src/select/DESIGN.md`).
+pub const LAUNCH_BOUNDS: [(&str, u32, Option<u32>); 3] = [
+    (
+        "prefill_wgmma_",
+        lserve_abi::prefill::WGMMA_PREFILL_THREADS,
+        None,
+    ),
+    (
+        "decode_attention_int4_",
+        lserve_abi::decode::DECODE_THREADS,
+        Some(lserve_abi::decode::coded_blocks_per_sm(4)),
+    ),
+    (
+        "score_pages_",
+        lserve_abi::select::SCORE_THREADS,
+        Some(lserve_abi::select::SCORE_BLOCKS_PER_SM),
+    ),
+];
 
-/// `ptx` with a `.maxntid` directive on every entry that [`LAUNCH_BOUNDS`] names (between its
-/// parameter list and its body); the rest unchanged. An entry that states one already keeps it.
+/// `ptx` with the launch bounds [`LAUNCH_BOUNDS`] names on each of its entries (between the
+/// parameter list and the body); the rest unchanged. An entry that states a block size already
+/// keeps its own bounds.
 pub fn with_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 64 * LAUNCH_BOUNDS.len());
     let mut pending = None;
@@ -34,15 +52,18 @@ pub fn with_launch_bounds(ptx: &str) -> String {
             let name = rest.split('(').next().unwrap_or("").trim();
             pending = LAUNCH_BOUNDS
                 .iter()
-                .find(|(prefix, _)| name.starts_with(prefix))
-                .map(|&(_, threads)| threads);
+                .find(|(prefix, _, _)| name.starts_with(prefix))
+                .map(|&(_, threads, blocks)| (threads, blocks));
         }
         if line.trim_start().starts_with(".maxntid") {
             pending = None; // already stated
         }
         if line.trim() == "{" {
-            if let Some(threads) = pending.take() {
+            if let Some((threads, blocks)) = pending.take() {
                 out.push_str(&format!(".maxntid {threads}, 1, 1\n"));
+                if let Some(blocks) = blocks {
+                    out.push_str(&format!(".minnctapersm {blocks}\n"));
+                }
             }
         }
         out.push_str(line);

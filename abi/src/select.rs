@@ -20,6 +20,43 @@ use crate::ptr::{GlobalPtr, GlobalPtrMut};
 /// Threads per block of the scorer (8 warps).
 pub const SCORE_THREADS: u32 = 256;
 
+/// Scorer blocks resident on an SM at once: its registers are capped for them (`.minnctapersm`),
+/// and the host sizes its grid to one wave of them.
+pub const SCORE_BLOCKS_PER_SM: u32 = 2;
+
+/// Dynamic shared memory of a scorer launch at head dimension `head_dim`: the query heads'
+/// `B` fragments, 8 bytes per lane of each of its `head_dim / 8` products.
+///
+/// ```
+/// assert_eq!(lserve_abi::select::score_smem_bytes(128), 4096);
+/// ```
+#[inline(always)]
+pub const fn score_smem_bytes(head_dim: u32) -> u32 {
+    head_dim / 8 * 32 * 8
+}
+
+/// Logical pages one scorer warp scores at once: the `M` rows of its tensor-core products.
+pub const SCORE_TILE_ROWS: u32 = 16;
+
+/// Units (of `per_unit` logical pages each) one scorer warp tile covers: the whole units its
+/// [`SCORE_TILE_ROWS`] rows hold, or one unit (in several passes) when a unit is longer.
+///
+/// ```
+/// use lserve_abi::select::score_tile_units;
+/// assert_eq!(score_tile_units(4), 4); // 64-token pages of 16-token logical pages
+/// assert_eq!(score_tile_units(1), 16); // logical-page selection
+/// assert_eq!(score_tile_units(3), 5); // one row unused
+/// assert_eq!(score_tile_units(32), 1); // two passes per unit
+/// ```
+#[inline(always)]
+pub const fn score_tile_units(per_unit: u32) -> u32 {
+    if per_unit == 0 || per_unit >= SCORE_TILE_ROWS {
+        1
+    } else {
+        SCORE_TILE_ROWS / per_unit
+    }
+}
+
 /// Threads per block of the selector (16 warps).
 pub const SELECT_THREADS: u32 = 512;
 
@@ -56,6 +93,8 @@ pub struct SelectParams {
     pub always_include_first: u32,
     /// [`AGGREGATE_MAX`] or [`AGGREGATE_MEAN`].
     pub aggregation: u32,
+    /// Query heads per KV head (`G`, 1 to 8): the scorer's query rows of one pair.
+    pub group: u32,
     /// Token strides; `q` (the batch's query rows) is the one the scorer uses.
     pub strides: TokenStrides,
 }

@@ -26,8 +26,6 @@
 //! [`pool_page`] is the one check of a page id read from a device table before the pool is
 //! addressed with it (an id past the pool is skipped).
 //!
-//! [`shapes`] lists the (element type, head dim, GQA group) shapes the grouped kernels serve.
-//!
 //! The crate builds one of two PTX modules: the kernels above (the default), or, with the
 //! `test-kernels` feature, only [`primitive_tests`], one test kernel per primitive (driven by
 //! `tests/gpu_primitives.rs`, loaded by tests alone). The selector's warp scan, ballot and vector
@@ -72,7 +70,6 @@ pub mod prefill;
 pub mod primitive_tests;
 #[cfg(not(feature = "test-kernels"))]
 pub mod select;
-pub mod shapes;
 pub mod smem;
 pub mod sync;
 pub mod thread;

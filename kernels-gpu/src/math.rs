@@ -41,6 +41,22 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     d
 }
 
+/// A power of two `scale` that puts `largest` (a row's largest magnitude) in `[2^15, 2^16)`, and
+/// `1 / scale`: a bf16 or f16 value times it is an exact f16 (but for the f16 subnormals of
+/// values below 2^-29 of the largest), so a row of queries can meet f16 codes on the tensor
+/// cores. Both stay normal f32 for a zero, tiny, infinite or NaN `largest` (the biased exponent
+/// of `scale` is kept in 1..=253).
+#[inline(always)]
+pub fn pow2_scale(largest: f32) -> (f32, f32) {
+    // `scale = 2^(15 - e)` for `largest = 1.x · 2^e`.
+    let biased = ((largest.to_bits() >> 23) & 0xFF) as i32;
+    let scale_biased = (269 - biased).clamp(1, 253) as u32;
+    (
+        f32::from_bits(scale_biased << 23),
+        f32::from_bits((254 - scale_biased) << 23),
+    )
+}
+
 /// `prmt.b32`: four bytes picked from the eight of `(a, b)` (bytes 0..4 of `a`, then 4..8 of
 /// `b`); nibble `i` of `SEL` is the source byte of result byte `i`.
 #[inline(always)]

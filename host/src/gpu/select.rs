@@ -53,8 +53,9 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::buffers::StatCodesPtrs;
 use lserve_abi::layout::TokenStrides;
 use lserve_abi::select::{
-    ScoreArgs, SelectArgs, SelectParams, StepArgs, AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_THREADS,
-    SELECT_SMEM_BYTES, SELECT_THREADS, STEP_THREADS,
+    score_smem_bytes, score_tile_units, ScoreArgs, SelectArgs, SelectParams, StepArgs,
+    AGGREGATE_MAX, AGGREGATE_MEAN, SCORE_BLOCKS_PER_SM, SCORE_THREADS, SELECT_SMEM_BYTES,
+    SELECT_THREADS, STEP_THREADS,
 };
 
 use super::cache::{
@@ -130,9 +131,8 @@ impl SelectWorkspace {
     }
 }
 
-/// The kernel name for element type, head dim, group size and statistics
-/// (`score_pages_bf16_d128_g4`, `score_pages_q8_bf16_d128_g4` over 8-bit statistics: one kernel
-/// per group, see `kernels-gpu/src/shapes.rs`).
+/// The scorer for element type, head dim and statistics (`score_pages_bf16_d128`,
+/// `score_pages_q8_bf16_d128` over 8-bit statistics; the group size is a launch parameter).
 fn score_kernel_name(
     dtype: DType,
     head_dim: usize,
@@ -144,10 +144,7 @@ fn score_kernel_name(
         StatsFormat::Half => "",
         StatsFormat::Int8(_) => "q8_",
     };
-    Ok(format!(
-        "score_pages_{q8}{}_d{head_dim}_g{group}",
-        dtype.name()
-    ))
+    Ok(format!("score_pages_{q8}{}_d{head_dim}", dtype.name()))
 }
 
 /// The top-K kernel for `config`'s selection unit: `select_pages` for physical pages (or logical
@@ -160,16 +157,16 @@ fn top_k_kernel_name(config: &SparsityConfig) -> &'static str {
     }
 }
 
-/// Scorer blocks per pair (`grid.x`): one page per row group covers the longest sequence
-/// (`pages` physical pages; `row_groups` per block), but no more than two blocks per SM over all
-/// `pairs` (one wave: 2 blocks of the G 4 kernel fit an SM; rounded down, so a launch is never a
-/// wave and a small tail) — past that the row groups
+/// Scorer blocks per pair (`grid.x`): one tile per warp covers the longest sequence (`tiles`
+/// warp tiles of [`score_tile_units`] units), but no more than [`SCORE_BLOCKS_PER_SM`] blocks
+/// per SM over all `pairs`
+/// (one wave, rounded down, so a launch is never a wave and a small tail) — past that the warps
 /// loop (the kernel's grid-stride loop covers any grid, so this only sizes the work, never
 /// decides what is scored). More blocks would only queue: on a step where no pair is due every
 /// block launches just to exit (kernels-gpu/src/select/DESIGN.md has the measurements).
-fn score_blocks_per_pair(sm_count: u32, pairs: u32, pages: u32, row_groups: u32) -> u32 {
-    let cover = pages.div_ceil(row_groups.max(1)).max(1);
-    let fill = ((2 * sm_count.max(1)) / pairs.max(1)).max(1);
+fn score_blocks_per_pair(sm_count: u32, pairs: u32, tiles: u32) -> u32 {
+    let cover = tiles.div_ceil(SCORE_THREADS / 32).max(1);
+    let fill = ((SCORE_BLOCKS_PER_SM * sm_count.max(1)) / pairs.max(1)).max(1);
     cover.min(fill)
 }
 
@@ -214,6 +211,7 @@ fn select_params<E: DeviceElement>(
             GqaAggregation::Max => AGGREGATE_MAX,
             GqaAggregation::Mean => AGGREGATE_MEAN,
         },
+        group: cache.pattern().geometry().group() as u32,
         // The scorer's are set from its `q` (`SelectPlan::check`); the top-K reads none.
         strides: TokenStrides::packed(
             cache.pattern().geometry().q_heads() as u32,
@@ -354,15 +352,15 @@ impl SelectLaunch<'_> {
             ..self.top_k.params
         };
         let l = cache.layer(layer)?;
-        let d = cache.pattern().geometry().head_dim();
         let longest = batch.host_lens.iter().copied().max().unwrap_or(1);
-        let pages = longest.div_ceil(l.paged.page_tokens);
-        let row_groups = SCORE_THREADS / (d as u32 / 8);
-        let blocks = score_blocks_per_pair(gpu.sm_count(), pairs as u32, pages, row_groups);
+        let units = (longest as usize).div_ceil(cache.config.unit_tokens()) as u32;
+        let per_unit = (cache.config.unit_tokens() / cache.config.logical_page_tokens) as u32;
+        let tiles = units.div_ceil(score_tile_units(per_unit));
+        let blocks = score_blocks_per_pair(gpu.sm_count(), pairs as u32, tiles);
         let cfg = LaunchConfig {
             grid_dim: (blocks, pairs as u32, 1),
             block_dim: (SCORE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: score_smem_bytes(cache.pattern().geometry().head_dim() as u32),
         };
         let mut launch = Launch::overlapped(gpu, self.scorer);
         let args = ScoreArgs {
@@ -830,29 +828,30 @@ mod tests {
 
     #[test]
     fn scorer_grid_covers_short_sequences_and_caps_long_batches() {
-        // 132 SMs, D = 128 (16 row groups): 256K tokens at 64-token pages, one layer's 4 pairs.
-        assert_eq!(score_blocks_per_pair(132, 4, 4096, 16), 66);
-        // Few pages: one block covers them.
-        assert_eq!(score_blocks_per_pair(132, 4, 10, 16), 1);
+        // 132 SMs, 8 warps a block: 256K tokens at 64-token pages of 16-token logical pages
+        // (4096 pages, 4 a tile: 1024 tiles), one layer's 4 pairs: 128 blocks cover it.
+        assert_eq!(score_blocks_per_pair(132, 4, 1024), 66);
+        // Few tiles: one block covers them.
+        assert_eq!(score_blocks_per_pair(132, 4, 3), 1);
         // Many pairs: at most 2 blocks per SM in all (batch 16: 4 x 64 = 256 blocks, one wave).
-        assert_eq!(score_blocks_per_pair(132, 64, 4096, 16), 4);
+        assert_eq!(score_blocks_per_pair(132, 64, 1024), 4);
         // Never zero.
-        assert_eq!(score_blocks_per_pair(0, 0, 0, 0), 1);
+        assert_eq!(score_blocks_per_pair(0, 0, 0), 1);
     }
 
     #[test]
     fn kernel_names_cover_the_supported_shapes_only() {
         assert_eq!(
             score_kernel_name(DType::BF16, 128, 4, StatsFormat::Half).unwrap(),
-            "score_pages_bf16_d128_g4"
+            "score_pages_bf16_d128"
         );
         assert_eq!(
             score_kernel_name(DType::F16, 64, 1, StatsFormat::DEVICE_INT8).unwrap(),
-            "score_pages_q8_f16_d64_g1"
+            "score_pages_q8_f16_d64"
         );
         assert_eq!(
             score_kernel_name(DType::BF16, 128, 7, StatsFormat::Half).unwrap(),
-            "score_pages_bf16_d128_g7"
+            "score_pages_bf16_d128"
         );
         assert!(score_kernel_name(DType::BF16, 256, 4, StatsFormat::Half).is_err());
         assert!(score_kernel_name(DType::BF16, 128, 0, StatsFormat::Half).is_err());

@@ -57,7 +57,7 @@ use crate::cp_async::{
     commit_group, cp_async_16_zfill_with_policy, cp_async_4_zfill_with_policy, l2_evict_first,
     wait_all, wait_group,
 };
-use crate::math::{byte_perm, fma};
+use crate::math::{byte_perm, fma, pow2_scale};
 use crate::mma::{mma_m16n8k16, FragA, FragB, FragC, MmaElement};
 use crate::smem::{dynamic_smem, ld_shared_u32, ld_shared_v2_u32, ld_shared_v4_u32, shared_addr};
 use crate::sync::{sync_threads, sync_warp};
@@ -532,14 +532,7 @@ unsafe fn load_queries<F: CodeFormat, E: MmaElement>(
     });
     // SAFETY: the whole warp is here.
     let (sum, largest) = unsafe { (quad_sum_f32(sum), quad_max_f32(largest)) };
-    // `scale = 2^(15 - e)` for `largest = 1.x · 2^e`, its biased exponent kept in 1..=253 so
-    // that it and its inverse are normal f32 (a zero or tiny row, an infinite or NaN one).
-    let biased = ((largest.to_bits() >> 23) & 0xFF) as i32;
-    let scale_biased = (269 - biased).clamp(1, 253) as u32;
-    let (scale, unscale) = (
-        f32::from_bits(scale_biased << 23),
-        f32::from_bits((254 - scale_biased) << 23),
-    );
+    let (scale, unscale) = pow2_scale(largest);
     let mut x = [0.0f32; 4 * K_STEPS];
     crate::unroll16!(i in 0..2 * K_STEPS => {
         (x[2 * i], x[2 * i + 1]) = E::unpack2(pairs[i]);

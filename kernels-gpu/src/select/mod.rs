@@ -21,50 +21,56 @@ pub mod top_k;
 
 use lserve_abi::select::{SelectArgs, StepArgs};
 
-/// Declares the scorer entry point of one (statistics, element type, head dim, group size),
-/// exported as `score_pages_{prefix}{dtype}_d{D}_g{G}`; the two forms below name the statistics.
-macro_rules! scorer {
-    ($stats:ident, $prefix:literal, $elem:path, $dtype:literal, $d:literal, $g:literal) => {
-        /// Page scorer entry point (see [`score`](crate::select::score)).
-        ///
-        /// # Safety
-        /// As `score::score_pages`'s, with the statistics `$stats` reads (the 16-bit rows, or
-        /// `a.stat_codes`): launched by `lserve`'s host launcher only.
-        #[unsafe(export_name = concat!("score_pages_", $prefix, $dtype, "_d", $d, "_g", $g))]
-        pub unsafe extern "gpu-kernel" fn score(a: lserve_abi::select::ScoreArgs) {
-            // SAFETY: first thing in the kernel; the host launches it overlapped.
-            unsafe { $crate::sync::overlapped_entry() };
-            // SAFETY: forwarded launch contract.
-            unsafe {
-                $crate::select::score::score_pages::<$elem, $crate::select::score::$stats, $d, $g>(
-                    &a,
-                )
+/// Declares the scorer entry points of one (element type, head dimension), both statistics
+/// formats: `score_pages_{dtype}_d{D}` (16-bit) and `score_pages_q8_{dtype}_d{D}` (8-bit codes).
+macro_rules! scorers {
+    ($module:ident, $elem:path, $dtype:literal, $d:literal) => {
+        /// The scorers of one element type and head dimension.
+        pub mod $module {
+            /// Page scorer over 16-bit statistics (see [`score`](crate::select::score)).
+            ///
+            /// # Safety
+            /// As `score::score_pages`'s: launched by `lserve`'s host launcher only.
+            #[unsafe(export_name = concat!("score_pages_", $dtype, "_d", $d))]
+            pub unsafe extern "gpu-kernel" fn score(a: lserve_abi::select::ScoreArgs) {
+                // SAFETY: first thing in the kernel; the host launches it overlapped.
+                unsafe { $crate::sync::overlapped_entry() };
+                // SAFETY: forwarded launch contract.
+                unsafe {
+                    $crate::select::score::score_pages::<
+                        $elem,
+                        $crate::select::score::HalfStats<$elem>,
+                        $d,
+                    >(&a)
+                }
+            }
+
+            /// Page scorer over 8-bit statistics (see [`score`](crate::select::score)).
+            ///
+            /// # Safety
+            /// As `score::score_pages`'s, with `a.stat_codes` the layer's codes: launched by
+            /// `lserve`'s host launcher only.
+            #[unsafe(export_name = concat!("score_pages_q8_", $dtype, "_d", $d))]
+            pub unsafe extern "gpu-kernel" fn score_q8(a: lserve_abi::select::ScoreArgs) {
+                // SAFETY: first thing in the kernel; the host launches it overlapped.
+                unsafe { $crate::sync::overlapped_entry() };
+                // SAFETY: forwarded launch contract.
+                unsafe {
+                    $crate::select::score::score_pages::<
+                        $elem,
+                        $crate::select::score::CodedStats,
+                        $d,
+                    >(&a)
+                }
             }
         }
     };
 }
 
-/// The scorer over 16-bit statistics (`score_pages_{dtype}_d{D}_g{G}`).
-macro_rules! score_kernel {
-    ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
-        scorer!(HalfStats, "", $elem, $dtype, $d, $g);
-    };
-}
-
-/// The scorer over 8-bit statistics (`score_pages_q8_{dtype}_d{D}_g{G}`).
-macro_rules! score_q8_kernel {
-    ($elem:path, $dtype:literal, $d:literal, $g:literal) => {
-        scorer!(CodedStats, "q8_", $elem, $dtype, $d, $g);
-    };
-}
-
-// Every (element type, head dim, group size) of `crate::shapes`.
-crate::grouped_kernels!(score_kernel);
-
-/// The scorers over 8-bit statistics.
-pub mod q8 {
-    crate::grouped_kernels!(score_q8_kernel);
-}
+scorers!(bf16_d64, crate::convert::Bf16, "bf16", 64);
+scorers!(bf16_d128, crate::convert::Bf16, "bf16", 128);
+scorers!(f16_d64, crate::convert::F16, "f16", 64);
+scorers!(f16_d128, crate::convert::F16, "f16", 128);
 
 /// Top-K selection and index tables entry point (see [`top_k`]): physical pages.
 ///
