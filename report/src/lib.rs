@@ -7,6 +7,7 @@
 //! the bench's reason), and is left out of the plots.
 
 pub mod fidelity;
+pub mod page_size;
 pub mod parse;
 pub mod plot;
 
