@@ -573,7 +573,7 @@ fn page_panel(s: &Study, budget: usize, y_desc: &str, value: fn(&Setting) -> f64
         log_y: false,
         y_min: lowest
             .is_finite()
-            .then(|| (lowest / 10.0 - 1.0).floor().max(0.0) * 10.0),
+            .then(|| ((lowest - 5.0) / 5.0).floor().max(0.0) * 5.0),
         x_span: span,
         series,
         hlines: Vec::new(),

@@ -1,6 +1,6 @@
 //! The page-size study's report on a fixture (`tests/fixtures/page-size/`: the files
 //! `page_size_study --out` writes; made-up numbers, not results): the targets' verdicts, the
-//! tables and the three PNGs.
+//! tables and the three PNGs; and the committed report is what the committed data make.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -63,4 +63,24 @@ fn a_missing_folder_is_an_error_naming_its_file() {
     })
     .unwrap_err();
     assert!(err.contains("no-such-study/summary.tsv"), "{err}");
+}
+
+/// `docs/page-size/REPORT.md` is what the generator makes of the study's files committed beside
+/// it (`docs/page-size/data/`): regenerate it after changing either (`cargo run -p
+/// lserve-report --bin lserve-page-size-report -- --data docs/page-size/data --out
+/// docs/page-size`).
+#[test]
+fn the_committed_page_size_report_is_current() {
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/page-size");
+    let w = generate(&Options {
+        data: docs.join("data"),
+        out: out_dir("page-size-committed"),
+    })
+    .unwrap();
+    let made = fs::read_to_string(&w.markdown).unwrap();
+    let committed = fs::read_to_string(docs.join("REPORT.md")).unwrap();
+    assert!(
+        made == committed,
+        "docs/page-size/REPORT.md is stale; regenerate it"
+    );
 }
