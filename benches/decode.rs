@@ -1,5 +1,5 @@
 //! Decode benchmarks (criterion), one layer of Llama-3-8B geometry (Hq 32, Hkv 8, D 128), bf16,
-//! batch 1 and 16, contexts 4K to 256K:
+//! batch 1 and 16, contexts 4K to 256K (the page-size sweep: 8K and 128K):
 //!
 //! - `attention/dense`: our paged decode with every head dense (the dense baseline);
 //! - `attention/static`: 50% streaming heads, the rest dense;
@@ -38,6 +38,12 @@
 //! - `attention/dense_int8`, `attention/dense_int4`: `attention/dense` over a cache of INT8 or
 //!   INT4 codes per token-head (132 or 68 bytes a row instead of 256;
 //!   `DeviceKvCache::new_coded`), random codes and scales; `_f16`: with f16 queries;
+//! - `pages/lserve_F_pN`, `pages/dense_F_pN` (`F` = `bf16`, `int8`, `int4`; `N` = 16, 32, 64,
+//!   128), contexts 8K and 128K only: the page-size sweep ([`pages`]). `step/lserve` (`lserve`)
+//!   and `attention/dense` (`dense`) over a cache of `F` (codes per token-head, statistics bf16)
+//!   with physical pages of `N` tokens and logical pages of 16 (hierarchical; flat at 16), page
+//!   selection from 4096 tokens on (so the 8K step selects one step in four, as the 128K one);
+//!   `LSERVE_BENCH_ONLY=pages/` builds only these;
 //! - `copy`: a device-to-device copy, the bandwidth ceiling, in the same run.
 //!
 //! Each is captured in a CUDA graph (as an engine runs a decode step) and timed with CUDA
@@ -131,7 +137,8 @@ fn step_layers(batch: usize) -> usize {
     }
 }
 
-/// What a bench case's cache stores: K/V in bf16 or INT8/INT4 codes, statistics 16-bit or 8-bit.
+/// What a bench case's cache stores (K/V in bf16 or INT8/INT4 codes, statistics 16-bit or
+/// 8-bit) and how it is paged.
 #[derive(Clone, Copy)]
 struct Store {
     /// K/V as integer codes per token-head of these bits (bf16 without).
@@ -140,42 +147,62 @@ struct Store {
     q8: bool,
     /// Logical pages selected (`SelectionUnit::LogicalPage`), not physical ones.
     logical: bool,
+    /// Tokens per physical page (`SparsityConfig::page_tokens`; `None`: the default, 64).
+    /// Logical pages stay 16 tokens.
+    page_tokens: Option<usize>,
+    /// Where a case with page selection starts selecting (`SparsityConfig::dynamic_min_len`;
+    /// `None`: the default, 8192).
+    dynamic_min_len: Option<usize>,
 }
 
 const BF16: Store = Store {
     codes: None,
     q8: false,
     logical: false,
+    page_tokens: None,
+    dynamic_min_len: None,
 };
 const INT8: Store = Store {
     codes: Some(CodeBits::Int8),
     q8: false,
     logical: false,
+    page_tokens: None,
+    dynamic_min_len: None,
 };
 const Q8: Store = Store {
     codes: None,
     q8: true,
     logical: false,
+    page_tokens: None,
+    dynamic_min_len: None,
 };
 const INT8_Q8: Store = Store {
     codes: Some(CodeBits::Int8),
     q8: true,
     logical: false,
+    page_tokens: None,
+    dynamic_min_len: None,
 };
 const INT4: Store = Store {
     codes: Some(CodeBits::Int4),
     q8: false,
     logical: false,
+    page_tokens: None,
+    dynamic_min_len: None,
 };
 const INT4_Q8: Store = Store {
     codes: Some(CodeBits::Int4),
     q8: true,
     logical: false,
+    page_tokens: None,
+    dynamic_min_len: None,
 };
 const LOGICAL: Store = Store {
     codes: None,
     q8: false,
     logical: true,
+    page_tokens: None,
+    dynamic_min_len: None,
 };
 
 /// `layers` layers of `batch` sequences of `len` tokens each, cache filled with random K/V and
@@ -206,12 +233,14 @@ fn bench_case(
     } else {
         HeadPattern::all_dense(g)
     };
+    let defaults = SparsityConfig::default();
     let config = SparsityConfig {
         dynamic_min_len: if selection {
-            SparsityConfig::default().dynamic_min_len
+            store.dynamic_min_len.unwrap_or(defaults.dynamic_min_len)
         } else {
             len
         },
+        page_tokens: store.page_tokens.unwrap_or(defaults.page_tokens),
         reuse_interval: reuse,
         stats_format: if store.q8 {
             StatsFormat::DEVICE_INT8
@@ -223,7 +252,7 @@ fn bench_case(
         } else {
             SelectionUnit::PhysicalPage
         },
-        ..SparsityConfig::default()
+        ..defaults
     };
     let pages = config.pages_for_len(len);
     let mut mgr = KvCacheManager::new(g, pattern.clone(), config, batch * pages, batch, len)?;
@@ -348,6 +377,131 @@ impl Bench {
             .count();
         let pages = self.len.div_ceil(self.config.logical_page_tokens);
         (self.batch.len() * dense * (self.len * ROW_BYTES + pages * 2 * ROW_BYTES)) as u64
+    }
+}
+
+/// One case of the decode grid: what runs over which cache.
+#[derive(Clone, Copy)]
+struct Variant {
+    model: Model,
+    /// Half the KV heads streaming (`HeadPattern::interleaved`), else every head dense.
+    streaming: bool,
+    /// Page selection on (the dense heads attend to selected pages).
+    selection: bool,
+    /// The reuse interval `C`.
+    reuse: usize,
+    /// The selector runs (on the steps `SparsityConfig::selects_at` names).
+    run_select: bool,
+    /// The attention runs.
+    run_attend: bool,
+    store: Store,
+    /// A decode step as an engine runs it (`DecodeStep::plan`, `PlannedStep::layer_with_selector`:
+    /// the append, the selector when due, the attention), not the plans alone.
+    planned: bool,
+}
+
+impl Variant {
+    /// Builds the case at `batch` and `context` and times it as `group_name/name/bB/context`.
+    fn bench(
+        self,
+        c: &mut Criterion,
+        gpu: &GpuContext,
+        group_name: &str,
+        name: &str,
+        batch_size: usize,
+        context: usize,
+    ) -> lserve::Result<()> {
+        let (run_select, run_attend) = (self.run_select, self.run_attend);
+        // Attention alone is one layer (a dense layer's cache is 1 GiB per sequence at 256K);
+        // selection is timed per layer of a step graph, like the steps.
+        let layers = if self.planned || run_select {
+            step_layers(batch_size)
+        } else {
+            1
+        };
+        // The step's token is in the cache: `context + 1` tokens (a step's plan reserves it).
+        let mut l = bench_case(
+            gpu,
+            self.model,
+            layers,
+            batch_size,
+            context + 1,
+            self.planned,
+            self.streaming,
+            self.selection,
+            self.reuse,
+            self.store,
+        )?;
+        let mut bytes = l.step_bytes(run_select, run_attend);
+        if self.planned {
+            bytes += l.append_bytes();
+        }
+        // One decode step (or selector run), as an engine runs it: captured once with the
+        // selector and once without, and each replay takes the one the step's
+        // `SparsityConfig::selects_at` asks for (the device's step counters advance one per
+        // replay from 0, as the replays count them).
+        let (config, len) = (l.config, l.len);
+        let Bench {
+            cache,
+            batch,
+            attention,
+            selection,
+            step,
+            mgr,
+            seqs,
+            q,
+            out,
+            k,
+            v,
+            ..
+        } = &mut l;
+        // `step/*`: one planned step (its token reserved, tables and batch written), captured
+        // twice; the replays rewrite the same token's position.
+        let mut plan = match self.planned {
+            true => Some(step.plan(gpu, mgr, cache, seqs)?),
+            false => None,
+        };
+        // `selection/*`, `attention/*`: the batch's plans, made once for every layer.
+        let batch = &*batch;
+        let select_plan = match plan.is_none() && run_select {
+            true => Some(SelectPlan::new(gpu, cache, batch, selection)?),
+            false => None,
+        };
+        let attend_plan = match plan.is_none() && run_attend {
+            true => Some(DecodePlan::new(gpu, cache, batch, attention)?),
+            false => None,
+        };
+        let mut run_step = |select: bool| {
+            for layer in 0..layers {
+                if let Some(plan) = plan.as_mut() {
+                    // A decode step's layer: the append (inside the attention launch or before
+                    // the selector), the selector if `select`, the attention.
+                    plan.layer_with_selector(select, gpu, cache, layer, &*q, &*k, &*v, &mut *out)
+                        .expect("step layer");
+                    continue;
+                }
+                if let Some(p) = select_plan.as_ref().filter(|_| select) {
+                    p.run(gpu, cache, layer, &*q, selection).expect("select");
+                }
+                if let Some(p) = &attend_plan {
+                    p.run(gpu, cache, layer, &*q, &mut *out, attention)
+                        .expect("attend");
+                }
+            }
+            if run_select {
+                let batch = plan.as_ref().map_or(batch, |p| p.batch());
+                advance_decode_steps(gpu, cache, batch).expect("advance");
+            }
+        };
+        let reusing = capture(gpu, || run_step(false));
+        let selecting = run_select.then(|| capture(gpu, || run_step(true)));
+        let graph_for = |replay: u64| match &selecting {
+            Some(graph) if config.selects_at(len, replay) => graph,
+            _ => &reusing,
+        };
+        let id = BenchmarkId::new(name, format!("b{batch_size}/{context}"));
+        bench_replays(c, gpu, group_name, id, bytes, layers, graph_for);
+        Ok(())
     }
 }
 
@@ -482,6 +636,60 @@ fn copy(c: &mut Criterion, gpu: &GpuContext) {
     group.finish();
 }
 
+/// The page-size sweep's physical page sizes (`N_P`; logical pages 16 tokens).
+const PAGE_SIZES: [usize; 4] = [16, 32, 64, 128];
+/// The page-size sweep's contexts.
+const PAGE_CONTEXTS: [usize; 2] = [8192, 131072];
+
+/// `pages/*`: the LServe decode step (as `step/lserve`: 50% streaming heads, budget 4096, reuse
+/// 4) and dense decode (as `attention/dense`) at each physical page size of [`PAGE_SIZES`], over
+/// bf16, INT8 and INT4 caches, batch 1 and 16, contexts [`PAGE_CONTEXTS`]. Selection starts past
+/// the budget (`dynamic_min_len` 4096): with the default 8192 the 8K case's sequence of 8193
+/// tokens would be on its first selecting step at every replay (nothing held before it), and
+/// would select on every step instead of one in four.
+fn pages(c: &mut Criterion, gpu: &GpuContext) {
+    let budget = SparsityConfig::default().token_budget;
+    for batch in BATCHES {
+        for context in PAGE_CONTEXTS {
+            for (format, store) in [("bf16", BF16), ("int8", INT8), ("int4", INT4)] {
+                for n_p in PAGE_SIZES {
+                    let store = Store {
+                        page_tokens: Some(n_p),
+                        dynamic_min_len: Some(budget),
+                        ..store
+                    };
+                    let lserve = Variant {
+                        model: LLAMA3_8B,
+                        streaming: true,
+                        selection: true,
+                        reuse: 4,
+                        run_select: true,
+                        run_attend: true,
+                        store,
+                        planned: true,
+                    };
+                    let dense = Variant {
+                        streaming: false,
+                        selection: false,
+                        run_select: false,
+                        planned: false,
+                        ..lserve
+                    };
+                    for (kind, variant) in [("lserve", lserve), ("dense", dense)] {
+                        let name = format!("{kind}_{format}_p{n_p}");
+                        if !selected(&format!("pages/{name}/b{batch}/{context}")) {
+                            continue;
+                        }
+                        if let Err(e) = variant.bench(c, gpu, "pages", &name, batch, context) {
+                            println!("pages/{name} b{batch}/{context}: skipped ({e})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn decode(c: &mut Criterion) {
     let Some(gpu) = gpu_or_skip("decode") else {
         return;
@@ -581,7 +789,7 @@ fn decode(c: &mut Criterion) {
                 reuse,
                 run_select,
                 run_attend,
-                coded,
+                store,
             ) in variants
             {
                 // The MHA model's cases are batch 1 only (the paper's setting).
@@ -589,99 +797,19 @@ fn decode(c: &mut Criterion) {
                 if (mha && batch != 1) || !selected(&case(group_name, name)) {
                     continue;
                 }
-                // Attention alone is one layer (a dense layer's cache is 1 GiB per sequence at
-                // 256K); selection is timed per layer of a step graph, like the steps.
-                let layers = if group_name == "attention" {
-                    1
-                } else {
-                    step_layers(batch)
-                };
-                // The step's token is in the cache: `context + 1` tokens (a step's plan reserves
-                // it).
-                let made = bench_case(
-                    &gpu,
+                let variant = Variant {
                     model,
-                    layers,
-                    batch,
-                    context + 1,
-                    group_name == "step",
                     streaming,
                     selection,
                     reuse,
-                    coded,
-                );
-                let mut l = match made {
-                    Ok(l) => l,
-                    Err(e) => {
-                        println!("{group_name}/{name} b{batch}/{context}: skipped ({e})");
-                        continue;
-                    }
+                    run_select,
+                    run_attend,
+                    store,
+                    planned: group_name == "step",
                 };
-                let mut bytes = l.step_bytes(run_select, run_attend);
-                if group_name == "step" {
-                    bytes += l.append_bytes();
+                if let Err(e) = variant.bench(c, &gpu, group_name, name, batch, context) {
+                    println!("{group_name}/{name} b{batch}/{context}: skipped ({e})");
                 }
-                // One decode step (or selector run), as an engine runs it: captured once with
-                // the selector and once without, and each replay takes the one the step's
-                // `SparsityConfig::selects_at` asks for (the device's step counters advance one
-                // per replay from 0, as the replays count them).
-                let (config, len) = (l.config, l.len);
-                let Bench {
-                    cache,
-                    batch,
-                    attention,
-                    selection,
-                    step,
-                    mgr,
-                    seqs,
-                    q,
-                    out,
-                    k,
-                    v,
-                    ..
-                } = &mut l;
-                // `step/*`: one planned step (its token reserved, tables and batch written),
-                // captured twice; the replays rewrite the same token's position.
-                let mut plan = (group_name == "step")
-                    .then(|| step.plan(&gpu, mgr, cache, seqs).expect("plan"));
-                // `selection/*`, `attention/*`: the batch's plans, made once for every layer.
-                let batch = &*batch;
-                let select_plan = (plan.is_none() && run_select)
-                    .then(|| SelectPlan::new(&gpu, cache, batch, selection).expect("select plan"));
-                let attend_plan = (plan.is_none() && run_attend).then(|| {
-                    DecodePlan::new(&gpu, cache, batch, attention).expect("attention plan")
-                });
-                let mut run_step = |select: bool| {
-                    for layer in 0..layers {
-                        if let Some(plan) = plan.as_mut() {
-                            // A decode step's layer: the append (inside the attention launch
-                            // or before the selector), the selector if `select`, the attention.
-                            plan.layer_with_selector(
-                                select, &gpu, cache, layer, &*q, &*k, &*v, &mut *out,
-                            )
-                            .expect("step layer");
-                            continue;
-                        }
-                        if let Some(p) = select_plan.as_ref().filter(|_| select) {
-                            p.run(&gpu, cache, layer, &*q, selection).expect("select");
-                        }
-                        if let Some(p) = &attend_plan {
-                            p.run(&gpu, cache, layer, &*q, &mut *out, attention)
-                                .expect("attend");
-                        }
-                    }
-                    if run_select {
-                        let batch = plan.as_ref().map_or(batch, |p| p.batch());
-                        advance_decode_steps(&gpu, cache, batch).expect("advance");
-                    }
-                };
-                let reusing = capture(&gpu, || run_step(false));
-                let selecting = run_select.then(|| capture(&gpu, || run_step(true)));
-                let graph_for = |replay: u64| match &selecting {
-                    Some(graph) if config.selects_at(len, replay) => graph,
-                    _ => &reusing,
-                };
-                bench_replays(c, &gpu, group_name, id(name), bytes, layers, graph_for);
             }
 
             // Dense attention over INT8 and INT4 coded caches, beside `attention/dense`, with
@@ -763,6 +891,7 @@ fn decode(c: &mut Criterion) {
             }
         }
     }
+    pages(c, &gpu);
 }
 
 criterion_group!(benches, decode);

@@ -9,37 +9,17 @@
 //!
 //! `cargo run --release --example quant_study` prints both tables as Markdown.
 
-use half::bf16;
+mod common;
+
+use common::{bf16_round, capture, context, keys, normal, Context, D};
+use lserve::config::GqaAggregation;
 use lserve::quant::{CodeBits, IntFormat, QuantGroup, StatsGroup};
 use lserve::reference::decode::attend_rows;
 use lserve::reference::kv_write::{key_stats, KeyStats};
 use lserve::reference::quant::{quantize_key_stats, quantize_rows};
-use lserve::reference::select::{logical_scores, physical_scores, top_k_pages};
+use lserve::reference::select::SelectionParams;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-const D: usize = 128;
-
-/// A standard normal sample (Box-Muller).
-fn normal(rng: &mut StdRng) -> f32 {
-    let (u, v): (f64, f64) = (rng.gen_range(f64::EPSILON..1.0), rng.gen());
-    ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
-}
-
-fn bf16_round(x: f32) -> f32 {
-    bf16::from_f32(x).to_f32()
-}
-
-/// Keys as real models have them, roughly: normal channels, a few outlier channels with a
-/// large scale and offset (`outliers` of them, 8x and +4), bf16-rounded.
-fn keys(rng: &mut StdRng, len: usize, outliers: usize) -> Vec<f32> {
-    (0..len * D)
-        .map(|i| {
-            let x = normal(rng);
-            bf16_round(if i % D < outliers { 8.0 * x + 4.0 } else { x })
-        })
-        .collect()
-}
+use rand::SeedableRng;
 
 fn rows_of(x: &[f32]) -> Vec<&[f32]> {
     x.chunks(D).collect()
@@ -108,66 +88,18 @@ fn error_table() {
     }
 }
 
-/// One synthetic context: `len` keys with outlier channels, a query, and `needles` planted keys
-/// whose `q · k` stands out by `strength` standard deviations of the background's.
-struct Context {
-    keys: Vec<f32>,
-    q: Vec<f32>,
-    needles: Vec<usize>,
-    /// Softmax weights of every token for `q` (scale `1 / sqrt(D)`).
-    weights: Vec<f64>,
-}
-
-fn context(seed: u64, len: usize, needles: usize, strength: f32) -> Context {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut keys = keys(&mut rng, len, 4);
-    let q: Vec<f32> = (0..D).map(|_| bf16_round(normal(&mut rng))).collect();
-    let norm = q.iter().map(|x| x * x).sum::<f32>().sqrt();
-    // Background `q · k` has a standard deviation of about |q| (and more from the outliers): a
-    // needle adds `strength |q|` along `q`. Needles avoid the newest physical page (always
-    // selected).
-    let mut at: Vec<usize> = (0..needles).map(|_| rng.gen_range(0..len - 128)).collect();
-    at.sort_unstable();
-    for &t in &at {
-        for (i, k) in keys[t * D..][..D].iter_mut().enumerate() {
-            *k = bf16_round(*k + strength * q[i] / norm);
-        }
-    }
-    let scale = 1.0 / (D as f64).sqrt();
-    let s: Vec<f64> = keys
-        .chunks(D)
-        .map(|k| {
-            scale
-                * q.iter()
-                    .zip(k)
-                    .map(|(&a, &b)| a as f64 * b as f64)
-                    .sum::<f64>()
-        })
-        .collect();
-    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-    let total: f64 = e.iter().sum();
-    Context {
-        keys,
-        q,
-        needles: at,
-        weights: e.iter().map(|x| x / total).collect(),
-    }
-}
-
 /// Needle recall and attention mass of the pages selected from `stats` (logical pages of
-/// `n_l` tokens, physical of `n_p`) at `budget` tokens.
+/// `n_l` tokens, physical of `n_p`) at `budget` tokens, the newest page always included.
 fn select(c: &Context, stats: &KeyStats, n_l: usize, n_p: usize, budget: usize) -> (f64, f64) {
-    let logical = logical_scores(&c.q, stats);
-    let physical = physical_scores(&logical, n_p / n_l);
-    let pages = top_k_pages(&physical, budget / n_p, false);
-    let selected = |t: usize| pages.binary_search(&((t / n_p) as u32)).is_ok();
-    let recall = c.needles.iter().filter(|&&t| selected(t)).count() as f64 / c.needles.len() as f64;
-    let mass = (0..c.weights.len())
-        .filter(|&t| selected(t))
-        .map(|t| c.weights[t])
-        .sum();
-    (recall, mass)
+    let params = SelectionParams {
+        logical_per_page: n_p / n_l,
+        top_k: budget / n_p,
+        always_include_first: false,
+        aggregation: GqaAggregation::Max,
+    };
+    let got = capture(c, stats, &params, n_p);
+    let found = got.needles.iter().filter(|&&f| f).count();
+    (found as f64 / got.needles.len() as f64, got.mass)
 }
 
 fn selection_table() {

@@ -7,6 +7,7 @@
 //! the bench's reason), and is left out of the plots.
 
 pub mod fidelity;
+pub mod page_size;
 pub mod parse;
 pub mod plot;
 
@@ -21,6 +22,11 @@ use plotters::prelude::SeriesLabelPosition;
 /// The case grid of `benches/decode.rs` (what the tables list, measured or not).
 pub const DECODE_CONTEXTS: [usize; 5] = [4096, 16384, 65536, 131072, 262144];
 pub const DECODE_BATCHES: [usize; 2] = [1, 16];
+/// The page-size sweep of `benches/decode.rs` (`pages/{lserve,dense}_F_pN/bB/C`): physical page
+/// sizes, contexts, and the K/V formats `F`.
+pub const PAGE_SIZES: [usize; 4] = [16, 32, 64, 128];
+pub const PAGE_CONTEXTS: [usize; 2] = [8192, 131072];
+pub const PAGE_FORMATS: [&str; 3] = ["bf16", "int8", "int4"];
 /// `benches/prefill.rs`: `prefill/{dense,streaming50}/L`.
 pub const PREFILL_LENS: [usize; 5] = [4096, 16384, 32768, 65536, 131072];
 /// `prefill_block_sparse/sparsity_percent/S` (32K).
@@ -134,6 +140,22 @@ pub fn generate(opts: &Options) -> Result<Written, String> {
             .map(|&b| r.bandwidth_panel(b))
             .collect(),
     )?;
+    let pages = PAGE_CONTEXTS
+        .iter()
+        .map(|&ctx| {
+            png(
+                &format!("page_size_{}.png", plot::tokens_label(ctx as f64)),
+                &format!(
+                    "Decode latency per layer against the physical page size, {} context",
+                    plot::tokens_label(ctx as f64)
+                ),
+                DECODE_BATCHES
+                    .iter()
+                    .map(|&b| r.page_size_panel(b, ctx))
+                    .collect(),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
 
     let mut md = String::new();
     r.header(&mut md, opts, &logs);
@@ -143,6 +165,7 @@ pub fn generate(opts: &Options) -> Result<Written, String> {
     r.selector(&mut md, &selector);
     r.prefill(&mut md, &prefill);
     r.bandwidth(&mut md, &bandwidth);
+    r.page_sizes(&mut md, &pages);
     r.everything(&mut md);
     let markdown = opts.out.join("REPORT.md");
     fs::write(&markdown, md).map_err(|e| format!("writing {}: {e}", markdown.display()))?;
@@ -216,12 +239,13 @@ impl Report<'_> {
         }
     }
 
-    /// The contexts of the decode grid and any other the logs hold for `group/name/bB/C` ids.
+    /// The contexts of the decode grid and any other the logs hold for `group/name/bB/C` ids
+    /// (but the page-size sweep's, `pages/*`, which has tables of its own).
     fn decode_contexts(&self) -> Vec<usize> {
         let mut v: Vec<usize> = DECODE_CONTEXTS.to_vec();
         for c in &self.m.criterion {
             let parts: Vec<&str> = c.id.split('/').collect();
-            if parts.len() == 4 && parts[2].starts_with('b') {
+            if parts.len() == 4 && parts[0] != "pages" && parts[2].starts_with('b') {
                 if let Ok(ctx) = parts[3].parse() {
                     v.push(ctx);
                 }
@@ -392,6 +416,48 @@ impl Report<'_> {
             ],
             hlines: vec![],
             legend: SeriesLabelPosition::UpperLeft,
+        }
+    }
+
+    /// `pages/{kind}_{format}_p{n_p}/b{batch}/{ctx}`.
+    fn page_id(kind: &str, format: &str, n_p: usize, batch: usize, ctx: usize) -> String {
+        format!("pages/{kind}_{format}_p{n_p}/b{batch}/{ctx}")
+    }
+
+    fn page_size_panel(&self, b: usize, ctx: usize) -> Panel {
+        let line = |kind: &str, format: &str| -> Vec<(f64, f64)> {
+            PAGE_SIZES
+                .iter()
+                .filter_map(|&n| {
+                    let t = self.time(&Self::page_id(kind, format, n, b, ctx))?;
+                    Some((n as f64, t * 1e6))
+                })
+                .collect()
+        };
+        let mut series = Vec::new();
+        for (format, color) in PAGE_FORMATS.iter().zip([3, 1, 4]) {
+            series.push(Series::new(
+                format!("LServe step, {format}"),
+                line("lserve", format),
+                color,
+            ));
+        }
+        for (format, color) in PAGE_FORMATS.iter().zip([3, 1, 4]) {
+            series.push(
+                Series::new(format!("dense, {format}"), line("dense", format), color).dashed(),
+            );
+        }
+        Panel {
+            title: format!("batch {b}"),
+            x_desc: "physical page N_P (tokens; logical pages 16)".into(),
+            y_desc: "time per layer (µs, log)".into(),
+            log_x: true,
+            log_y: true,
+            y_min: None,
+            x_span: PAGE_SIZES.iter().map(|&n| n as f64).collect(),
+            series,
+            hlines: vec![],
+            legend: SeriesLabelPosition::UpperRight,
         }
     }
 
@@ -909,6 +975,57 @@ impl Report<'_> {
             }
         }
         md.push_str("\ntorch's % is against our copy ceiling of the same run.\n\n");
+    }
+
+    fn page_sizes(&self, md: &mut String, pngs: &[String]) {
+        let _ = writeln!(
+            md,
+            "## Decode latency against the physical page size (the paper's Table 1)\n"
+        );
+        md.push_str(
+            "`pages/{lserve,dense}_F_pN/bB/C`: the LServe step (as `step/lserve`) and dense decode \
+             (as `attention/dense`) with physical pages of N tokens (logical pages 16) over a bf16, \
+             INT8 or INT4 cache; time per layer.\n\n",
+        );
+        for png in pngs {
+            let _ = writeln!(md, "![decode latency against the page size]({png})\n");
+        }
+        let _ = writeln!(
+            md,
+            "| case | batch | context | {} | N_P 16 / N_P 64 |\n| --- | ---: | ---: |{} ---: |",
+            PAGE_SIZES
+                .iter()
+                .map(|n| format!("N_P {n}"))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            " ---: |".repeat(PAGE_SIZES.len())
+        );
+        for kind in ["lserve", "dense"] {
+            for format in PAGE_FORMATS {
+                for b in DECODE_BATCHES {
+                    for c in PAGE_CONTEXTS {
+                        let cells: Vec<String> = PAGE_SIZES
+                            .iter()
+                            .map(|&n| self.cell(&Self::page_id(kind, format, n, b, c)))
+                            .collect();
+                        let rel = match (
+                            self.time(&Self::page_id(kind, format, 16, b, c)),
+                            self.time(&Self::page_id(kind, format, 64, b, c)),
+                        ) {
+                            (Some(x), Some(y)) => ratio(x / y),
+                            _ => NOT_MEASURED.into(),
+                        };
+                        let _ = writeln!(
+                            md,
+                            "| `pages/{kind}_{format}` | {b} | {} | {} | {rel} |",
+                            plot::tokens_label(c as f64),
+                            cells.join(" | ")
+                        );
+                    }
+                }
+            }
+        }
+        md.push('\n');
     }
 
     fn everything(&self, md: &mut String) {

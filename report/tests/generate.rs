@@ -46,7 +46,9 @@ fn writes_the_markdown_and_every_png_from_a_fixture_folder() {
             "decode_speedup.png",
             "selector.png",
             "prefill_tflops.png",
-            "decode_bandwidth.png"
+            "decode_bandwidth.png",
+            "page_size_8K.png",
+            "page_size_128K.png"
         ]
     );
     for p in &w.pngs {
@@ -79,6 +81,14 @@ fn writes_the_markdown_and_every_png_from_a_fixture_folder() {
     // torch's lines.
     assert!(md.contains("| prefill | cudnn | 1 | 4096 | 330.0 µs | 416.5 TFLOP/s |"));
     assert!(md.contains("unsupported"));
+    // The page-size sweep: its own table (N_P 16 over N_P 64: 15.2 / 12.0), and its 8K context
+    // not a row of the decode grid's tables.
+    assert!(
+        md.contains("| `pages/lserve_bf16` | 1 | 128K | 15.200 µs | 13.100 µs | 12.000 µs | 12.500 µs | 1.267x |"),
+        "{md}"
+    );
+    assert!(md.contains("- `pages/dense_int4_p16/b16/8192`: out of memory"));
+    assert!(!md.lines().any(|l| l.starts_with("| 8K |")), "{md}");
 }
 
 #[test]
