@@ -4,6 +4,10 @@
 //! - A prompt prefilled in random chunks (block-aligned or not, some of a few tokens) gives bit
 //!   for bit the output rows and the cache of a one-shot `prefill_into_cache` of the whole
 //!   prompt, for dense and streaming heads, MHA and GQA, D 64 and 128, bf16 and f16.
+//! - The same into an INT8 or INT4 cache: every chunk's output rows against the f64 reference
+//!   over the prompt whose cached positions are their dequantized rows (rounded to the element
+//!   type), the chunk's own positions its activations; the codes, row words and statistics
+//!   equal those of a one-shot prefill bit for bit.
 //! - The log-sum-exp of the 64-query-tile kernel and of the masked kernel, and the output of a
 //!   launch with `prefix_lens` on plain tensors, against the f64 reference.
 //!
@@ -16,13 +20,16 @@ use half::{bf16, f16};
 use lserve::config::SparsityConfig;
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{
-    prefill_chunks_into_cache, prefill_into_cache, DeviceElement, DeviceKvCache, GpuContext,
-    KvWritePlan, PrefillArgs, PrefillPlan, PrefillScratch,
+    prefill_chunks_into_cache, prefill_into_cache, read_coded_layer, CodedLayerContents,
+    DeviceElement, DeviceKvCache, GpuContext, KvWritePlan, PrefillArgs, PrefillPlan,
+    PrefillScratch,
 };
 use lserve::head_pattern::HeadKind;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager};
+use lserve::quant::{CodeBits, IntFormat, QuantGroup};
 use lserve::reference::prefill::{prefill_attention, PrefillInput};
+use lserve::reference::quant::quantize_rows;
 use lserve::reference::TokenPattern;
 use lserve::LserveError;
 use rand::rngs::StdRng;
@@ -58,19 +65,23 @@ fn chunks(rng: &mut StdRng, len: usize) -> Vec<usize> {
 }
 
 struct Run<E> {
+    /// The last layer's output rows, `[len][Hq][D]`.
     out: Vec<E>,
-    host: HostKvCache<E>,
+    /// The cache: downloaded (16-bit), or each layer's codes, words and statistics (coded).
+    host: Option<HostKvCache<E>>,
+    coded: Vec<CodedLayerContents<E>>,
 }
 
 /// Prefills one sequence of `len` tokens of `q`, `k`, `v` in the given chunks (one chunk of
-/// `len`: the one-shot path) into a fresh cache, layer by layer; returns the output rows and the
-/// cache.
+/// `len`: the one-shot path) into a fresh cache (16-bit, or of `format`), layer by layer;
+/// returns the output rows and the cache.
 #[allow(clippy::too_many_arguments)]
 fn prefill_in_chunks<E: DeviceElement>(
     gpu: &GpuContext,
     g: ModelGeometry,
     streaming: &[Vec<bool>],
     config: SparsityConfig,
+    format: Option<IntFormat>,
     len: usize,
     sizes: &[usize],
     x: &[Vec<E>; 3],
@@ -79,7 +90,10 @@ fn prefill_in_chunks<E: DeviceElement>(
     let pattern = head_pattern(g, streaming);
     let mut mgr =
         KvCacheManager::new(g, pattern, config, config.pages_for_len(len) + 2, 1, len).unwrap();
-    let mut cache = DeviceKvCache::<E>::new(gpu, &mgr).unwrap();
+    let mut cache = match format {
+        None => DeviceKvCache::<E>::new(gpu, &mgr).unwrap(),
+        Some(f) => DeviceKvCache::<E>::new_coded(gpu, &mgr, f).unwrap(),
+    };
     let mut scratch = PrefillScratch::<E>::new(gpu, &g, len).unwrap();
     let seq = mgr.add_sequence().unwrap();
     let s = gpu.stream();
@@ -129,15 +143,28 @@ fn prefill_in_chunks<E: DeviceElement>(
         }
         start += n;
     }
+    if format.is_some() {
+        let coded = (0..LAYERS)
+            .map(|layer| read_coded_layer(gpu, &cache, layer).unwrap())
+            .collect();
+        return Run {
+            out,
+            host: None,
+            coded,
+        };
+    }
     let mut host = HostKvCache::<E>::for_manager(&mgr).unwrap();
     let mut tables = IndexTables::for_manager(&mgr).unwrap();
     cache.download(gpu, &mut host, &mut tables).unwrap();
-    Run { out, host }
+    Run {
+        out,
+        host: Some(host),
+        coded: Vec::new(),
+    }
 }
 
-fn chunked_case<E: DeviceElement>(gpu: &GpuContext, seed: u64) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let d = if rng.gen_bool(0.5) { 64 } else { 128 };
+/// A random case's shape: geometry, head kinds, Λ parameters.
+fn random_shape(rng: &mut StdRng, d: usize) -> (ModelGeometry, Vec<Vec<bool>>, SparsityConfig) {
     let hkv = rng.gen_range(1..=3);
     let group = rng.gen_range(1..=4);
     let g = ModelGeometry::new(LAYERS, hkv * group, hkv, d).unwrap();
@@ -146,16 +173,28 @@ fn chunked_case<E: DeviceElement>(gpu: &GpuContext, seed: u64) {
         .collect();
     let sink = [0, 4, 64, 100][rng.gen_range(0..4)];
     let local = [16, 64, 200, 256][rng.gen_range(0..4)];
-    let config = config(sink, local);
-    let len = rng.gen_range(2..=1300);
-    let sizes = chunks(&mut rng, len);
-    let x: [Vec<E>; 3] = [hkv * group, hkv, hkv].map(|heads| {
-        (0..LAYERS * len * heads * d)
+    (g, streaming, config(sink, local))
+}
+
+/// Every layer's Q, K, V rows (`[layers][len][heads][D]` each), uniform in `[-2, 2)`.
+fn activations<E: DeviceElement>(rng: &mut StdRng, g: ModelGeometry, len: usize) -> [Vec<E>; 3] {
+    [g.q_heads(), g.kv_heads(), g.kv_heads()].map(|heads| {
+        (0..LAYERS * len * heads * g.head_dim())
             .map(|_| E::from_f32(rng.gen_range(-2.0f32..2.0)))
             .collect()
-    });
-    let whole = prefill_in_chunks(gpu, g, &streaming, config, len, &[len], &x);
-    let chunked = prefill_in_chunks(gpu, g, &streaming, config, len, &sizes, &x);
+    })
+}
+
+fn chunked_case<E: DeviceElement>(gpu: &GpuContext, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let d = if rng.gen_bool(0.5) { 64 } else { 128 };
+    let (g, streaming, config) = random_shape(&mut rng, d);
+    let len = rng.gen_range(2..=1300);
+    let sizes = chunks(&mut rng, len);
+    let x = activations::<E>(&mut rng, g, len);
+    let whole = prefill_in_chunks(gpu, g, &streaming, config, None, len, &[len], &x);
+    let chunked = prefill_in_chunks(gpu, g, &streaming, config, None, len, &sizes, &x);
+    let (hkv, group) = (g.kv_heads(), g.group());
     let what = format!("seed {seed}: D {d}, Hkv {hkv}, G {group}, len {len}, chunks {sizes:?}");
     assert!(
         whole.out.iter().all(|e| e.to_f32().is_finite()),
@@ -166,8 +205,9 @@ fn chunked_case<E: DeviceElement>(gpu: &GpuContext, seed: u64) {
         bits(&chunked.out) == bits(&whole.out),
         "{what}: chunked output differs from one-shot"
     );
+    let (got, want) = (chunked.host.unwrap(), whole.host.unwrap());
     for layer in 0..LAYERS {
-        for (name, got, want) in layer_arrays(&chunked.host, &whole.host, layer) {
+        for (name, got, want) in layer_arrays(&got, &want, layer) {
             assert!(
                 bits(got) == bits(want),
                 "{what}: layer {layer} {name} differs"
@@ -185,6 +225,117 @@ fn chunked_prefill_equals_one_shot_bit_for_bit() {
             chunked_case::<bf16>(&gpu, seed);
         } else {
             chunked_case::<f16>(&gpu, seed);
+        }
+    }
+}
+
+/// A prompt prefilled in chunks into a coded cache (format `bits`, per token-head, D 128): each
+/// chunk's output rows against the reference over the prompt whose positions before the chunk
+/// are what the cache holds (dequantized, rounded to `E`), and the cache equal to a one-shot
+/// prefill's bit for bit.
+fn coded_chunked_case<E: DeviceElement>(gpu: &GpuContext, seed: u64, bits: CodeBits) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (g, streaming, config) = random_shape(&mut rng, 128);
+    let format = IntFormat::new(bits, QuantGroup::TokenHead);
+    let (hq, hkv, d) = (g.q_heads(), g.kv_heads(), g.head_dim());
+    let len = rng.gen_range(2..=600);
+    let sizes = chunks(&mut rng, len);
+    let x = activations::<E>(&mut rng, g, len);
+    let what = format!(
+        "seed {seed}: {bits:?}, Hkv {hkv}, G {}, len {len}, chunks {sizes:?}",
+        g.group()
+    );
+    let whole = prefill_in_chunks(gpu, g, &streaming, config, Some(format), len, &[len], &x);
+    let chunked = prefill_in_chunks(gpu, g, &streaming, config, Some(format), len, &sizes, &x);
+    assert!(
+        chunked.coded == whole.coded,
+        "{what}: the cache differs from a one-shot prefill's"
+    );
+    // The last layer's activations and the K/V rows the cache holds for them.
+    let layer = LAYERS - 1;
+    let f32s = |t: &Vec<E>, heads: usize| -> Vec<f32> {
+        let per = len * heads * d;
+        t[layer * per..(layer + 1) * per]
+            .iter()
+            .map(|e| e.to_f32())
+            .collect()
+    };
+    let (q, k, v) = (f32s(&x[0], hq), f32s(&x[1], hkv), f32s(&x[2], hkv));
+    let cached = |rows: &[f32]| -> Vec<f32> {
+        quantize_rows(rows, d, format)
+            .unwrap()
+            .dequantize()
+            .iter()
+            .map(|&y| E::from_f32(y).to_f32())
+            .collect()
+    };
+    let (k_cached, v_cached) = (cached(&k), cached(&v));
+    let patterns: Vec<TokenPattern> = streaming[layer]
+        .iter()
+        .map(|&s| {
+            if s {
+                TokenPattern::Lambda {
+                    sink_tokens: config.sink_tokens,
+                    local_tokens: config.local_tokens,
+                }
+            } else {
+                TokenPattern::Causal
+            }
+        })
+        .collect();
+    let mut start = 0;
+    for &n in &sizes {
+        let end = start + n;
+        let row = hkv * d;
+        // Positions before the chunk from the cache, the chunk's from its activations.
+        let mix = |cached: &[f32], own: &[f32]| -> Vec<f32> {
+            let mut m = cached[..start * row].to_vec();
+            m.extend_from_slice(&own[start * row..end * row]);
+            m
+        };
+        let want = prefill_attention(&PrefillInput {
+            cu_seqlens: &[0, end],
+            q: &q[..end * hq * d],
+            k: &mix(&k_cached, &k),
+            v: &mix(&v_cached, &v),
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            patterns: &patterns,
+            block_mask: None,
+            scale: 1.0 / (d as f64).sqrt(),
+        })
+        .unwrap();
+        let (mut diff, mut norm) = (0.0f64, 0.0f64);
+        for i in start * hq * d..end * hq * d {
+            let o = chunked.out[i].to_f32() as f64;
+            assert!(o.is_finite(), "{what}: output element {i} not written");
+            diff += (o - want.out[i]) * (o - want.out[i]);
+            norm += want.out[i] * want.out[i];
+        }
+        let err = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+        assert!(
+            err < tolerance::<E>(),
+            "{what}: chunk {start}..{end}: relative error {err}"
+        );
+        start = end;
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn coded_chunked_prefill_matches_reference() {
+    let gpu = gpu();
+    for seed in 0..8 {
+        let bits = if seed % 2 == 0 {
+            CodeBits::Int8
+        } else {
+            CodeBits::Int4
+        };
+        if seed % 4 < 2 {
+            coded_chunked_case::<bf16>(&gpu, 200 + seed, bits);
+        } else {
+            coded_chunked_case::<f16>(&gpu, 200 + seed, bits);
         }
     }
 }

@@ -222,6 +222,17 @@ pub struct GatherArgs {
     pub v_out: GlobalPtrMut<u16>,
 }
 
+/// The one argument of a `gather_kv_rows_int{8,4}_*` launch: the 16-bit gather's, over a coded
+/// cache (its `cache` K/V pointers are not addressed; the cached rows are read from `codes`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CodedGatherArgs {
+    /// What a 16-bit gather takes.
+    pub gather: GatherArgs,
+    /// Where the codes and row words are (read only).
+    pub codes: CodedKvPtrs,
+}
+
 /// Logical pages one `pool_key_stats_*` block pools: each takes `head_dim / 8` threads.
 pub const fn pool_pages_per_block(head_dim: u32) -> u32 {
     KV_WRITE_THREADS / (head_dim / CHUNK_ELEMS)

@@ -659,14 +659,6 @@ impl<E: DeviceElement> DeviceKvCache<E> {
         self.config.stats_format
     }
 
-    /// `InvalidArgument` for a coded cache: `what` reads or writes the 16-bit K/V.
-    pub(crate) fn check_float(&self, what: &'static str) -> Result<()> {
-        match self.format {
-            KvFormat::Float(_) => Ok(()),
-            KvFormat::Int(_) => Err(coded_unsupported(what)),
-        }
-    }
-
     fn build(
         gpu: &GpuContext,
         manager: &KvCacheManager,

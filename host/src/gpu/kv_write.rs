@@ -48,8 +48,9 @@ use std::ops::Range;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::kv_write::{
     logical_pages_of, pool_pages_per_block, AppendArgs, AppendParams, CodedAppendArgs,
-    CodedWriteRowsArgs, FillArgs, FillParams, GatherArgs, GatherParams, PoolArgs, PoolParams,
-    PoolRowsArgs, SeqRange, WriteRowsArgs, WriteRowsParams, CHUNK_ELEMS, KV_WRITE_THREADS,
+    CodedGatherArgs, CodedWriteRowsArgs, FillArgs, FillParams, GatherArgs, GatherParams, PoolArgs,
+    PoolParams, PoolRowsArgs, SeqRange, WriteRowsArgs, WriteRowsParams, CHUNK_ELEMS,
+    KV_WRITE_THREADS,
 };
 use lserve_abi::layout::TokenStrides;
 
@@ -843,7 +844,7 @@ pub(crate) fn gather_kv_rows<E: DeviceElement>(
             ..TokenStrides::packed(g.q_heads() as u32, hkv as u32)
         },
     };
-    let f = gpu.function(kernel_of::<E>("gather_kv_rows_bf16", "gather_kv_rows_f16"))?;
+    let f = gpu.function(&kernel_for::<E>("gather_kv_rows", cache.format()))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks_for(chunks)?, sequences as u32, 1),
         block_dim: (KV_WRITE_THREADS, 1, 1),
@@ -852,9 +853,8 @@ pub(crate) fn gather_kv_rows<E: DeviceElement>(
     let mut launch = Launch::new(gpu, &f);
     let (k, v) = (launch.read(k.view()).cast(), launch.read(v.view()).cast());
     let ranges = launch.read(ranges).cast();
-    l.check_float("gather_kv_rows")?;
     let (cache_ptrs, _) = l.ptrs(&mut launch, &cache.block_tables);
-    let args = GatherArgs {
+    let gather = GatherArgs {
         params,
         ranges,
         k,
@@ -863,10 +863,25 @@ pub(crate) fn gather_kv_rows<E: DeviceElement>(
         k_out: launch.write(k_out).cast(),
         v_out: launch.write(v_out).cast(),
     };
-    // SAFETY: `gather_kv_rows_*`'s argument struct, of the buffers registered above (the cache
-    // read only, as the kernel only reads it); the ranges meet the kernel's contract (the
-    // caller's checks above); the grid covers the longest range's chunks.
-    unsafe { launch.launch(cfg, &args) }?;
+    match &l.codes {
+        None => {
+            // SAFETY: `gather_kv_rows_*`'s argument struct, of the buffers registered above (the
+            // cache read only, as the kernel only reads it); the ranges meet the kernel's
+            // contract (the caller's checks above); the grid covers the longest range's chunks.
+            unsafe { launch.launch(cfg, &gather) }?;
+        }
+        Some(codes) => {
+            let args = CodedGatherArgs {
+                gather,
+                codes: codes.ptrs(&mut launch),
+            };
+            // SAFETY: `gather_kv_rows_int{8,4}_*`'s argument struct (the kernel of the cache's
+            // format), as the 16-bit gather's above, with the layer's codes and words laid out
+            // as its 16-bit K/V would be (`CodedLayer`; the kernel reads the rows from them and
+            // never addresses the 16-bit K/V pointers), registered as read.
+            unsafe { launch.launch(cfg, &args) }?;
+        }
+    }
     Ok(())
 }
 

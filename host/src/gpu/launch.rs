@@ -85,6 +85,7 @@ kernel_args!(
     lserve_abi::kv_write::CodedWriteRowsArgs,
     lserve_abi::kv_write::PoolRowsArgs,
     lserve_abi::kv_write::GatherArgs,
+    lserve_abi::kv_write::CodedGatherArgs,
     lserve_abi::kv_write::PoolArgs,
     lserve_abi::kv_write::FillArgs,
     lserve_abi::select::ScoreArgs,

@@ -909,6 +909,14 @@ impl<E: DeviceElement> PrefillScratch<E> {
 /// elements written), then writes the chunk into the cache, pools, and runs the attention over
 /// `scratch`. A batch whose ranges all start at 0 is [`prefill_into_cache`] (no gather).
 ///
+/// Over an integer-coded cache ([`DeviceKvCache::new_coded`]) the cached positions are what the
+/// cache holds: their codes dequantized (`fma(c, s, m)` in f32, as
+/// `reference::quant::QuantizedRows::dequantize_row`) and rounded to `E`, while the chunk's own
+/// positions are its activations, as in a one-shot prefill; the chunk is quantized into the
+/// cache as [`write_kv_rows`] does. So a chunked prefill equals the one-shot one over the
+/// prompt whose prefix rows are those dequantized rows (not bit for bit the one-shot prefill of
+/// the unquantized prompt).
+///
 /// Errors (nothing launched): `StaleTables` as [`prefill_into_cache`]; `InvalidArgument` for a
 /// range that does not end at its sequence's length or an empty one, a bad layer;
 /// `ShapeMismatch` for tensors shorter than the chunks or a scratch shorter than the batch's
@@ -961,7 +969,6 @@ pub fn prefill_chunks_into_cache<'t, E: DeviceElement>(
     }
     let (q, k, v, mut out) = (q.into(), k.into(), v.into(), out.into());
     kv_plan.check_current(cache)?;
-    cache.check_float("a later prefill chunk (it gathers the cached rows)")?;
     let g = *cache.pattern().geometry();
     if let Some(r) = ranges.iter().find(|r| r.end != r.len || r.start == r.end) {
         return Err(invalid(
@@ -1027,7 +1034,10 @@ pub fn prefill_chunks_into_cache<'t, E: DeviceElement>(
         &mut scratch.v,
     )?;
     write_kv_rows(gpu, cache, layer, kv_plan, k.reborrow(), v.reborrow())?;
-    pool_key_stats(gpu, cache, layer, kv_plan)?;
+    if let KvFormat::Float(_) = cache.format() {
+        // (A coded cache's statistics were computed by the row write, from `k`.)
+        pool_key_stats(gpu, cache, layer, kv_plan)?;
+    }
     let strides = TokenStrides {
         q: q_stride,
         kv: g.kv_heads() as u32,

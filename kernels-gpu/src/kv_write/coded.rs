@@ -13,9 +13,9 @@ use lserve_abi::layout::CacheLayout;
 use super::quantize::{quantize_chunk, CodedChunk};
 use super::stat_codes::store_stat_codes;
 use super::stats::Bounds;
-use super::target::{chunk_at, load, store, KvStore, RowTarget};
+use super::target::{chunk_at, load, store, KvLoad, KvStore, RowTarget};
 use crate::convert::Half16;
-use crate::math::Vec16;
+use crate::math::{fma, Vec16};
 use crate::pool_page::in_pool;
 use crate::thread::{block_idx_x, block_idx_y, block_idx_z, thread_idx_x};
 use lserve_abi::decode::{CODED_HEAD_DIM, HEAD_STREAMING};
@@ -64,6 +64,35 @@ unsafe fn store_code_word(p: *mut u8, codes: u32) {
     unsafe { asm!("st.u32 [{0}], {1};", in(reg64) p, in(reg32) codes, options(nostack)) };
 }
 
+/// Where a coded cache keeps one row of K and of V: the code buffers, the word buffers and the
+/// row's element offset (its codes start at byte `row * BITS / 8`, its word is word `row / D`).
+struct CodedRow {
+    codes: (*mut u8, *mut u8),
+    words: (*mut u32, *mut u32),
+    row: usize,
+}
+
+impl<E, const BITS: u32> Codes<E, BITS> {
+    /// The row `target` names; `None` for [`RowTarget::Nowhere`].
+    #[inline(always)]
+    fn row(&self, c: &CacheLayout, target: RowTarget, slot: u32) -> Option<CodedRow> {
+        let p = &self.ptrs;
+        match target {
+            RowTarget::Dense { page, head, token } => Some(CodedRow {
+                codes: (p.k_pool.get(), p.v_pool.get()),
+                words: (p.k_pool_words.get(), p.v_pool_words.get()),
+                row: c.paged.kv_row(page, head, token),
+            }),
+            RowTarget::Streaming { head, row } => Some(CodedRow {
+                codes: (p.k_stream.get(), p.v_stream.get()),
+                words: (p.k_stream_words.get(), p.v_stream_words.get()),
+                row: c.streaming.kv_row(slot, head, row),
+            }),
+            RowTarget::Nowhere => None,
+        }
+    }
+}
+
 impl<E: Half16, const BITS: u32> KvStore for Codes<E, BITS> {
     #[inline(always)]
     unsafe fn write(
@@ -76,20 +105,9 @@ impl<E: Half16, const BITS: u32> KvStore for Codes<E, BITS> {
         k: Vec16,
         v: Vec16,
     ) {
-        let p = &self.ptrs;
-        let (codes, words, row) = match target {
-            RowTarget::Dense { page, head, token } => (
-                (p.k_pool.get(), p.v_pool.get()),
-                (p.k_pool_words.get(), p.v_pool_words.get()),
-                c.paged.kv_row(page, head, token),
-            ),
-            RowTarget::Streaming { head, row } => (
-                (p.k_stream.get(), p.v_stream.get()),
-                (p.k_stream_words.get(), p.v_stream_words.get()),
-                c.streaming.kv_row(slot, head, row),
-            ),
-            // The row's lanes share the target: they leave together.
-            RowTarget::Nowhere => return,
+        // The row's lanes share the target: they leave together.
+        let Some(CodedRow { codes, words, row }) = self.row(c, target, slot) else {
+            return;
         };
         let lanes = CODED_HEAD_DIM / CHUNK_ELEMS;
         // SAFETY: the row's lanes are here together (caller), `lanes` is `D / 8`.
@@ -119,6 +137,67 @@ impl<E: Half16, const BITS: u32> KvStore for Codes<E, BITS> {
             }
         }
     }
+}
+
+impl<E: Half16, const BITS: u32> KvLoad for Codes<E, BITS> {
+    /// The chunk dequantized as the reference does (`fma(c, s, m)` in f32) and rounded to `E`.
+    #[inline(always)]
+    unsafe fn read(
+        &self,
+        c: &CacheLayout,
+        _bufs: &CachePtrs,
+        target: RowTarget,
+        slot: u32,
+        chunk: u32,
+    ) -> (Vec16, Vec16) {
+        let Some(CodedRow { codes, words, row }) = self.row(c, target, slot) else {
+            return (Vec16([0; 4]), Vec16([0; 4]));
+        };
+        let (at, w) = (chunk_at(row, chunk), row / CODED_HEAD_DIM as usize);
+        // SAFETY: as `write`'s stores: the chunk's codes and the row's word, aligned.
+        unsafe {
+            (
+                dequantize_chunk::<E, BITS>(codes.0.add(at * BITS as usize / 8), *words.0.add(w)),
+                dequantize_chunk::<E, BITS>(codes.1.add(at * BITS as usize / 8), *words.1.add(w)),
+            )
+        }
+    }
+}
+
+/// The 8 values of the chunk whose `BITS`-bit codes start at `codes` (INT4: channel `2i` in the
+/// low nibble of byte `i`), in the row whose `(s, m)` word is `word`: `fma(c, s, m)`, rounded to
+/// `E`.
+///
+/// # Safety
+/// `codes` is `BITS` readable bytes, `BITS`-byte aligned.
+#[inline(always)]
+unsafe fn dequantize_chunk<E: Half16, const BITS: u32>(codes: *const u8, word: u32) -> Vec16 {
+    let bytes: u64 = if BITS == 4 {
+        // SAFETY: forwarded (4 bytes, 4-byte aligned).
+        let w = unsafe { *(codes as *const u32) } as u64;
+        // Nibble `j` of the word to byte `j`.
+        let mut out = 0u64;
+        let mut j = 0;
+        while j < 8 {
+            out |= ((w >> (4 * j)) & 0xF) << (8 * j);
+            j += 1;
+        }
+        out
+    } else {
+        // SAFETY: forwarded (8 bytes, 8-byte aligned).
+        unsafe { *(codes as *const u64) }
+    };
+    let (s, m) = (
+        f32::from_bits(word << 16),
+        f32::from_bits(word & 0xFFFF_0000),
+    );
+    let mut x = [0.0f32; 8];
+    let mut j = 0;
+    while j < 8 {
+        x[j] = fma(((bytes >> (8 * j)) & 0xFF) as f32, s, m);
+        j += 1;
+    }
+    Vec16::from_f32::<E>(&x)
 }
 
 /// The body of `pool_key_stats_rows_*` for element type `E` (`lserve_abi::kv_write::PoolRowsArgs`

@@ -10,10 +10,11 @@
 
 use lserve_abi::kv_write::{GatherArgs, CHUNK_ELEMS, KV_WRITE_THREADS};
 
-use super::target::{load, read_chunk, store, RowTarget};
+use super::target::{load, store, KvLoad, RowTarget};
 use crate::thread::{block_idx_x, block_idx_y, thread_idx_x};
 
-/// The gather body (element-type agnostic: it moves bits).
+/// The gather body: cached rows read through `rows` (16-bit rows as they are, or codes
+/// dequantized to the element type), the chunk's rows copied.
 ///
 /// # Safety
 /// Launched with the grid above and `KV_WRITE_THREADS` threads; `ranges` holds `p.sequences`
@@ -23,7 +24,7 @@ use crate::thread::{block_idx_x, block_idx_y, thread_idx_x};
 /// `k_out`, `v_out` hold rows `out_row .. out_row + end` of every range, packed, the ranges'
 /// rows disjoint; the cache buffers hold the layouts in `p`, `head_dim % 8 == 0`.
 #[inline(always)]
-pub unsafe fn gather_kv_rows(a: &GatherArgs) {
+pub unsafe fn gather_kv_rows<L: KvLoad>(a: &GatherArgs, rows: L) {
     let (p, bufs, ranges) = (&a.params, &a.cache, a.ranges.get());
     let c = &p.cache;
     // SAFETY: `block_idx_y() < sequences`.
@@ -46,7 +47,7 @@ pub unsafe fn gather_kv_rows(a: &GatherArgs) {
         // SAFETY: `kv_head < kv_heads`, `pos < prefix`: the block table maps `pos`'s page.
         let target = unsafe { RowTarget::of(c, bufs, kv_head, r.slot, pos, r.prefix) };
         // SAFETY: `target` is this sequence's.
-        unsafe { read_chunk(c, bufs, target, r.slot, chunk) }
+        unsafe { rows.read(c, bufs, target, r.slot, chunk) }
     };
     let dst = (r.out_row + pos) as usize * (c.kv_heads * c.paged.head_dim) as usize
         + (in_token * CHUNK_ELEMS) as usize;

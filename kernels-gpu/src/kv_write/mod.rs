@@ -18,8 +18,9 @@
 //! - [`gather`]: a sequence's cached positions and its new chunk as contiguous rows
 //!   (`gather_kv_rows_*`), for chunked prefill's attention.
 //! - [`fill`]: deterministic pseudo-random values (`fill_random_*`).
-//! - [`coded`]: the same append and row write for an integer-coded cache (`append_kv_int8_*`,
-//!   `write_kv_rows_int8_*`: each row quantized by [`quantize`] as it is stored), and the
+//! - [`coded`]: the same append, row write and gather for an integer-coded cache
+//!   (`append_kv_int{8,4}_*`, `write_kv_rows_int{8,4}_*`: each row quantized by [`quantize`] as
+//!   it is stored; `gather_kv_rows_int{8,4}_*`: the cached rows dequantized), and the
 //!   statistics of the pages a prefill writes pooled from its activation rows
 //!   (`pool_key_stats_rows_*`), since such a cache keeps no 16-bit keys.
 //!
@@ -37,8 +38,8 @@ pub mod stats;
 pub mod target;
 
 use lserve_abi::kv_write::{
-    AppendArgs, CodedAppendArgs, CodedWriteRowsArgs, FillArgs, GatherArgs, PoolArgs, PoolRowsArgs,
-    WriteRowsArgs,
+    AppendArgs, CodedAppendArgs, CodedGatherArgs, CodedWriteRowsArgs, FillArgs, GatherArgs,
+    PoolArgs, PoolRowsArgs, WriteRowsArgs,
 };
 
 use self::coded::Codes;
@@ -75,7 +76,7 @@ macro_rules! kv_write_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "gpu-kernel" fn $gather(a: GatherArgs) {
             // SAFETY: forwarded launch contract.
-            unsafe { gather::gather_kv_rows(&a) }
+            unsafe { gather::gather_kv_rows(&a, Elements) }
         }
 
         /// Pools `kmin`/`kmax` over token ranges (see [`pool`]).
@@ -119,9 +120,9 @@ kv_write_kernels!(
 
 /// Declares the entry points of an integer-coded cache for one element type of the activations.
 macro_rules! coded_kv_write_kernels {
-    ($elem:ty, $append:ident, $rows:ident, $append4:ident, $rows4:ident, $pool:ident) => {
-        coded_kv_write_kernels!(@codes $elem, 8, $append, $rows);
-        coded_kv_write_kernels!(@codes $elem, 4, $append4, $rows4);
+    ($elem:ty, [$append:ident, $rows:ident, $gather:ident], [$append4:ident, $rows4:ident, $gather4:ident], $pool:ident) => {
+        coded_kv_write_kernels!(@codes $elem, 8, $append, $rows, $gather);
+        coded_kv_write_kernels!(@codes $elem, 4, $append4, $rows4, $gather4);
 
         /// Pools `kmin`/`kmax` from activation rows (see [`coded::pool_key_stats_rows`]).
         ///
@@ -133,7 +134,7 @@ macro_rules! coded_kv_write_kernels {
             unsafe { coded::pool_key_stats_rows::<$elem>(&a) }
         }
     };
-    (@codes $elem:ty, $bits:literal, $append:ident, $rows:ident) => {
+    (@codes $elem:ty, $bits:literal, $append:ident, $rows:ident, $gather:ident) => {
         /// Appends one decode token per sequence to a coded cache (see [`append`] and
         /// [`coded::Codes`]).
         ///
@@ -159,22 +160,46 @@ macro_rules! coded_kv_write_kernels {
             // SAFETY: forwarded launch contract.
             unsafe { rows::write_kv_rows(&a.rows, Codes::<$elem, $bits>::new(a.codes)) }
         }
+
+        /// Gathers a coded cache's positions (dequantized) and a new chunk into contiguous rows
+        /// (see [`gather`] and [`coded::Codes`]).
+        ///
+        /// # Safety
+        /// As [`gather::gather_kv_rows`], and `a.codes` holds the coded layout of the same
+        /// cache: launched by `lserve`'s host launcher only.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "gpu-kernel" fn $gather(a: CodedGatherArgs) {
+            // SAFETY: forwarded launch contract.
+            unsafe { gather::gather_kv_rows(&a.gather, Codes::<$elem, $bits>::new(a.codes)) }
+        }
     };
 }
 
 coded_kv_write_kernels!(
     Bf16,
-    append_kv_int8_bf16,
-    write_kv_rows_int8_bf16,
-    append_kv_int4_bf16,
-    write_kv_rows_int4_bf16,
+    [
+        append_kv_int8_bf16,
+        write_kv_rows_int8_bf16,
+        gather_kv_rows_int8_bf16
+    ],
+    [
+        append_kv_int4_bf16,
+        write_kv_rows_int4_bf16,
+        gather_kv_rows_int4_bf16
+    ],
     pool_key_stats_rows_bf16
 );
 coded_kv_write_kernels!(
     F16,
-    append_kv_int8_f16,
-    write_kv_rows_int8_f16,
-    append_kv_int4_f16,
-    write_kv_rows_int4_f16,
+    [
+        append_kv_int8_f16,
+        write_kv_rows_int8_f16,
+        gather_kv_rows_int8_f16
+    ],
+    [
+        append_kv_int4_f16,
+        write_kv_rows_int4_f16,
+        gather_kv_rows_int4_f16
+    ],
     pool_key_stats_rows_f16
 );

@@ -200,6 +200,38 @@ impl KvStore for Elements {
     }
 }
 
+/// How a kernel reads a token's chunks of K and V back as 16-bit elements: as stored
+/// ([`Elements`], [`read_chunk`]) or dequantized from integer codes (`super::coded::Codes`).
+pub trait KvLoad {
+    /// Chunk `chunk` of the token's K and V rows at `target`; zeros for [`RowTarget::Nowhere`].
+    ///
+    /// # Safety
+    /// As [`read_chunk`].
+    unsafe fn read(
+        &self,
+        c: &CacheLayout,
+        bufs: &CachePtrs,
+        target: RowTarget,
+        slot: u32,
+        chunk: u32,
+    ) -> (Vec16, Vec16);
+}
+
+impl KvLoad for Elements {
+    #[inline(always)]
+    unsafe fn read(
+        &self,
+        c: &CacheLayout,
+        bufs: &CachePtrs,
+        target: RowTarget,
+        slot: u32,
+        chunk: u32,
+    ) -> (Vec16, Vec16) {
+        // SAFETY: forwarded.
+        unsafe { read_chunk(c, bufs, target, slot, chunk) }
+    }
+}
+
 /// Reads one chunk of a token's K and V rows from where `target` says; zeros for
 /// [`RowTarget::Nowhere`].
 ///
