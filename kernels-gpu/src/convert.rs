@@ -124,6 +124,16 @@ pub trait CodeElement: Half16 {
     fn nibbles_hi(w: u32) -> u32;
 }
 
+/// The `(s, m)` of a code row's or an 8-bit statistics group's word (`GroupParams::word` on the
+/// host): the bf16 scale in bits 0..16 and the bf16 minimum in bits 16..32, as f32 (exact).
+#[inline(always)]
+pub fn word_params(word: u32) -> (f32, f32) {
+    (
+        f32::from_bits(word << 16),
+        f32::from_bits(word & 0xFFFF_0000),
+    )
+}
+
 /// What 8-bit codes are centred by.
 pub const CODE_CENTRE: f32 = 128.0;
 

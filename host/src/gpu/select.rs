@@ -379,8 +379,10 @@ impl SelectLaunch<'_> {
             held_lens: launch.read(&l.held_lens),
             scores: launch.write(&mut ws.scores),
         };
-        // SAFETY: `score_pages_*`'s argument struct, of the buffers registered above. Grid `(blocks, B * Hd)` with `SCORE_THREADS`
-        // threads as the kernel requires; `q` holds `B * Hq * D` elements (checked); the
+        // SAFETY: `score_pages_*`'s argument struct, of the buffers registered above. Grid
+        // `(blocks, B * Hd)` with `SCORE_THREADS` threads and `score_smem_bytes(D)` of shared
+        // memory as the kernel requires; `params.group` is the geometry's (1 to 8, checked when
+        // the geometry was made); `q` holds `B * Hq * D` elements (checked); the
         // statistics have the layout in `params.cache.paged` (built from this layer), and the
         // `q8` scorer was looked up only for a cache whose layers keep 8-bit statistics (the
         // configuration's `stats_format`, which built them); the batch's slots

@@ -52,7 +52,7 @@ use lserve_abi::decode::{
 use super::online_softmax::add_column_tile;
 use super::rows::{PairInputs, RowSource};
 use super::tiles::WARPS;
-use crate::convert::{Bf16, CodeElement, Half16, CODE_CENTRE, F16, NIBBLE_CENTRE};
+use crate::convert::{word_params, Bf16, CodeElement, Half16, CODE_CENTRE, F16, NIBBLE_CENTRE};
 use crate::cp_async::{
     commit_group, cp_async_16_zfill_with_policy, cp_async_4_zfill_with_policy, l2_evict_first,
     wait_all, wait_group,
@@ -471,10 +471,7 @@ impl CodedRows {
 /// row whose centred codes the tensor cores multiply), as f32.
 #[inline(always)]
 fn scale_offset<F: CodeFormat>(word: u32) -> (f32, f32) {
-    let (s, m) = (
-        f32::from_bits(word << 16),
-        f32::from_bits(word & 0xFFFF_0000),
-    );
+    let (s, m) = word_params(word);
     (s, fma(F::CENTRE, s, m))
 }
 

@@ -14,7 +14,7 @@ use super::quantize::{quantize_chunk, CodedChunk};
 use super::stat_codes::store_stat_codes;
 use super::stats::Bounds;
 use super::target::{chunk_at, load, store, KvLoad, KvStore, RowTarget};
-use crate::convert::Half16;
+use crate::convert::{word_params, Half16};
 use crate::math::{fma, Vec16};
 use crate::pool_page::in_pool;
 use crate::thread::{block_idx_x, block_idx_y, block_idx_z, thread_idx_x};
@@ -187,10 +187,7 @@ unsafe fn dequantize_chunk<E: Half16, const BITS: u32>(codes: *const u8, word: u
         // SAFETY: forwarded (8 bytes, 8-byte aligned).
         unsafe { *(codes as *const u64) }
     };
-    let (s, m) = (
-        f32::from_bits(word << 16),
-        f32::from_bits(word & 0xFFFF_0000),
-    );
+    let (s, m) = word_params(word);
     let mut x = [0.0f32; 8];
     let mut j = 0;
     while j < 8 {

@@ -41,7 +41,7 @@ use lserve_abi::select::{
     SCORE_TILE_ROWS,
 };
 
-use crate::convert::{CodeElement, Half16, CODE_CENTRE, F16};
+use crate::convert::{word_params, CodeElement, Half16, CODE_CENTRE, F16};
 use crate::math::{fma, pow2_scale, Vec16};
 use crate::mma::{mma_m16n8k16, FragA, FragB, FragC, MmaElement};
 use crate::pool_page::in_pool;
@@ -183,8 +183,10 @@ impl StatRows for CodedStats {
         let at = unsafe { a.stat_codes.words.get().add(row / SEGMENT) };
         let mut words = Self::NO_PARAMS;
         if D / SEGMENT == 4 {
+            // SAFETY: the row's 4 words, 16-byte aligned (above).
             words = unsafe { (*(at as *const Vec16)).0 };
         } else {
+            // SAFETY: the row's 2 words, 8-byte aligned (above).
             let pair = unsafe { *(at as *const u64) };
             (words[0], words[1]) = (pair as u32, (pair >> 32) as u32);
         }
@@ -217,10 +219,7 @@ impl StatRows for CodedStats {
         // offset `o = m + 128 s` is the value of the centre code.
         let (mut products, mut offsets) = (0.0, 0.0);
         unroll8!(i in 0..D / SEGMENT => {
-            let (s, m) = (
-                f32::from_bits(p[i] << 16),
-                f32::from_bits(p[i] & 0xFFFF_0000),
-            );
+            let (s, m) = word_params(p[i]);
             products = fma(s, acc[i], products);
             offsets = fma(fma(CODE_CENTRE, s, m), sum[i], offsets);
         });
