@@ -28,7 +28,7 @@ use lserve::head_pattern::HeadKind;
 use lserve::index_table::IndexTables;
 use lserve::paging::{HostKvCache, KvCacheManager};
 use lserve::quant::{CodeBits, IntFormat, QuantGroup};
-use lserve::reference::prefill::{prefill_attention, PrefillInput};
+use lserve::reference::prefill::{layer_token_patterns, prefill_attention, PrefillInput};
 use lserve::reference::quant::quantize_rows;
 use lserve::reference::TokenPattern;
 use lserve::LserveError;
@@ -270,19 +270,7 @@ fn coded_chunked_case<E: DeviceElement>(gpu: &GpuContext, seed: u64, bits: CodeB
             .collect()
     };
     let (k_cached, v_cached) = (cached(&k), cached(&v));
-    let patterns: Vec<TokenPattern> = streaming[layer]
-        .iter()
-        .map(|&s| {
-            if s {
-                TokenPattern::Lambda {
-                    sink_tokens: config.sink_tokens,
-                    local_tokens: config.local_tokens,
-                }
-            } else {
-                TokenPattern::Causal
-            }
-        })
-        .collect();
+    let patterns = layer_token_patterns(&head_pattern(g, &streaming), &config, layer).unwrap();
     let mut start = 0;
     for &n in &sizes {
         let end = start + n;

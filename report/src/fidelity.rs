@@ -354,14 +354,7 @@ pub fn generate(opts: &Options) -> Result<Written, String> {
         pngs.push(layer_png);
     }
     md.push_str("\n## Plots\n\n");
-    for p in &pngs {
-        let name = p
-            .file_name()
-            .map_or(String::new(), |n| n.to_string_lossy().into());
-        let _ = writeln!(md, "![{name}]({name})\n");
-    }
-    let markdown = opts.out.join("REPORT.md");
-    fs::write(&markdown, md).map_err(|e| format!("{}: {e}", markdown.display()))?;
+    let markdown = plot::write_markdown(&opts.out, md, &pngs)?;
     Ok(Written {
         markdown,
         pngs,

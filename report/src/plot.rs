@@ -2,10 +2,11 @@
 //! plotters' bitmap back end into memory, encoded with the `png` crate; text with the embedded
 //! DejaVu Sans (a subset) through ab_glyph (no system fonts, no fontconfig).
 
+use std::fmt::Write as _;
 use std::fs::File;
 use std::io::BufWriter;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Once;
 
 use plotters::coord::ranged1d::{AsRangedCoord, Ranged, ValueFormatter};
@@ -313,6 +314,20 @@ where
         .map_err(err)?;
     }
     Ok(())
+}
+
+/// Links `pngs` (by file name, each its own paragraph) at the end of `md` and writes it to
+/// `out/REPORT.md`; returns that path.
+pub fn write_markdown(out: &Path, mut md: String, pngs: &[PathBuf]) -> Result<PathBuf, String> {
+    for p in pngs {
+        let name = p
+            .file_name()
+            .map_or(String::new(), |n| n.to_string_lossy().into());
+        let _ = writeln!(md, "![{name}]({name})\n");
+    }
+    let markdown = out.join("REPORT.md");
+    std::fs::write(&markdown, md).map_err(|e| format!("{}: {e}", markdown.display()))?;
+    Ok(markdown)
 }
 
 #[cfg(test)]
