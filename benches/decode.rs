@@ -2,10 +2,12 @@
 //! batch 1 and 16, contexts 4K to 256K (the page-size sweep: 8K and 128K):
 //!
 //! - `attention/dense`: our paged decode with every head dense (the dense baseline);
-//! - `attention/static`: 50% streaming heads, the rest dense;
+//! - `attention/static`: 50% streaming heads, the rest dense; `attention/static_int8`,
+//!   `attention/static_int4` the same over an INT8 or INT4 cache;
 //! - `step/dynamic`: every head dense with page selection (budget 4096, reuse 4): a decode step's
 //!   layer (`PlannedStep::layer_with_selector`: the append, selection when due, the attention),
-//!   per layer, averaged over steps (so selection counts 1 in 4). The graph
+//!   per layer, averaged over steps (so selection counts 1 in 4); `step/dynamic_int8_q8`,
+//!   `step/dynamic_int4_q8` the same over an INT8 or INT4 cache with 8-bit statistics. The graph
 //!   holds a whole step of [`step_layers`] layers (8 at batch 1, 4 at batch 16), each with its
 //!   own cache, and the step advance once at the end, as an engine runs it; the time reported is
 //!   the graph's divided by the layers. (One layer replayed alone would keep its few MB of
@@ -705,7 +707,51 @@ fn decode(c: &mut Criterion) {
             let variants = [
                 (l3, "attention", "dense", false, false, 4, false, true, BF16),
                 (l3, "attention", "static", true, false, 4, false, true, BF16),
+                (
+                    l3,
+                    "attention",
+                    "static_int8",
+                    true,
+                    false,
+                    4,
+                    false,
+                    true,
+                    INT8,
+                ),
+                (
+                    l3,
+                    "attention",
+                    "static_int4",
+                    true,
+                    false,
+                    4,
+                    false,
+                    true,
+                    INT4,
+                ),
                 (l3, "step", "dynamic", false, true, 4, true, true, BF16),
+                (
+                    l3,
+                    "step",
+                    "dynamic_int8_q8",
+                    false,
+                    true,
+                    4,
+                    true,
+                    true,
+                    INT8_Q8,
+                ),
+                (
+                    l3,
+                    "step",
+                    "dynamic_int4_q8",
+                    false,
+                    true,
+                    4,
+                    true,
+                    true,
+                    INT4_Q8,
+                ),
                 (l3, "step", "lserve", true, true, 4, true, true, BF16),
                 (l3, "step", "lserve_q8", true, true, 4, true, true, Q8),
                 (

@@ -18,9 +18,11 @@
 //!
 //! Configurations: LServe's hierarchical pages (64 physical, 16 logical) at budgets 512 and 2048
 //! with reuse 1 and 4; flat pages (16 = 16) at both budgets; streaming heads (one and two of the
-//! three KV heads) with and without selection; dense decode; each in bf16 and f16 caches and with
-//! 16-bit and 8-bit key statistics (`StatsFormat::DEVICE_INT8`). INT8 K/V caches serve D 128 only,
-//! so they are not run here.
+//! three KV heads) with and without selection; dense decode; logical-page selection
+//! (`SelectionUnit::LogicalPage`: 16-token logical pages inside 64-token physical ones); mean GQA
+//! aggregation (`GqaAggregation::Mean`: the group size is 3); each in bf16 and f16 caches and
+//! with 16-bit and 8-bit key statistics (`StatsFormat::DEVICE_INT8`). Integer-coded K/V caches
+//! serve D 128 only, so they are not run here.
 //!
 //! Ignored without a GPU (reported as ignored, never passed); `--ignored` runs them, and there a
 //! missing GPU or a missing dump is a failure.
@@ -36,7 +38,7 @@ use common::{
     tolerance,
 };
 use half::{bf16, f16};
-use lserve::config::SparsityConfig;
+use lserve::config::{GqaAggregation, SelectionUnit, SparsityConfig};
 use lserve::dtype::{DType, Element};
 use lserve::geometry::ModelGeometry;
 use lserve::gpu::{download_selection, DecodeStep, DeviceElement, DeviceKvCache, GpuContext};
@@ -197,6 +199,10 @@ struct Run {
     /// Which KV heads stream (of the first three; the dump's heads past them are dense).
     streaming: [bool; 3],
     stats: StatsFormat,
+    /// Physical or logical pages.
+    unit: SelectionUnit,
+    /// How the group's 3 query heads combine their page scores.
+    aggregation: GqaAggregation,
 }
 
 impl Run {
@@ -211,6 +217,8 @@ impl Run {
             // choice, docs/FIDELITY.md); never without a budget.
             dynamic_min_len: self.budget.unwrap_or(u32::MAX as usize),
             stats_format: self.stats,
+            selection_unit: self.unit,
+            gqa_aggregation: self.aggregation,
             ..base
         }
     }
@@ -477,6 +485,8 @@ fn hierarchical(name: &'static str, budget: usize, reuse: usize) -> Run {
         reuse,
         streaming: DENSE,
         stats: StatsFormat::Half,
+        unit: SelectionUnit::PhysicalPage,
+        aggregation: GqaAggregation::Max,
     }
 }
 
@@ -505,8 +515,34 @@ fn flat_selection_on_real_activations() {
         reuse: 1,
         streaming: DENSE,
         stats: StatsFormat::Half,
+        unit: SelectionUnit::PhysicalPage,
+        aggregation: GqaAggregation::Max,
     };
     run_all(&[flat("flat-b512", 512), flat("flat-b2048", 2048)]);
+}
+
+/// Logical-page selection (16-token logical pages picked inside 64-token physical pages) at
+/// budgets 512 and 2048, reuse 1 and 4, one run with a streaming head; and LServe's hierarchical
+/// selection with the group's scores averaged instead of maxed.
+#[test]
+#[ignore = "needs a CUDA GPU and LSERVE_ACTIVATIONS (scripts/dump_activations.sh)"]
+fn logical_pages_and_mean_aggregation_on_real_activations() {
+    let logical = |name, budget, reuse| Run {
+        unit: SelectionUnit::LogicalPage,
+        ..hierarchical(name, budget, reuse)
+    };
+    run_all(&[
+        logical("logical-b512-r1", 512, 1),
+        logical("logical-b2048-r4", 2048, 4),
+        Run {
+            streaming: [false, true, false],
+            ..logical("logical-b512-r4-stream1", 512, 4)
+        },
+        Run {
+            aggregation: GqaAggregation::Mean,
+            ..hierarchical("lserve-mean-b512-r1", 512, 1)
+        },
+    ]);
 }
 
 /// Streaming heads (sinks 64 + local 256) beside dense heads that select or attend to every
