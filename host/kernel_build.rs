@@ -23,11 +23,16 @@ pub const TEST_ARCH: &str = "sm_90";
 /// Without the block size the driver's compiler may give a kernel more registers than its block
 /// can hold (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES` at launch); the block count caps the registers
 /// so that many blocks are resident (the scorer's occupancy: `kernels-gpu/src/select/DESIGN.md`).
-pub const LAUNCH_BOUNDS: [(&str, u32, Option<u32>); 2] = [
+pub const LAUNCH_BOUNDS: [(&str, u32, Option<u32>); 3] = [
     (
         "prefill_wgmma_",
         lserve_abi::prefill::WGMMA_PREFILL_THREADS,
         None,
+    ),
+    (
+        "decode_attention_int4_",
+        lserve_abi::decode::DECODE_THREADS,
+        Some(lserve_abi::decode::coded_blocks_per_sm(4)),
     ),
     (
         "score_pages_",

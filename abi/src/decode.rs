@@ -229,9 +229,17 @@ pub const fn coded_stages(code_bits: u32) -> u32 {
     }
 }
 
-/// Blocks of the integer-coded decode kernel that fit on one SM (registers bound); the host sizes
+/// Blocks of the integer-coded decode kernel for `code_bits`-bit codes that fit on one SM
+/// (registers bound: INT8's 150-158 registers a thread allow 3 blocks of 128 threads; INT4's
+/// registers are capped at 128 for 4, `.minnctapersm` in `host/kernel_build.rs`); the host sizes
 /// its splits with this.
-pub const CODED_BLOCKS_PER_SM: u32 = 3;
+pub const fn coded_blocks_per_sm(code_bits: u32) -> u32 {
+    if code_bits == 4 {
+        4
+    } else {
+        3
+    }
+}
 
 /// Bytes of one code row (one token, one KV head) of `code_bits`-bit codes: `head_dim` codes, two
 /// to a byte for INT4.

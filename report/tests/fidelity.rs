@@ -71,14 +71,19 @@ fn a_missing_run_is_an_error_naming_it() {
 /// `docs/fidelity/REPORT.md` is what the generator makes of the runs committed beside it
 /// (`docs/fidelity/data/`): regenerate it after changing either
 /// (`cargo run -p lserve-report --bin lserve-fidelity-report -- --run docs/fidelity/data/8k-s0
-/// --run docs/fidelity/data/8k-s05 --out docs/fidelity --layer-budget 1024`).
+/// --run docs/fidelity/data/8k-s05 --run docs/fidelity/data/8k-b2048-calibout --out docs/fidelity
+/// --layer-budget 1024`).
 #[test]
 fn the_committed_fidelity_report_is_current() {
     let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/fidelity");
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fidelity-committed");
     let _ = fs::remove_dir_all(&out);
     let w = generate(&Options {
-        runs: vec![docs.join("data/8k-s0"), docs.join("data/8k-s05")],
+        runs: vec![
+            docs.join("data/8k-s0"),
+            docs.join("data/8k-s05"),
+            docs.join("data/8k-b2048-calibout"),
+        ],
         out,
         layer_budget: Some(1024),
     })

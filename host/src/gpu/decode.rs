@@ -3,8 +3,8 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use lserve_abi::decode::{
-    coded_decode_smem_bytes, combine_smem_bytes, decode_smem_bytes, CodedDecodeArgs, CombineArgs,
-    CombineParams, DecodeArgs, DecodeParams, CODED_BLOCKS_PER_SM, COMBINE_THREADS,
+    coded_blocks_per_sm, coded_decode_smem_bytes, combine_smem_bytes, decode_smem_bytes,
+    CodedDecodeArgs, CombineArgs, CombineParams, DecodeArgs, DecodeParams, COMBINE_THREADS,
     DECODE_BLOCKS_PER_SM, DECODE_THREADS, DECODE_TILE_ROWS,
 };
 use lserve_abi::layout::TokenStrides;
@@ -925,7 +925,7 @@ fn plan_layer<E: DeviceElement>(
     let heavy_pairs = b * if dense_heads > 0 { dense_heads } else { hkv };
     let blocks_per_sm = match cache.format() {
         KvFormat::Float(_) => DECODE_BLOCKS_PER_SM,
-        KvFormat::Int(_) => CODED_BLOCKS_PER_SM,
+        KvFormat::Int(f) => coded_blocks_per_sm(f.bits.bits()),
     };
     let splits = choose_splits(
         gpu.sm_count(),
@@ -1200,7 +1200,7 @@ mod tests {
             light in 0u32..300,
             max_rows in 1u32..1_000_000,
             max_splits in 1u32..=MAX_SPLITS,
-            blocks_per_sm in DECODE_BLOCKS_PER_SM..=CODED_BLOCKS_PER_SM,
+            blocks_per_sm in DECODE_BLOCKS_PER_SM..=coded_blocks_per_sm(4),
         ) {
             let pairs = heavy + light;
             let slots = blocks_per_sm * sm_count;

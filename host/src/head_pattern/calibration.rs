@@ -540,7 +540,9 @@ impl HeadPattern {
     }
 
     /// [`from_calibration`](Self::from_calibration) ranking the heads by `score` (the lowest
-    /// become streaming; the same selection).
+    /// become streaming; the same selection). Where the engine can hand the values,
+    /// [`CalibrationScore::OutputError`] is the better ranking on SmolLM2-135M (equal or lower
+    /// NLL at every fraction measured; `docs/CALIBRATION.md`).
     ///
     /// Errors: as [`from_calibration`](Self::from_calibration); for
     /// [`CalibrationScore::OutputError`], a layer added without values, as
