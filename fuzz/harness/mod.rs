@@ -7,6 +7,7 @@
 //! or whose sizes overflow, are always run.
 
 pub mod cache_manager;
+pub mod calibration;
 pub mod constructors;
 pub mod head_pattern;
 mod manager_model;
@@ -21,8 +22,9 @@ pub const ALLOC_BUDGET: usize = 1 << 22;
 pub type Harness = fn(&[u8]);
 
 /// The harnesses by name, for replaying kept inputs.
-pub const TARGETS: [(&str, Harness); 5] = [
+pub const TARGETS: [(&str, Harness); 6] = [
     ("head_pattern", head_pattern::run),
+    ("calibration", calibration::run),
     ("constructors", constructors::run),
     ("page_pool", page_pool::run),
     ("cache_manager", cache_manager::run),

@@ -334,11 +334,13 @@ impl Calibration {
                     *l = self.scale * dot;
                     max = max.max(*l);
                 }
+                // p_j = exp(l_j - max) / sum: dividing by the sum rather than subtracting the
+                // log-sum-exp, whose `ln(sum)` rounds away next to a logit of magnitude past 2^53.
                 let sum: f64 = logits[..=t].iter().map(|&l| (l - max).exp()).sum();
-                let lse = max + sum.ln();
+                let prob = |l: f64| (l - max).exp() / sum;
                 delta[kvh] += logits[outside.clone()]
                     .iter()
-                    .map(|&l| (l - lse).exp())
+                    .map(|&l| prob(l))
                     .sum::<f64>();
                 let Some(v) = v else { continue };
                 // o = Σ p_j v_j over all keys; o_Λ = Σ_visible p_j v_j / Σ_visible p_j.
@@ -346,7 +348,7 @@ impl Calibration {
                 o_in.fill(0.0);
                 let mut mass_in = 0.0;
                 for (j, &l) in logits[..=t].iter().enumerate() {
-                    let p = (l - lse).exp();
+                    let p = prob(l);
                     let visible = !outside.contains(&j);
                     if visible {
                         mass_in += p;
