@@ -4,14 +4,16 @@
 //! the geometry. Checked against the documented rules: a call errs exactly when its layer,
 //! lengths or elements are bad, and then leaves the accumulator equal to its copy from before;
 //! a call that succeeds samples `ceil((tokens - sinks - local) / stride)` positions; the masses
-//! lie in `[0, 1]` and the output errors are finite and non-negative; a pattern streams
-//! `round(s × heads)` heads, the lowest-scored ones.
+//! lie in `[0, 1]` and the output errors are finite and non-negative; the pattern is the one the
+//! scores make as gating values (`head_pattern::check_values`: `round(s × heads)` streaming heads,
+//! the lowest-scored ones).
 
 use arbitrary::{Arbitrary, Unstructured};
 use lserve::config::SparsityConfig;
-use lserve::geometry::ModelGeometry;
-use lserve::head_pattern::{Calibration, CalibrationScore, HeadKind, HeadPattern};
+use lserve::head_pattern::{Calibration, CalibrationScore, HeadPattern};
 use lserve::LserveError;
+
+use super::head_pattern::check_values;
 
 #[derive(Arbitrary, Debug)]
 struct Input {
@@ -99,13 +101,12 @@ pub fn run(data: &[u8]) {
     let Ok(input) = Input::arbitrary_take_rest(u) else {
         return;
     };
-    let (layers, kv) = (
-        1 + input.layers as usize % 3,
-        1 + input.kv_heads as usize % 4,
+    let g = super::small_geometry(
+        [input.layers, input.kv_heads, input.group],
+        input.wide,
+        [3, 4, 2],
     );
-    let hq = kv * (1 + input.group as usize % 2);
-    let d = if input.wide { 128 } else { 64 };
-    let g = ModelGeometry::new(layers, hq, kv, d).expect("a geometry the kernels serve");
+    let (layers, kv, hq, d) = (g.layers(), g.kv_heads(), g.q_heads(), g.head_dim());
     let config = SparsityConfig {
         sink_tokens: input.sinks as usize % 8,
         local_tokens: input.local as usize % 8,
@@ -218,37 +219,31 @@ pub fn run(data: &[u8]) {
     } else {
         (CalibrationScore::OutOfWindowMass, masses)
     };
-    match (
-        HeadPattern::from_calibration_by(&cal, score, fraction),
-        ranking,
-    ) {
-        (Ok(p), Ok(values)) => {
-            assert!(fraction <= 1.0);
-            let n = (fraction * g.total_kv_heads() as f64).round() as usize;
-            assert_eq!(p.total_streaming_heads(), n);
-            // Every streaming head scores no higher than any dense one.
-            let of = |want: HeadKind| -> Vec<f64> {
-                (0..layers)
-                    .flat_map(|l| (0..kv).map(move |h| (l, h)))
-                    .filter(|&(l, h)| p.kind(l, h) == want)
-                    .map(|(l, h)| values[l][h])
-                    .collect()
-            };
-            let top = of(HeadKind::Streaming).into_iter().fold(f64::MIN, f64::max);
-            let bottom = of(HeadKind::Dense).into_iter().fold(f64::MAX, f64::min);
-            assert!(top <= bottom, "streaming {top} above dense {bottom}");
+    // The pattern is the one the scores make as gating values, which the gating harness checks
+    // (the count, the ranking, the error of a bad fraction); a score that errs is the error.
+    let pattern = HeadPattern::from_calibration_by(&cal, score, fraction);
+    match ranking {
+        Ok(values) => {
+            check_values(&values, g, fraction);
+            match (
+                pattern,
+                HeadPattern::from_gating_values(&values, g, fraction),
+            ) {
+                (Ok(a), Ok(b)) => assert_eq!(a, b),
+                (Err(a), Err(b)) => assert_eq!(format!("{a}"), format!("{b}")),
+                (a, b) => panic!("from_calibration_by {a:?} against the scores' pattern {b:?}"),
+            }
         }
-        (
+        Err(e) => match pattern {
             Err(LserveError::InvalidConfig {
                 field: "streaming_fraction",
                 ..
-            }),
-            _,
-        ) => assert!(fraction > 1.0),
-        (Err(a), Err(b)) => {
-            assert!(fraction <= 1.0);
-            assert_eq!(format!("{a}"), format!("{b}"));
-        }
-        (a, b) => panic!("from_calibration_by {a:?} against its scores {b:?}"),
+            }) => assert!(fraction > 1.0),
+            Err(p) => {
+                assert!(fraction <= 1.0);
+                assert_eq!(format!("{p}"), format!("{e}"));
+            }
+            Ok(p) => panic!("a pattern {p:?} from scores that err: {e:?}"),
+        },
     }
 }

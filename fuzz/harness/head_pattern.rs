@@ -73,13 +73,11 @@ pub fn run(data: &[u8]) {
     let Ok(input) = Input::arbitrary_take_rest(u) else {
         return;
     };
-    let (layers, kv) = (
-        1 + input.layers as usize % 8,
-        1 + input.kv_heads as usize % 8,
+    let g = super::small_geometry(
+        [input.layers, input.kv_heads, input.group],
+        input.wide,
+        [8, 8, 8],
     );
-    let q = kv * (1 + input.group as usize % 8);
-    let d = if input.wide { 128 } else { 64 };
-    let g = ModelGeometry::new(layers, q, kv, d).expect("a geometry the kernels serve");
     let fraction = input.fraction.get();
     let fraction_ok = (0.0..=1.0).contains(&fraction);
     match input.source {
@@ -244,7 +242,7 @@ fn same_values(a: &[Vec<f64>], b: &[Vec<f64>]) -> bool {
         })
 }
 
-fn check_values(values: &[Vec<f64>], g: ModelGeometry, fraction: f64) {
+pub(super) fn check_values(values: &[Vec<f64>], g: ModelGeometry, fraction: f64) {
     let fraction_ok = (0.0..=1.0).contains(&fraction);
     let shape_ok = values.len() == g.layers() && values.iter().all(|r| r.len() == g.kv_heads());
     let finite = values.iter().flatten().all(|a| a.is_finite());

@@ -15,6 +15,23 @@ pub mod page_pool;
 pub mod session;
 mod size;
 
+/// A geometry the kernels serve, from fuzz bytes: `1 + layers % max[0]` layers, `1 + kv_heads %
+/// max[1]` KV heads, groups of `1 + group % max[2]`, head dim 128 if `wide` else 64.
+pub(crate) fn small_geometry(
+    [layers, kv_heads, group]: [u8; 3],
+    wide: bool,
+    max: [usize; 3],
+) -> lserve::geometry::ModelGeometry {
+    let kv = 1 + kv_heads as usize % max[1];
+    lserve::geometry::ModelGeometry::new(
+        1 + layers as usize % max[0],
+        kv * (1 + group as usize % max[2]),
+        kv,
+        if wide { 128 } else { 64 },
+    )
+    .expect("a geometry the kernels serve")
+}
+
 /// The most elements a harness lets an accepted constructor allocate.
 pub const ALLOC_BUDGET: usize = 1 << 22;
 
